@@ -1,0 +1,64 @@
+"""The engine's configuration: one frozen value, every field optional."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import platformdirs
+
+__all__ = ["EngineConfig"]
+
+_non_negative = attrs.validators.ge(0)
+
+
+def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name} must be a whole number >= 1, got {value!r}")
+
+
+def _optional_shell(value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):  # type: ignore[attr-defined]
+        raise TypeError("exit_watch_shell must be a sequence of strings, e.g. ('bash', '-lc', '--')")
+    shell = tuple(value)  # type: ignore[call-overload]
+    if not shell:
+        raise ValueError("exit_watch_shell must not be empty")
+    return shell
+
+
+@attrs.frozen
+class EngineConfig:
+    """Settings of one engine (``open_engine``) or one ``gadget-engine serve``.
+
+    Attributes:
+        state_dir: where the engine keeps its lock, socket, job store and watcher logs (``None``:
+            ``platformdirs.user_state_dir("gadget-engine")``).
+        grace_seconds: SIGINT -> SIGKILL delay of every escalation, in seconds.
+        kill_wait_seconds: wait after SIGKILL before survivors are reported, in seconds.
+        max_processes_per_project: live subprocesses one project may have.
+        max_processes: live subprocesses in the whole engine.
+        log_cap_bytes: per-stream log size kept on disk, in bytes (the oldest part is dropped).
+        gadget_dir_name: the folder under a project that holds ``subprocess-logs/``.
+        exit_watch_shell: argv prefix of on-exit commands (``None``: ``resolve_exit_watch_shell()``).
+        subreaper: make the engine a child subreaper where Linux allows.
+    """
+
+    state_dir: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
+    grace_seconds: float = attrs.field(default=5.0, validator=_non_negative)
+    kill_wait_seconds: float = attrs.field(default=5.0, validator=_non_negative)
+    max_processes_per_project: int = attrs.field(default=32, validator=_positive_int)
+    max_processes: int = attrs.field(default=256, validator=_positive_int)
+    log_cap_bytes: int = attrs.field(default=50 * 2**20, validator=_positive_int)
+    gadget_dir_name: str = attrs.field(default=".gadget", validator=attrs.validators.instance_of(str))
+    exit_watch_shell: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_shell)
+    subreaper: bool = True
+
+    def resolved_state_dir(self) -> str:
+        """The absolute state directory this configuration names."""
+        if self.state_dir is not None:
+            return os.path.abspath(os.path.expanduser(self.state_dir))
+        return platformdirs.user_state_dir("gadget-engine")

@@ -1,0 +1,84 @@
+"""Composition: one root nursery holding the supervisor and the services built on it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, final
+
+import attrs
+
+from ._config import EngineConfig
+from ._errors import EngineLockedError
+from ._supervisor import Supervisor, open_supervisor
+
+__all__ = ["Engine", "open_engine"]
+
+#: ``on_fire`` handlers: ``async def handler(event: FiredEvent) -> None``.
+FireHandler = Callable[[Any], Awaitable[None]]
+
+
+@final
+@attrs.define(eq=False)
+class Engine:
+    """A running engine, as yielded by :func:`open_engine`.
+
+    Attributes:
+        config: the :class:`EngineConfig` in force.
+        state_dir: the absolute state directory it holds the lock of.
+        supervisor: the :class:`Supervisor` every child runs under.
+    """
+
+    config: EngineConfig
+    state_dir: str
+    supervisor: Supervisor
+
+
+def _lock_state_dir(state_dir: str) -> int:
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise EngineLockedError(
+            f"another engine holds the state directory {state_dir!r}; stop it or use another --state-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+@asynccontextmanager
+async def open_engine(
+    config: EngineConfig | None = None, *, on_fire: FireHandler | None = None
+) -> AsyncIterator[Engine]:
+    """Start an engine on ``config.state_dir`` and stop it when the block is left.
+
+    The state directory is created (mode 0700) and locked with an exclusive ``flock`` on
+    ``<state_dir>/lock`` for the engine's lifetime, so one engine owns it at a time.
+
+    Args:
+        config: the settings (``None``: all defaults).
+        on_fire: ``async`` callable awaited with each ``FiredEvent`` (embedded hosts).
+
+    Cancellation: leaving the block by cancellation or error still terminates and reaps every child
+    before the exception propagates.
+
+    Raises:
+        EngineLockedError: another engine holds the state directory.
+    """
+    config = config if config is not None else EngineConfig()
+    state_dir = config.resolved_state_dir()
+    lock_fd = _lock_state_dir(state_dir)
+    try:
+        async with open_supervisor(
+            grace_seconds=config.grace_seconds,
+            kill_wait_seconds=config.kill_wait_seconds,
+            subreaper=config.subreaper,
+        ) as supervisor:
+            yield Engine(config=config, state_dir=state_dir, supervisor=supervisor)
+    finally:
+        os.close(lock_fd)

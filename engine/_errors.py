@@ -1,0 +1,67 @@
+"""The engine's exception types.
+
+Every error derives from :class:`EngineError` and also from the standard-library type a caller would
+naturally catch (``OSError``, ``LookupError``, ``ValueError``, ``RuntimeError``), the way trio's
+``BusyResourceError`` is a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineError",
+    "EngineLockedError",
+    "InvalidScheduleError",
+    "JobNotFoundError",
+    "LimitExceededError",
+    "SpawnError",
+    "StoreError",
+    "SubProcessNotFoundError",
+]
+
+
+class EngineError(Exception):
+    """The root of every error the engine raises on purpose."""
+
+
+class SpawnError(EngineError, OSError):
+    """Raised by ``Supervisor.spawn`` and ``SubProcessService.create`` when a child cannot be started.
+
+    Nothing is registered when this is raised: no run, no record, no log file is left behind.
+
+    Attributes:
+        errno: the ``errno`` value of the failure (``ENOENT``, ``EACCES``, ...) or ``None``.
+        filename: the path the failure concerns (the executable or the working directory).
+        reason: a short lowercase phrase, e.g. ``"command not found"``.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, path: str | None = None, reason: str = ""):
+        super().__init__(errno, message, path)
+        self.message = message
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SubProcessNotFoundError(EngineError, LookupError):
+    """Raised by ``SubProcessService`` methods when a pid names no managed subprocess (or it was killed)."""
+
+
+class JobNotFoundError(EngineError, LookupError):
+    """Raised by ``CronService`` methods when a job id names no job in the store."""
+
+
+class InvalidScheduleError(EngineError, ValueError):
+    """Raised when a schedule or payload is invalid: a bad cron expression, unknown time zone, and so on."""
+
+
+class LimitExceededError(EngineError, RuntimeError):
+    """Raised when an ``EngineConfig`` cap (e.g. ``max_processes_per_project``) would be exceeded."""
+
+
+class StoreError(EngineError, OSError):
+    """Raised by a job store when a read or a write transaction fails; nothing of the write is kept."""
+
+
+class EngineLockedError(EngineError, RuntimeError):
+    """Raised by ``open_engine`` when another engine holds the state directory's lock."""

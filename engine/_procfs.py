@@ -1,0 +1,188 @@
+"""Reading the process table from ``/proc`` and making the engine a child subreaper.
+
+Everything here is synchronous and cheap: one ``/proc`` scan reads ``/proc/<pid>/stat`` for every process
+(about 10 us each). A process is named by ``(pid, start_time)`` so that a reused pid is never mistaken for
+ours (design section 8: "a reaped pid is free for reuse").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import threading
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+__all__ = [
+    "RUN_MARKER_VAR",
+    "ProcInfo",
+    "engine_children",
+    "is_alive",
+    "read_marker",
+    "read_proc",
+    "scan_processes",
+    "set_child_subreaper",
+]
+
+#: The environment variable every child gets, naming its run (``<supervisor token>:<run id>``); like
+#: Jenkins' ``BUILD_ID`` or systemd's ``INVOCATION_ID`` it lets the engine attribute a descendant that
+#: left the process group (``setsid``) and was re-parented to the engine.
+RUN_MARKER_VAR = "GADGET_ENGINE_RUN"
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+@attrs.frozen
+class ProcInfo:
+    """One line of the process table.
+
+    Attributes:
+        pid: process id.
+        ppid: parent pid.
+        pgid: process group id.
+        sid: session id.
+        state: the one-letter state of ``/proc/<pid>/stat`` (``R``, ``S``, ``T``, ``Z``, ...).
+        start_time: start time in clock ticks since boot; with ``pid`` it names a process uniquely.
+    """
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str
+    start_time: int
+
+    @property
+    def zombie(self) -> bool:
+        """Whether the process has exited and waits to be reaped (state ``Z`` or ``X``)."""
+        return self.state in ("Z", "X")
+
+
+def _parse_stat(pid: int, data: bytes) -> ProcInfo | None:
+    # The command name is in parentheses and may itself hold ')' or spaces: split after the last ')'.
+    end = data.rfind(b")")
+    if end < 0:
+        return None
+    fields = data[end + 2 :].split()
+    try:
+        return ProcInfo(
+            pid=pid,
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            sid=int(fields[3]),
+            state=fields[0].decode("ascii", "replace"),
+            start_time=int(fields[19]),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def read_proc(pid: int) -> ProcInfo | None:
+    """Read one process's ``/proc/<pid>/stat``; ``None`` when no such process exists (not even a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return _parse_stat(pid, data)
+
+
+def scan_processes() -> Iterator[ProcInfo]:
+    """Yield every process in ``/proc``; processes that vanish during the scan are skipped."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            info = read_proc(int(name))
+            if info is not None:
+                yield info
+
+
+def is_alive(pid: int, start_time: int) -> bool:
+    """Whether the process ``(pid, start_time)`` still exists and has not exited (a zombie is not alive)."""
+    info = read_proc(pid)
+    return info is not None and info.start_time == start_time and not info.zombie
+
+
+def engine_children() -> set[int]:
+    """The pids whose parent is this process (any of its threads), adopted orphans included.
+
+    Uses ``/proc/self/task/<tid>/children`` where the kernel has it, else one full scan.
+    """
+    me = os.getpid()
+    pids: set[int] = set()
+    try:
+        tids = os.listdir(f"/proc/{me}/task")
+        for tid in tids:
+            with open(f"/proc/{me}/task/{tid}/children", "rb") as f:
+                pids.update(int(p) for p in f.read().split())
+        return pids
+    except FileNotFoundError:
+        return {p.pid for p in scan_processes() if p.ppid == me}
+
+
+def read_marker(pid: int) -> str | None:
+    """The value of :data:`RUN_MARKER_VAR` in a live process's environment, or ``None``."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    prefix = RUN_MARKER_VAR.encode() + b"="
+    for entry in data.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode("utf-8", "replace")
+    return None
+
+
+def children_map(procs: Iterable[ProcInfo]) -> dict[int, list[ProcInfo]]:
+    """Group a scan by parent pid."""
+    out: dict[int, list[ProcInfo]] = {}
+    for p in procs:
+        out.setdefault(p.ppid, []).append(p)
+    return out
+
+
+_subreaper_lock = threading.Lock()
+_subreaper_users = 0
+_subreaper_before = 0
+
+
+def _prctl() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes' private base type
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        return libc.prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def set_child_subreaper(enable: bool) -> bool:
+    """Turn ``PR_SET_CHILD_SUBREAPER`` on (counted per user) or off again when the last user leaves.
+
+    As a subreaper the engine becomes the parent of every orphaned descendant, so a process that left its
+    group with ``setsid`` can still be signalled and reaped at once instead of waiting for init.
+
+    Returns:
+        ``True`` when the attribute is in force after the call (always ``False`` off Linux).
+    """
+    global _subreaper_users, _subreaper_before
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    with _subreaper_lock:
+        if enable:
+            if _subreaper_users == 0:
+                value = ctypes.c_int(0)
+                prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0)
+                _subreaper_before = value.value
+                if prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+                    return False
+            _subreaper_users += 1
+            return True
+        if _subreaper_users > 0:
+            _subreaper_users -= 1
+            if _subreaper_users == 0 and not _subreaper_before:
+                prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        return _subreaper_users > 0 or bool(_subreaper_before)

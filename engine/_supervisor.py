@@ -1,0 +1,467 @@
+"""The supervisor: spawn children into scopes, watch them, and end them by escalation.
+
+Every child is the leader of its own session and process group, writes straight into log files the
+engine opened, and is watched through a pidfd by a task in the supervisor's nursery. Leaving
+:func:`open_supervisor` terminates and reaps every child, however the body ended.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import final
+
+import attrs
+import trio
+
+from ._procfs import RUN_MARKER_VAR, read_proc, set_child_subreaper
+from ._spawn import spawn_process
+from ._termination import ProcessTree
+
+__all__ = [
+    "ManagedRun",
+    "RunExit",
+    "RunState",
+    "SpawnSpec",
+    "Supervisor",
+    "TerminationReason",
+    "open_supervisor",
+]
+
+
+class RunState(enum.Enum):
+    """Where a run is in its life."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    EXITING = "exiting"
+    EXITED = "exited"
+
+
+class TerminationReason(enum.Enum):
+    """Why a run ended.
+
+    ``EXIT``: the leader exited on its own with a code. ``SIGNAL``: a signal the engine did not send killed
+    it. ``CANCELLED``: ``cancel``/``cancel_scope``/replacement/shutdown ended it. ``MAX_RUNTIME``: its
+    ``max_runtime_seconds`` ran out.
+    """
+
+    EXIT = "exit"
+    SIGNAL = "signal"
+    CANCELLED = "cancelled"
+    MAX_RUNTIME = "max_runtime"
+
+
+def _optional_positive(_inst: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None and not value >= 0:
+        raise ValueError(f"{attribute.name} must be a number of seconds >= 0, got {value!r}")
+
+
+def _stream_target(_inst: object, attribute: attrs.Attribute[str | int | None], value: object) -> None:
+    if value is not None and not isinstance(value, str | int):
+        raise TypeError(f"{attribute.name} must be a path, a file descriptor or None, got {value!r}")
+
+
+@attrs.frozen
+class SpawnSpec:
+    """What to run, where, and under which scope.
+
+    Exactly one of ``argv`` and ``shell_command`` is given; a shell command runs as
+    ``("/bin/sh", "-c", shell_command)``.
+
+    Attributes:
+        argv: the program and its arguments; ``argv[0]`` is looked up in the child's ``PATH``, or taken
+            relative to ``cwd`` when it holds a slash.
+        shell_command: a ``/bin/sh`` command line.
+        cwd: the child's working directory (``None``: the engine's). ``PWD`` is set to it.
+        env: variables added to (or, with ``inherit_env=False``, making up) the child's environment.
+        inherit_env: start from the engine's environment.
+        stdout: a path opened with ``O_APPEND`` (mode 0600), a descriptor, or ``None`` for ``/dev/null``.
+        stderr: likewise.
+        scope_key: the scope the run belongs to.
+        replace_existing_scope: end every run of ``scope_key`` (reaped) before this one starts.
+        max_runtime_seconds: end the run by escalation after this many seconds.
+        grace_seconds: SIGINT -> SIGKILL delay for this run (``None``: the supervisor's).
+    """
+
+    argv: tuple[str, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple)
+    )
+    shell_command: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
+    cwd: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
+    env: Mapping[str, str] | None = None
+    inherit_env: bool = True
+    stdout: str | int | None = attrs.field(default=None, validator=_stream_target)
+    stderr: str | int | None = attrs.field(default=None, validator=_stream_target)
+    scope_key: str = attrs.field(default="default", validator=attrs.validators.instance_of(str))
+    replace_existing_scope: bool = False
+    max_runtime_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
+    grace_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.argv is None) == (self.shell_command is None):
+            raise ValueError("give exactly one of argv and shell_command")
+        if self.argv is not None:
+            if not self.argv:
+                raise ValueError("argv must not be empty: name the program to run")
+            if not all(isinstance(a, str) for a in self.argv):
+                raise TypeError("argv must hold strings only")
+            if not self.argv[0]:
+                raise ValueError("argv[0] must not be empty: name the program to run")
+        if self.shell_command is not None and not self.shell_command.strip():
+            raise ValueError("shell_command must not be blank")
+
+    @classmethod
+    def shell(cls, command: str, **kwargs: object) -> SpawnSpec:
+        """A spec running ``command`` through ``/bin/sh -c``; other fields as keyword arguments."""
+        return cls(shell_command=command, **kwargs)  # type: ignore[arg-type]  # attrs checks the rest
+
+    def resolved_argv(self) -> tuple[str, ...]:
+        """The argv the child is started with."""
+        if self.argv is not None:
+            return self.argv
+        assert self.shell_command is not None
+        return ("/bin/sh", "-c", self.shell_command)
+
+
+@attrs.frozen
+class RunExit:
+    """How a run ended.
+
+    Attributes:
+        exit_code: the leader's exit code, or ``None`` when a signal killed it.
+        signal: the number of the signal that killed the leader, or ``None``.
+        reason: why it ended (:class:`TerminationReason`).
+        duration_seconds: from spawn to the end of clean-up, on the Trio clock.
+        escalated: whether SIGKILL had to be sent to the tree.
+        survivors: pids of the run's tree still alive after SIGKILL and the kill wait (normally empty).
+    """
+
+    exit_code: int | None
+    signal: int | None
+    reason: TerminationReason
+    duration_seconds: float
+    escalated: bool
+    survivors: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        """A short phrase: ``"exited 0"``, ``"killed by signal 9 (SIGKILL)"``."""
+        if self.signal is not None:
+            try:
+                import signal as _signal
+
+                name = f" ({_signal.Signals(self.signal).name})"
+            except ValueError:
+                name = ""
+            return f"killed by signal {self.signal}{name}"
+        return f"exited {self.exit_code}"
+
+
+@final
+@attrs.define(eq=False)
+class ManagedRun:
+    """One supervised child and its process tree.
+
+    Attributes:
+        run_id: unique within the supervisor.
+        pid: the leader's pid.
+        pgid: its process group (equal to ``pid``).
+        scope_key: the scope it was spawned under.
+        argv: what it runs.
+        started_at: aware UTC time of the spawn.
+    """
+
+    run_id: int
+    pid: int
+    pgid: int
+    scope_key: str
+    argv: tuple[str, ...]
+    started_at: datetime
+    _tree: ProcessTree = attrs.field(alias="tree")
+    _grace_seconds: float = attrs.field(alias="grace_seconds")
+    _started: float = attrs.field(alias="started")
+    _state: RunState = attrs.field(init=False, default=RunState.RUNNING)
+    _exit: RunExit | None = attrs.field(init=False, default=None)
+    _done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
+    _requested: TerminationReason | None = attrs.field(init=False, default=None)
+
+    @property
+    def state(self) -> RunState:
+        """The run's current :class:`RunState`."""
+        return self._state
+
+    @property
+    def exit(self) -> RunExit | None:
+        """The :class:`RunExit` once the run has ended, else ``None``."""
+        return self._exit
+
+    async def wait(self) -> RunExit:
+        """Wait until the run has ended and its tree is cleaned up, and return how it ended.
+
+        Cancellation: safe; the run goes on and can be waited for again.
+        """
+        await self._done.wait()
+        assert self._exit is not None
+        return self._exit
+
+    def __repr__(self) -> str:
+        if self._exit is not None:
+            status = self._exit.describe()
+        else:
+            status = self._state.value
+        return f"<ManagedRun {self.pid} {list(self.argv)!r}: {status}>"
+
+
+@final
+@attrs.define(eq=False)
+class Supervisor:
+    """Spawns children into scopes and ends them by escalation. Made by :func:`open_supervisor`.
+
+    Attributes:
+        grace_seconds: default SIGINT -> SIGKILL delay.
+        kill_wait_seconds: how long to wait after SIGKILL before reporting survivors.
+        subreaper: whether this process is a child subreaper while the supervisor is open.
+    """
+
+    _nursery: trio.Nursery = attrs.field(alias="nursery")
+    grace_seconds: float
+    kill_wait_seconds: float
+    subreaper: bool
+    _token: str = attrs.field(init=False, factory=lambda: secrets.token_hex(6))
+    _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
+    _runs: dict[int, ManagedRun] = attrs.field(init=False, factory=dict)
+    _leaders: set[int] = attrs.field(init=False, factory=set)
+    _locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+    _closing: bool = attrs.field(init=False, default=False)
+
+    def runs(self, scope_key: str | None = None) -> list[ManagedRun]:
+        """The runs not yet ended (all of them, or those of ``scope_key``), oldest first."""
+        return [r for r in self._runs.values() if scope_key is None or r.scope_key == scope_key]
+
+    def _lock(self, scope_key: str) -> trio.Lock:
+        return self._locks.setdefault(scope_key, trio.Lock())
+
+    async def spawn(self, spec: SpawnSpec) -> ManagedRun:
+        """Start ``spec`` and return its run; it is watched until it ends.
+
+        With ``spec.replace_existing_scope`` every run of the scope is ended and reaped first; a per-key
+        lock makes "end the old ones, start the new one" atomic against other replacements and
+        ``cancel_scope`` of the same key.
+
+        Cancellation: while waiting for the key's lock or for old runs to end, the spawn does not happen
+        (old runs already being ended are still ended).
+
+        Raises:
+            SpawnError: the program or cwd cannot be used; nothing is registered.
+            RuntimeError: the supervisor is closed.
+        """
+        if self._closing:
+            raise RuntimeError("the supervisor is closed; open a new one to spawn")
+        async with self._lock(spec.scope_key):
+            if spec.replace_existing_scope:
+                await self._end_scope(spec.scope_key)
+            if self._closing:
+                raise RuntimeError("the supervisor is closed; open a new one to spawn")
+            return self._start(spec)
+
+    def _start(self, spec: SpawnSpec) -> ManagedRun:
+        argv = spec.resolved_argv()
+        cwd = os.path.abspath(spec.cwd) if spec.cwd is not None else os.getcwd()
+        env = dict(os.environ) if spec.inherit_env else {}
+        if spec.env:
+            env.update(spec.env)
+        env["PWD"] = cwd
+        run_id = next(self._ids)
+        marker = f"{self._token}:{run_id}"
+        env[RUN_MARKER_VAR] = marker
+        opened: list[int] = []
+        try:
+            fds: list[int | None] = []
+            for target in (spec.stdout, spec.stderr):
+                if isinstance(target, str):
+                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                    opened.append(fd)
+                    fds.append(fd)
+                else:
+                    fds.append(target)
+            pid = spawn_process(argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1])
+        finally:
+            for fd in opened:
+                os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        info = read_proc(pid)
+        tree = ProcessTree(
+            pid=pid,
+            pidfd=pidfd,
+            start_time=info.start_time if info is not None else 0,
+            marker=marker,
+            subreaper=self.subreaper,
+            known_leaders=self._leaders,
+        )
+        grace = spec.grace_seconds if spec.grace_seconds is not None else self.grace_seconds
+        run = ManagedRun(
+            run_id=run_id,
+            pid=pid,
+            pgid=pid,
+            scope_key=spec.scope_key,
+            argv=argv,
+            started_at=datetime.now(UTC),
+            tree=tree,
+            grace_seconds=grace,
+            started=trio.current_time(),
+        )
+        if spec.max_runtime_seconds is not None:
+            run._cancel_scope.deadline = trio.current_time() + spec.max_runtime_seconds
+        self._runs[run_id] = run
+        self._leaders.add(pid)
+        self._nursery.start_soon(self._watch, run, name=f"watch run {pid}")
+        return run
+
+    async def _watch(self, run: ManagedRun) -> None:
+        try:
+            with run._cancel_scope:
+                await run._tree.wait_leader()
+        except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
+            with trio.CancelScope(shield=True):
+                await self._finish(run, TerminationReason.CANCELLED, terminate=True)
+            raise
+        if run._cancel_scope.cancelled_caught:
+            reason = run._requested or TerminationReason.MAX_RUNTIME
+            with trio.CancelScope(shield=True):
+                await self._finish(run, reason, terminate=True)
+        else:
+            with trio.CancelScope(shield=True):
+                await self._finish(run, None, terminate=run._tree.adopted_strays())
+
+    async def _finish(self, run: ManagedRun, reason: TerminationReason | None, *, terminate: bool) -> None:
+        run._state = RunState.EXITING
+        escalated, survivors = False, ()
+        try:
+            if terminate:
+                escalated, survivors = await run._tree.terminate(
+                    grace_seconds=run._grace_seconds, kill_wait_seconds=self.kill_wait_seconds
+                )
+            if run._tree.status is None:
+                await run._tree.wait_leader()
+        finally:
+            run._tree.close()
+            status = run._tree.status
+            code: int | None = None
+            sig: int | None = None
+            if status is not None:
+                if os.WIFSIGNALED(status):
+                    sig = os.WTERMSIG(status)
+                else:
+                    code = os.waitstatus_to_exitcode(status)
+            if reason is None:
+                reason = TerminationReason.SIGNAL if sig is not None else TerminationReason.EXIT
+            run._exit = RunExit(
+                exit_code=code,
+                signal=sig,
+                reason=reason,
+                duration_seconds=trio.current_time() - run._started,
+                escalated=escalated,
+                survivors=survivors,
+            )
+            run._state = RunState.EXITED
+            self._runs.pop(run.run_id, None)
+            self._leaders.discard(run.pid)
+            run._done.set()
+
+    def _request(self, run: ManagedRun, *, force: bool) -> None:
+        if force:
+            run._tree.force = True
+        if run._requested is None:
+            run._requested = TerminationReason.CANCELLED
+        run._cancel_scope.cancel()
+
+    async def cancel(self, run: ManagedRun, *, force: bool = False) -> RunExit:
+        """End ``run`` by escalation (SIGINT -> grace -> SIGKILL -> wait) and return its exit.
+
+        A run already exiting escalates no further and the same exit is returned; ``force=True`` skips
+        the grace period (also for a run already in it).
+
+        Cancellation: the tree is still ended and reaped; the caller's cancellation is re-raised after
+        that, as trio's ``run_process`` does.
+        """
+        if run.state is RunState.EXITED:
+            await trio.lowlevel.checkpoint()
+            assert run.exit is not None
+            return run.exit
+        self._request(run, force=force)
+        return await _wait_shielded(run)
+
+    async def cancel_scope(self, scope_key: str) -> list[RunExit]:
+        """End every run of ``scope_key`` concurrently and return their exits (oldest first).
+
+        It waits for a replacement spawn of the same key that is under way and ends that run too.
+
+        Cancellation: as :meth:`cancel`.
+        """
+        async with self._lock(scope_key):
+            return await self._end_scope(scope_key)
+
+    async def _end_scope(self, scope_key: str) -> list[RunExit]:
+        runs = self.runs(scope_key)
+        for run in runs:
+            self._request(run, force=False)
+        return [await _wait_shielded(run) for run in runs]
+
+    def _close(self) -> None:
+        self._closing = True
+        for run in self.runs():
+            self._request(run, force=False)
+
+
+async def _wait_shielded(run: ManagedRun) -> RunExit:
+    try:
+        return await run.wait()
+    except trio.Cancelled:
+        with trio.CancelScope(shield=True):
+            await run.wait()
+        raise
+
+
+@asynccontextmanager
+async def open_supervisor(
+    *, grace_seconds: float = 5.0, kill_wait_seconds: float = 5.0, subreaper: bool = True
+) -> AsyncIterator[Supervisor]:
+    """Open a :class:`Supervisor` whose runs all end (terminated and reaped) when the block is left.
+
+    Args:
+        grace_seconds: default SIGINT -> SIGKILL delay, in seconds.
+        kill_wait_seconds: how long to wait after SIGKILL before reporting survivors, in seconds.
+        subreaper: make this process a child subreaper (``PR_SET_CHILD_SUBREAPER``, Linux) while open, so
+            descendants that leave their group are re-parented to it and can be ended and reaped.
+
+    Cancellation: leaving the block by cancellation or error still ends and reaps every run first
+    (each under a shielded cancel scope), then the exception propagates.
+    """
+    if grace_seconds < 0 or kill_wait_seconds < 0:
+        raise ValueError("grace_seconds and kill_wait_seconds must be >= 0")
+    active = set_child_subreaper(True) if subreaper else False
+    try:
+        async with trio.open_nursery() as nursery:
+            sup = Supervisor(
+                nursery=nursery,
+                grace_seconds=grace_seconds,
+                kill_wait_seconds=kill_wait_seconds,
+                subreaper=active,
+            )
+            try:
+                yield sup
+            finally:
+                sup._close()
+    finally:
+        if subreaper:
+            set_child_subreaper(False)

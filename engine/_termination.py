@@ -1,0 +1,239 @@
+"""Ending a run's whole process tree: group signalling, the descendant snapshot, escalation and reaping.
+
+A run is its leader (the child we spawned, leader of a new session and process group), every other
+member of that group, and the *escapees*: descendants that left the group (``setsid``) and are found by
+walking ``/proc`` parent links and, for orphans re-parented to the engine, by the run marker in their
+environment. Escalation is SIGINT -> grace period -> SIGKILL -> wait, on all of them, until all are gone,
+as trio's ``run_process`` does for a single child with ``deliver_cancel`` but on the whole tree
+(trio signals only the leader and stops as soon as it exits).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from collections.abc import Iterable
+
+import attrs
+import trio
+
+from ._procfs import (
+    ProcInfo,
+    children_map,
+    engine_children,
+    read_marker,
+    read_proc,
+    scan_processes,
+)
+
+__all__ = ["ProcessTree"]
+
+#: Polling steps inside an escalation: start fast (a cooperative child dies within a millisecond), back
+#: off to the design's ceiling of 20 ms.
+_FIRST_STEP_SECONDS = 0.0005
+_MAX_STEP_SECONDS = 0.02
+
+
+@attrs.define(eq=False)
+class ProcessTree:
+    """The processes one run owns, and the means to end them all.
+
+    Attributes:
+        pid: the leader's pid (also the process group id).
+        start_time: the leader's start time in clock ticks (``/proc/<pid>/stat`` field 22).
+        marker: the value of the run marker in this run's environment.
+        subreaper: whether the engine is a child subreaper (orphans come to us).
+        status: the leader's wait status once reaped, else ``None``.
+        escapees: descendants outside the group, ``{pid: start_time}``.
+        force: set to skip the rest of the grace period and send SIGKILL now.
+    """
+
+    pid: int
+    pidfd: int
+    start_time: int
+    marker: str
+    subreaper: bool
+    known_leaders: Iterable[int]
+    status: int | None = None
+    escapees: dict[int, int] = attrs.field(factory=dict)
+    force: bool = False
+
+    # ---- the leader ------------------------------------------------------------------------------
+
+    def poll_leader(self) -> bool:
+        """Reap the leader if it has exited; ``True`` once it is reaped."""
+        if self.status is not None:
+            return True
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # someone else reaped it (a host calling waitpid(-1)): exit unknown
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return False
+        self.status = status
+        self.close()
+        return True
+
+    async def wait_leader(self) -> None:
+        """Block until the leader has exited, then reap it (its pidfd turns readable on exit).
+
+        Cancellation: safe; the leader stays unreaped and can be waited for again.
+        """
+        while not self.poll_leader():
+            await trio.lowlevel.wait_readable(self.pidfd)
+
+    def close(self) -> None:
+        """Close the pidfd (idempotent)."""
+        if self.pidfd >= 0:
+            fd, self.pidfd = self.pidfd, -1
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+
+    # ---- the rest of the tree --------------------------------------------------------------------
+
+    def _ours(self, info: ProcInfo) -> bool:
+        return info.start_time >= self.start_time
+
+    def snapshot(self) -> None:
+        """Add every live descendant outside the group to :attr:`escapees` (one ``/proc`` scan)."""
+        procs = [p for p in scan_processes() if not p.zombie]
+        roots = {p.pid for p in procs if p.pgid == self.pid and self._ours(p)}
+        roots.add(self.pid)
+        roots.update(self.escapees)
+        by_pid = {p.pid: p for p in procs}
+        if self.subreaper:
+            candidates: Iterable[int] = engine_children() - set(self.known_leaders)
+        else:  # orphans went to init: only the marker can find them
+            candidates = (p.pid for p in procs if self._ours(p))
+        for pid in candidates:
+            info = by_pid.get(pid)
+            if info is not None and self._ours(info) and read_marker(pid) == self.marker:
+                roots.add(pid)
+        kids = children_map(procs)
+        stack = list(roots)
+        seen = set(stack)
+        while stack:
+            for child in kids.get(stack.pop(), ()):
+                if child.pid not in seen and self._ours(child):
+                    seen.add(child.pid)
+                    stack.append(child.pid)
+        for pid in seen:
+            info = by_pid.get(pid)
+            if info is not None and info.pgid != self.pid and pid not in self.escapees:
+                self.escapees[pid] = info.start_time
+
+    def adopted_strays(self) -> bool:
+        """After the leader exited: whether anything of the tree may be left (cheap checks first)."""
+        try:
+            os.killpg(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            return True
+        if self.escapees:
+            return True
+        strays = engine_children() - set(self.known_leaders)
+        return any(read_marker(pid) == self.marker for pid in strays)
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the group and to every escapee still holding its pid (start time checked)."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid, start in list(self.escapees.items()):
+            info = read_proc(pid)
+            if info is None or info.start_time != start:
+                del self.escapees[pid]
+                continue
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                del self.escapees[pid]
+
+    def _reap_adopted(self, info: ProcInfo) -> None:
+        # Only processes we attributed to this run, by their own pid: never waitpid(-1).
+        if info.zombie and info.ppid == os.getpid() and info.pid != self.pid:
+            try:
+                os.waitpid(info.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+    def remaining(self) -> list[int]:
+        """Pids of the tree still alive (zombies are reaped when they are ours, and count as gone)."""
+        alive: list[int] = []
+        if not self.poll_leader():
+            alive.append(self.pid)
+        group_exists = True
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            group_exists = False
+        except OSError as exc:
+            group_exists = exc.errno == errno.EPERM
+        if group_exists:
+            for info in scan_processes():
+                if info.pgid == self.pid and info.pid != self.pid and self._ours(info):
+                    if info.zombie:
+                        self._reap_adopted(info)
+                    else:
+                        alive.append(info.pid)
+        for pid, start in list(self.escapees.items()):
+            info = read_proc(pid)
+            if info is None or info.start_time != start:
+                del self.escapees[pid]
+            elif info.zombie:
+                self._reap_adopted(info)
+                del self.escapees[pid]
+            elif info.pgid != self.pid:
+                alive.append(pid)
+        return alive
+
+    async def wait_gone(self, *, honour_force: bool) -> bool:
+        """Poll (in steps of at most 20 ms) until nothing of the tree is alive.
+
+        Returns ``False`` early when ``honour_force`` and :attr:`force` was set. Callers bound it with
+        ``trio.move_on_after``.
+        """
+        step = _FIRST_STEP_SECONDS
+        while self.remaining():
+            if honour_force and self.force:
+                return False
+            if self.pidfd >= 0:
+                with trio.move_on_after(step):
+                    await trio.lowlevel.wait_readable(self.pidfd)
+            else:
+                await trio.sleep(step)
+            step = min(step * 2, _MAX_STEP_SECONDS)
+        return True
+
+    async def terminate(
+        self, *, grace_seconds: float, kill_wait_seconds: float
+    ) -> tuple[bool, tuple[int, ...]]:
+        """Escalate SIGINT -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` over the whole tree.
+
+        Cancellation: callers run this inside a shielded cancel scope; it is bounded by the two durations
+        plus the final reap of the leader after SIGKILL, which is not bounded.
+
+        Returns:
+            ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end.
+        """
+        self.snapshot()
+        if not self.force:
+            self.send(signal.SIGINT)
+            self.send(signal.SIGCONT)  # a stopped process acts on SIGINT only once continued
+            with trio.move_on_after(grace_seconds):
+                if await self.wait_gone(honour_force=True):
+                    return False, ()
+        self.snapshot()  # children forked while handling SIGINT
+        if not self.remaining():
+            return False, ()
+        self.send(signal.SIGKILL)
+        with trio.move_on_after(kill_wait_seconds):
+            await self.wait_gone(honour_force=False)
+        survivors = [pid for pid in self.remaining() if pid != self.pid]
+        if self.status is None:
+            await self.wait_leader()  # the final reap after SIGKILL
+        return True, tuple(survivors)
