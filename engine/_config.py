@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import attrs
 import platformdirs
 
 __all__ = ["EngineConfig"]
 
-_non_negative = attrs.validators.ge(0)
+_non_negative = attrs.validators.ge(0.0)
 
 
 def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -17,12 +18,12 @@ def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) ->
         raise ValueError(f"{attribute.name} must be a whole number >= 1, got {value!r}")
 
 
-def _optional_shell(value: object) -> tuple[str, ...] | None:
+def _optional_shell(value: Iterable[str] | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):  # type: ignore[attr-defined]
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
         raise TypeError("exit_watch_shell must be a sequence of strings, e.g. ('bash', '-lc', '--')")
-    shell = tuple(value)  # type: ignore[call-overload]
+    shell = tuple(value)
     if not shell:
         raise ValueError("exit_watch_shell must not be empty")
     return shell

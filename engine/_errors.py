@@ -65,3 +65,15 @@ class StoreError(EngineError, OSError):
 
 class EngineLockedError(EngineError, RuntimeError):
     """Raised by ``open_engine`` when another engine holds the state directory's lock."""
+
+
+def unwrap_single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one leaf exception of a nursery's group, or the group itself when there are several.
+
+    ``open_supervisor`` and ``open_engine`` use it so that an exception raised in the caller's block comes
+    out as itself, not wrapped in an ``ExceptionGroup`` by the nursery around the block.
+    """
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+        leaf = leaf.exceptions[0]
+    return leaf

@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import attrs
 
@@ -149,11 +149,12 @@ _subreaper_users = 0
 _subreaper_before = 0
 
 
-def _prctl() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes' private base type
+def _prctl() -> Callable[..., int] | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name, use_errno=True)
-        return libc.prctl  # type: ignore[no-any-return]
+        prctl: Callable[..., int] = libc.prctl
+        return prctl
     except (OSError, AttributeError):
         return None
 

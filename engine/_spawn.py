@@ -39,9 +39,7 @@ _ATTR_SIZE = 1024
 _SIGSET_SIZE = 256
 
 #: Signals reset to their default disposition in every child, whatever the engine inherited.
-_DEFAULT_SIGNALS = tuple(
-    s for s in range(1, 32) if s not in (signal.SIGKILL, signal.SIGSTOP)
-)
+_DEFAULT_SIGNALS = tuple(s for s in range(1, 32) if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 _O_FLAGS_READ = os.O_RDONLY
 
@@ -187,9 +185,7 @@ def spawn_process(
         _check(_libc.posix_spawnattr_setflags(attr, ctypes.c_short(flags)), "setflags")
 
         devnull = b"/dev/null"
-        _check(
-            _libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0), "addopen stdin"
-        )
+        _check(_libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0), "addopen stdin")
         for target, fd in ((1, stdout_fd), (2, stderr_fd)):
             if fd is None:
                 rc = _libc.posix_spawn_file_actions_addopen(fa, target, devnull, os.O_WRONLY, 0)

@@ -11,7 +11,7 @@ import enum
 import itertools
 import os
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import final
@@ -19,6 +19,7 @@ from typing import final
 import attrs
 import trio
 
+from ._errors import unwrap_single
 from ._procfs import RUN_MARKER_VAR, read_proc, set_child_subreaper
 from ._spawn import spawn_process
 from ._termination import ProcessTree
@@ -67,6 +68,14 @@ def _stream_target(_inst: object, attribute: attrs.Attribute[str | int | None], 
         raise TypeError(f"{attribute.name} must be a path, a file descriptor or None, got {value!r}")
 
 
+def _argv_tuple(value: Iterable[str] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str | bytes):
+        raise TypeError("argv must be a sequence of strings, not one string; use shell_command for a line")
+    return tuple(value)
+
+
 @attrs.frozen
 class SpawnSpec:
     """What to run, where, and under which scope.
@@ -89,9 +98,7 @@ class SpawnSpec:
         grace_seconds: SIGINT -> SIGKILL delay for this run (``None``: the supervisor's).
     """
 
-    argv: tuple[str, ...] | None = attrs.field(
-        default=None, converter=attrs.converters.optional(tuple)
-    )
+    argv: tuple[str, ...] | None = attrs.field(default=None, converter=_argv_tuple)
     shell_command: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
@@ -215,10 +222,7 @@ class ManagedRun:
         return self._exit
 
     def __repr__(self) -> str:
-        if self._exit is not None:
-            status = self._exit.describe()
-        else:
-            status = self._state.value
+        status = self._exit.describe() if self._exit is not None else self._state.value
         return f"<ManagedRun {self.pid} {list(self.argv)!r}: {status}>"
 
 
@@ -345,7 +349,7 @@ class Supervisor:
 
     async def _finish(self, run: ManagedRun, reason: TerminationReason | None, *, terminate: bool) -> None:
         run._state = RunState.EXITING
-        escalated, survivors = False, ()
+        escalated, survivors = False, tuple[int, ...]()
         try:
             if terminate:
                 escalated, survivors = await run._tree.terminate(
@@ -462,6 +466,8 @@ async def open_supervisor(
                 yield sup
             finally:
                 sup._close()
+    except BaseExceptionGroup as group:
+        raise unwrap_single(group) from None
     finally:
         if subreaper:
             set_child_subreaper(False)

@@ -181,13 +181,13 @@ class ProcessTree:
                     else:
                         alive.append(info.pid)
         for pid, start in list(self.escapees.items()):
-            info = read_proc(pid)
-            if info is None or info.start_time != start:
+            found = read_proc(pid)
+            if found is None or found.start_time != start:
                 del self.escapees[pid]
-            elif info.zombie:
-                self._reap_adopted(info)
+            elif found.zombie:
+                self._reap_adopted(found)
                 del self.escapees[pid]
-            elif info.pgid != self.pid:
+            elif found.pgid != self.pid:
                 alive.append(pid)
         return alive
 

@@ -1,0 +1,344 @@
+"""The supervisor: spawning, exits, scopes, replace-existing, max runtime and shutdown, with real children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import (
+    ManagedRun,
+    RunState,
+    SpawnError,
+    SpawnSpec,
+    Supervisor,
+    TerminationReason,
+    open_supervisor,
+)
+
+from .children import cooperative, open_fds, pgrep, proc_exists, py, wait_for_text
+
+
+async def test_wait_reports_exit_code() -> None:
+    async with open_supervisor(grace_seconds=0.3) as sup:
+        run = await sup.spawn(SpawnSpec(argv=("sh", "-c", "exit 3")))
+        with trio.fail_after(10):
+            result = await run.wait()
+    assert (result.exit_code, result.signal, result.reason) == (3, None, TerminationReason.EXIT)
+    assert not result.escalated
+    assert run.state is RunState.EXITED
+
+
+async def test_wait_reports_death_by_signal_never_code_zero(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=py("import os,signal; os.kill(os.getpid(), signal.SIGSEGV)")))
+    with trio.fail_after(10):
+        result = await run.wait()
+    assert result.signal == signal.SIGSEGV
+    assert result.exit_code is None
+    assert result.reason is TerminationReason.SIGNAL
+
+
+async def test_wait_reports_exit_137_as_code_not_signal(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(shell_command="exit 137"))
+    with trio.fail_after(10):
+        result = await run.wait()
+    assert (result.exit_code, result.signal) == (137, None)
+
+
+async def test_spawn_writes_both_streams_to_files(supervisor: Supervisor, tmp_path: Path) -> None:
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    out.write_text("earlier\n")
+    run = await supervisor.spawn(
+        SpawnSpec(shell_command="echo to-out; echo to-err >&2", stdout=str(out), stderr=str(err))
+    )
+    with trio.fail_after(10):
+        await run.wait()
+    assert out.read_text() == "earlier\nto-out\n"  # O_APPEND: existing content kept
+    assert err.read_text() == "to-err\n"
+    assert os.stat(err).st_mode & 0o777 == 0o600
+
+
+async def test_spawn_gives_child_a_clean_start(supervisor: Supervisor, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # A shell, not Python: Python ignores SIGPIPE and SIGXFSZ itself at start-up.
+    script = (
+        "s=/proc/$$/status; echo ign $(sed -n 's/^SigIgn:[[:space:]]*//p' $s); "
+        "echo blk $(sed -n 's/^SigBlk:[[:space:]]*//p' $s); "
+        "echo stdin $(readlink /proc/$$/fd/0); echo fds $(ls /proc/$$/fd | sort -n | tr '\\n' ' '); "
+        "echo pwd $PWD $(pwd -P); echo sid $(ps -o sid= -p $$) $(ps -o pgid= -p $$) $$; echo extra $EXTRA"
+    )
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        run = await supervisor.spawn(
+            SpawnSpec(argv=("sh", "-c", script), cwd=str(tmp_path), env={"EXTRA": "yes"}, stdout=str(out))
+        )
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    with trio.fail_after(10):
+        assert (await run.wait()).exit_code == 0
+    lines = dict(line.split(" ", 1) for line in out.read_text().splitlines())
+    assert int(lines["ign"], 16) & ((1 << 31) - 1) == 0  # no standard signal ignored, SIGTERM included
+    assert int(lines["blk"], 16) == 0
+    assert lines["stdin"] == "/dev/null"
+    assert lines["fds"].split() == ["0", "1", "2"] or lines["fds"].split()[:3] == ["0", "1", "2"]
+    assert lines["pwd"] == f"{tmp_path} {os.path.realpath(tmp_path)}"
+    sid, pgid, pid = lines["sid"].split()
+    assert sid == pgid == pid == str(run.pid)
+    assert lines["extra"] == "yes"
+
+
+async def test_spawn_without_inherit_env_uses_only_given_env(supervisor: Supervisor, tmp_path: Path) -> None:
+    out = tmp_path / "env"
+    run = await supervisor.spawn(
+        SpawnSpec(argv=("/usr/bin/env",), env={"ONLY": "1"}, inherit_env=False, stdout=str(out))
+    )
+    with trio.fail_after(10):
+        await run.wait()
+    names = {line.split("=", 1)[0] for line in out.read_text().splitlines()}
+    assert names == {"ONLY", "PWD", "GADGET_ENGINE_RUN"}
+
+
+async def test_cancel_cooperative_child_is_fast_without_sigkill(tmp_path: Path) -> None:
+    async with open_supervisor() as sup:  # the 5 s default grace: SIGINT alone must do it
+        out = tmp_path / "out"
+        run = await sup.spawn(SpawnSpec(argv=cooperative("321.9"), stdout=str(out)))
+        await wait_for_text(out, "ready")
+        t0 = time.monotonic()
+        result = await sup.cancel(run)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 1.0
+    assert not result.escalated
+    assert (result.exit_code, result.reason) == (0, TerminationReason.CANCELLED)
+    assert out.read_text() == "ready\nbye\n"
+
+
+async def test_cancel_with_force_goes_straight_to_sigkill() -> None:
+    async with open_supervisor() as sup:
+        run = await sup.spawn(SpawnSpec(argv=("sleep", "321.8")))
+        t0 = time.monotonic()
+        result = await sup.cancel(run, force=True)
+    assert time.monotonic() - t0 < 1.0
+    assert result.signal == signal.SIGKILL
+    assert result.escalated
+
+
+async def test_cancel_of_exited_run_returns_same_exit(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("true",)))
+    with trio.fail_after(10):
+        first = await run.wait()
+    assert await supervisor.cancel(run) is first
+    assert await supervisor.cancel(run, force=True) is first
+
+
+async def test_cancel_twice_concurrently_escalates_once(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("sleep", "321.7")))
+    exits = []
+
+    async def stop() -> None:
+        exits.append(await supervisor.cancel(run))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop)
+            nursery.start_soon(stop)
+    assert exits[0] is exits[1]
+    assert not pgrep(r"sleep 321\.7")
+
+
+async def test_cancel_by_caller_cancellation_still_reaps(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "trap '' INT; sleep 321.6")))
+    await trio.sleep(0.1)
+    with trio.move_on_after(0.05):
+        await supervisor.cancel(run)
+    # The caller's cancellation is re-raised only after the tree is reaped.
+    assert run.state is RunState.EXITED
+    assert not proc_exists(run.pid)
+    assert not pgrep(r"sleep 321\.6")
+
+
+async def test_max_runtime_ends_the_run(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("sleep", "321.5"), max_runtime_seconds=0.2))
+    with trio.fail_after(10):
+        result = await run.wait()
+    assert result.reason is TerminationReason.MAX_RUNTIME
+    assert result.signal == signal.SIGINT
+    assert 0.2 <= result.duration_seconds < 2
+
+
+async def test_leader_exit_cleans_group_left_behind(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "sleep 322.1 & setsid sleep 322.2 & exit 4")))
+    with trio.fail_after(10):
+        result = await run.wait()
+    assert result.exit_code == 4
+    assert result.reason is TerminationReason.EXIT
+    assert result.escalated  # the & jobs ignore SIGINT
+    assert not pgrep(r"sleep 322\.[12]")
+
+
+async def test_runs_lists_live_runs_by_scope(supervisor: Supervisor) -> None:
+    a = await supervisor.spawn(SpawnSpec(argv=("sleep", "323.1"), scope_key="a"))
+    b = await supervisor.spawn(SpawnSpec(argv=("sleep", "323.2"), scope_key="b"))
+    assert supervisor.runs("a") == [a]
+    assert supervisor.runs() == [a, b]
+    assert "323.1" in repr(a) and "running" in repr(a)
+    exits = await supervisor.cancel_scope("a")
+    assert len(exits) == 1 and exits[0].reason is TerminationReason.CANCELLED
+    assert supervisor.runs() == [b]
+    assert "killed by signal 2" in repr(a)
+
+
+async def test_replace_existing_reaps_old_run_before_new_pid_exists(supervisor: Supervisor) -> None:
+    a = await supervisor.spawn(SpawnSpec(argv=("sleep", "324.1"), scope_key="k"))
+    b = await supervisor.spawn(SpawnSpec(argv=("sleep", "324.2"), scope_key="k", replace_existing_scope=True))
+    assert a.state is RunState.EXITED
+    assert a.exit is not None and a.exit.reason is TerminationReason.CANCELLED
+    assert not proc_exists(a.pid)
+    assert supervisor.runs("k") == [b]
+
+
+async def test_replace_existing_concurrent_replacements_leave_one_run(supervisor: Supervisor) -> None:
+    await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "trap '' INT; sleep 324.3"), scope_key="k"))
+    started: list[ManagedRun] = []
+
+    async def replace(n: int) -> None:
+        spec = SpawnSpec(argv=("sleep", f"324.{4 + n}"), scope_key="k", replace_existing_scope=True)
+        started.append(await supervisor.spawn(spec))
+
+    with trio.fail_after(15):
+        async with trio.open_nursery() as nursery:
+            for n in range(4):
+                nursery.start_soon(replace, n)
+    live = supervisor.runs("k")
+    assert len(live) == 1
+    assert live[0] is started[-1]
+    assert len(pgrep(r"sleep 324\.")) == 1
+
+
+async def test_cancel_scope_covers_replacement_in_flight(supervisor: Supervisor) -> None:
+    await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "trap '' INT; sleep 324.9"), scope_key="k"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            supervisor.spawn,
+            SpawnSpec(argv=("sleep", "324.91"), scope_key="k", replace_existing_scope=True),
+        )
+        await trio.sleep(0.05)  # the replacement now holds the key, waiting for the old run
+        with trio.fail_after(10):
+            await supervisor.cancel_scope("k")
+    assert supervisor.runs("k") == []
+    assert not pgrep(r"sleep 324\.9")
+
+
+async def test_spawn_in_five_hundred_runs_leaves_fd_count_unchanged(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    log = str(tmp_path / "log")
+    run = await supervisor.spawn(SpawnSpec(argv=("true",), stdout=log, stderr=log))
+    await run.wait()
+    before = open_fds()
+    with trio.fail_after(120):
+        for _ in range(500):
+            run = await supervisor.spawn(SpawnSpec(argv=("true",), stdout=log, stderr=log))
+            await run.wait()
+        for _ in range(5):
+            with pytest.raises(SpawnError):
+                await supervisor.spawn(SpawnSpec(argv=("no-such-program-325",), stdout=log))
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize("how", ["return", "raise", "cancel"])
+async def test_open_supervisor_exit_reaps_every_child(how: str) -> None:
+    pids: list[int] = []
+
+    async def body() -> None:
+        async with open_supervisor(grace_seconds=0.3) as sup:
+            for argv in (("sleep", "326.1"), ("bash", "-c", "sleep 326.2 & setsid sleep 326.3 & wait")):
+                pids.append((await sup.spawn(SpawnSpec(argv=argv))).pid)
+            await trio.sleep(0.2)
+            if how == "raise":
+                raise KeyError("boom")
+            if how == "cancel":
+                await trio.sleep_forever()
+
+    with trio.fail_after(10):
+        if how == "raise":
+            with pytest.raises(KeyError):
+                await body()
+        elif how == "cancel":
+            with trio.move_on_after(0.5) as scope:
+                await body()
+            assert scope.cancelled_caught
+        else:
+            await body()
+    assert not pgrep(r"sleep 326\.")
+    assert not any(proc_exists(p) for p in pids)
+
+
+async def test_spawn_after_close_is_refused() -> None:
+    async with open_supervisor() as sup:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        await sup.spawn(SpawnSpec(argv=("true",)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({}, ValueError, "exactly one"),
+        ({"argv": ("true",), "shell_command": "true"}, ValueError, "exactly one"),
+        ({"argv": ()}, ValueError, "must not be empty"),
+        ({"argv": ("",)}, ValueError, "must not be empty"),
+        ({"argv": ("echo", 3)}, TypeError, "strings"),
+        ({"shell_command": "  "}, ValueError, "blank"),
+        ({"argv": ("true",), "grace_seconds": -1}, ValueError, "grace_seconds"),
+        ({"argv": ("true",), "stdout": 1.5}, TypeError, "stdout"),
+    ],
+)
+def test_spawn_spec_rejects_bad_input(kwargs: dict[str, object], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        SpawnSpec(**kwargs)  # type: ignore[arg-type]  # deliberately wrong types
+
+
+async def test_spawn_bad_cwd_raises_and_registers_nothing(supervisor: Supervisor, tmp_path: Path) -> None:
+    other = await supervisor.spawn(SpawnSpec(argv=("sleep", "327.1")))
+    with pytest.raises(SpawnError, match="working directory") as info:
+        await supervisor.spawn(SpawnSpec(argv=("true",), cwd=str(tmp_path / "missing")))
+    assert info.value.filename == str(tmp_path / "missing")
+    assert isinstance(info.value, OSError)
+    assert supervisor.runs() == [other]
+    assert other.state is RunState.RUNNING
+
+
+def test_engine_with_sigint_ignored_still_stops_child_with_sigint(tmp_path: Path) -> None:
+    script = (
+        "import signal, sys, trio\n"
+        "from engine import open_supervisor, SpawnSpec\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "code='import signal,sys,time\\ndef h(s,f):\\n    sys.exit(7)\\n"
+        "signal.signal(signal.SIGINT,h)\\nprint(1,flush=True)\\ntime.sleep(30)'\n"
+        "async def main():\n"
+        "    async with open_supervisor(grace_seconds=5) as sup:\n"
+        f"        out = {str(tmp_path / 'o')!r}\n"
+        "        run = await sup.spawn(SpawnSpec(argv=(sys.executable,'-c',code), stdout=out))\n"
+        "        await trio.sleep(0.5)\n"
+        "        print(await sup.cancel(run))\n"
+        "trio.run(main)\n"
+    )
+    # As a background job of a non-interactive shell, the engine inherits SIGINT ignored.
+    proc = subprocess.run(
+        ["sh", "-c", f'{sys.executable} -c "$1" & wait', "sh", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "exit_code=7" in proc.stdout
+    assert "escalated=False" in proc.stdout

@@ -1,0 +1,161 @@
+"""Escalation over the whole tree (cases.md SP-01 and SP-02) with the 5 s default grace.
+
+The default-grace kills of one test run concurrently, each timed on its own, so the acceptance bounds are
+checked without paying 5 s per case.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import ManagedRun, RunExit, SpawnSpec, Supervisor, open_supervisor
+
+from .children import ignoring_sigint, kill_leftovers, pgrep, proc_exists, py, wait_for_state, wait_for_text
+
+Check = Callable[[], Awaitable[None]]
+
+
+async def _timed_cancel(sup: Supervisor, run: ManagedRun) -> tuple[float, RunExit]:
+    t0 = time.monotonic()
+    result = await sup.cancel(run)
+    return time.monotonic() - t0, result
+
+
+MARKERS = {"bash": r"301\.1", "python": r"301\.2", "stopped": r"301\.3"}
+
+
+async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Path) -> None:
+    inputs = {
+        "bash": ("bash", "-c", "trap '' INT; echo ready; sleep 301.1"),
+        "python": ignoring_sigint("301.2"),
+        "stopped": py(
+            "import os,signal,time; print('ready', flush=True); "
+            "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(301.3)"
+        ),
+    }
+    results: dict[str, tuple[float, RunExit, int]] = {}
+    try:
+        async with open_supervisor() as sup:
+            bystander = await sup.spawn(SpawnSpec(argv=("sleep", "301.9")))
+            runs = {}
+            for name, argv in inputs.items():
+                out = tmp_path / f"{name}.out"
+                runs[name] = await sup.spawn(SpawnSpec(argv=argv, stdout=str(out)))
+                await wait_for_text(out, "ready")
+            await wait_for_state(runs["stopped"].pid, "T")
+
+            async def kill(name: str) -> None:
+                elapsed, result = await _timed_cancel(sup, runs[name])
+                results[name] = (elapsed, result, runs[name].pid)
+                # Right after the call, with no sleep: gone and reaped.
+                assert not pgrep(MARKERS[name])
+                assert not proc_exists(runs[name].pid)
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    for name in inputs:
+                        nursery.start_soon(kill, name)
+            assert bystander.exit is None  # the unrelated run goes on
+            assert pgrep(r"sleep 301\.9")
+    finally:
+        kill_leftovers(r"301\.[1239]")
+    for name, (elapsed, result, _pid) in results.items():
+        assert elapsed <= 6.0, name
+        if name != "stopped":
+            assert elapsed >= 4.9, name
+            assert result.signal == signal.SIGKILL, name
+            assert result.escalated
+        assert result.exit_code != 0
+
+
+SP02 = {
+    "a": ("bash", "-c", "sleep 302.1 & sleep 302.2 & wait"),
+    "b": ("bash", "-c", "yes 302.3 | cat > /dev/null"),
+    "c": ("bash", "-c", "bash -c 'sleep 302.4; echo never' & wait"),
+    # The issue's own case: `&` jobs ignore SIGINT, so SIGKILL after the 5 s grace is needed.
+    "issue": ("bash", "-c", "sleep 321.1 & sleep 321.2 & wait"),
+    "d": (
+        "bash",
+        "-c",
+        "setsid sleep 302.5 </dev/null >/dev/null 2>&1 & "
+        "setsid sh -c 'exec sleep 302.6' & echo spawned; wait",
+    ),
+}
+
+
+async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
+    timings: dict[str, float] = {}
+    try:
+        async with open_supervisor() as sup:
+            runs = {}
+            for name, argv in SP02.items():
+                out = tmp_path / f"{name}.out"
+                runs[name] = await sup.spawn(SpawnSpec(argv=argv, stdout=str(out), stderr=str(out)))
+            await wait_for_text(tmp_path / "d.out", "spawned")
+            await trio.sleep(0.5)
+            assert pgrep(r"sleep 302\.5") and pgrep(r"sleep 302\.6")
+            sleeps = pgrep(r"^sleep 321\.[12]")
+            assert len(sleeps) == 2
+
+            async def kill(name: str) -> None:
+                elapsed, result = await _timed_cancel(sup, runs[name])
+                timings[name] = elapsed
+                assert result.survivors == ()
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    for name in SP02:
+                        nursery.start_soon(kill, name)
+            assert not pgrep(r"30[2]\.[1-6]")
+            assert not pgrep(r"321\.[12]")
+            assert not any(proc_exists(p) for p in [*sleeps, *(r.pid for r in runs.values())])
+            assert sup.runs() == []  # the engine is alive and answers
+    finally:
+        kill_leftovers(r"302\.[1-6]|321\.[12]")
+    assert timings["b"] <= 1.5
+    for name in ("a", "c", "d", "issue"):
+        assert timings[name] <= 6.0
+    assert timings["issue"] >= 5.0  # SIGKILL after the full grace
+    assert os.getpgid(0) == os.getpgrp()  # our own group was never signalled (we are still here)
+
+
+async def test_cancel_group_leaves_no_reparented_survivor() -> None:
+    async with open_supervisor(grace_seconds=0.3) as sup:
+        run = await sup.spawn(SpawnSpec(argv=("bash", "-c", "sleep 321.1 & sleep 321.2 & wait")))
+        await trio.sleep(0.3)
+        with trio.fail_after(10):
+            result = await sup.cancel(run)
+    assert result.escalated
+    assert not pgrep(r"sleep 321\.[12]")
+
+
+async def test_cancel_setsid_escapee_is_ended(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "setsid sleep 321.3 & wait")))
+    await trio.sleep(0.3)
+    assert pgrep(r"sleep 321\.3")
+    with trio.fail_after(10):
+        await supervisor.cancel(run)
+    assert not pgrep(r"sleep 321\.3")
+
+
+@pytest.mark.parametrize("subreaper", [True, False])
+async def test_cancel_double_forked_daemon_found_by_marker(subreaper: bool) -> None:
+    async with open_supervisor(grace_seconds=0.3, subreaper=subreaper) as sup:
+        run = await sup.spawn(
+            SpawnSpec(argv=("bash", "-c", "(setsid sleep 321.4 &) ; echo forked; sleep 321.5"))
+        )
+        await trio.sleep(0.3)
+        assert pgrep(r"sleep 321\.4")
+        with trio.fail_after(10):
+            await sup.cancel(run)
+    try:
+        assert not pgrep(r"sleep 321\.[45]")
+    finally:
+        kill_leftovers(r"sleep 321\.[45]")
