@@ -1,0 +1,24 @@
+# Set-up is part of both targets: a virtual environment in .venv with an editable install.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: setup demo test lint
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) docs/examples/demo.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check engine tests benchmarks docs/examples
+	$(VENV)/bin/ruff format --check engine tests benchmarks docs/examples
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest
