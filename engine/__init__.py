@@ -13,6 +13,16 @@ from ._errors import LimitExceededError as LimitExceededError
 from ._errors import SpawnError as SpawnError
 from ._errors import StoreError as StoreError
 from ._errors import SubProcessNotFoundError as SubProcessNotFoundError
+from ._logs import LogSlice as LogSlice
+from ._project import Project as Project
+from ._prompts import TOOL_MODES as TOOL_MODES
+from ._prompts import process_management_block as process_management_block
+from ._prompts import render_mode_prompt as render_mode_prompt
+from ._prompts import tools_for_mode as tools_for_mode
+from ._subprocesses import SubProcess as SubProcess
+from ._subprocesses import SubProcessService as SubProcessService
+from ._subprocesses import SubProcessSummary as SubProcessSummary
+from ._subprocesses import open_subprocess_service as open_subprocess_service
 from ._supervisor import ManagedRun as ManagedRun
 from ._supervisor import RunExit as RunExit
 from ._supervisor import RunState as RunState
@@ -20,5 +30,6 @@ from ._supervisor import SpawnSpec as SpawnSpec
 from ._supervisor import Supervisor as Supervisor
 from ._supervisor import TerminationReason as TerminationReason
 from ._supervisor import open_supervisor as open_supervisor
+from ._tool import SubprocessTool as SubprocessTool
 
 __version__ = "0.1.0"

@@ -12,7 +12,9 @@ import attrs
 
 from ._config import EngineConfig
 from ._errors import EngineLockedError
+from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
+from ._tool import SubprocessTool
 
 __all__ = ["Engine", "open_engine"]
 
@@ -29,11 +31,15 @@ class Engine:
         config: the :class:`EngineConfig` in force.
         state_dir: the absolute state directory it holds the lock of.
         supervisor: the :class:`Supervisor` every child runs under.
+        service: the :class:`SubProcessService` of agent subprocesses (stopping the engine kills them all).
+        tool: the ``subprocess`` agent tool over ``service``.
     """
 
     config: EngineConfig
     state_dir: str
     supervisor: Supervisor
+    service: SubProcessService
+    tool: SubprocessTool
 
 
 def _lock_state_dir(state_dir: str) -> int:
@@ -74,11 +80,17 @@ async def open_engine(
     state_dir = config.resolved_state_dir()
     lock_fd = _lock_state_dir(state_dir)
     try:
-        async with open_supervisor(
-            grace_seconds=config.grace_seconds,
-            kill_wait_seconds=config.kill_wait_seconds,
-            subreaper=config.subreaper,
-        ) as supervisor:
-            yield Engine(config=config, state_dir=state_dir, supervisor=supervisor)
+        async with (
+            open_supervisor(
+                grace_seconds=config.grace_seconds,
+                kill_wait_seconds=config.kill_wait_seconds,
+                subreaper=config.subreaper,
+            ) as supervisor,
+            open_subprocess_service(supervisor, config) as service,
+        ):
+            tool = SubprocessTool(service, config=config)
+            yield Engine(
+                config=config, state_dir=state_dir, supervisor=supervisor, service=service, tool=tool
+            )
     finally:
         os.close(lock_fd)

@@ -1,0 +1,682 @@
+"""The subprocess service: long-lived children of agent projects, with log files, kill and halt.
+
+Each child runs under the supervisor in its project's scope (``project:<id>``) with the project directory as
+its working directory, and writes straight into two log files under
+``<project>/<gadget_dir_name>/subprocess-logs/``. *Kill* ends the process tree, deletes both logs and
+forgets the record; *halt* ends it the same way but keeps the logs and the record (state exited, with its
+exit) for inspection. A background task, running only while some child is alive, keeps every log within
+``EngineConfig.log_cap_bytes``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from typing import final
+
+import attrs
+import trio
+
+from ._config import EngineConfig
+from ._errors import LimitExceededError, SpawnError, SubProcessNotFoundError
+from ._logs import (
+    STREAMS,
+    LogFile,
+    LogSlice,
+    Stream,
+    check_stream,
+    create_temp_logs,
+    final_log_paths,
+    prepare_log_dir,
+)
+from ._project import Project
+from ._supervisor import ManagedRun, RunExit, RunState, SpawnSpec, Supervisor, TerminationReason
+
+__all__ = ["SubProcess", "SubProcessService", "SubProcessSummary", "open_subprocess_service"]
+
+_log = logging.getLogger("engine.subprocesses")
+
+#: How often the log-cap task looks at the files of live children (the design's floor is 1 s).
+CAP_POLL_SECONDS = 1.0
+
+#: A bound for JSON-facing integers (offsets, line counts): 2**53, the largest exact JSON integer.
+_MAX_INT = 2**53
+
+
+@final
+@attrs.define(eq=False)
+class SubProcess:
+    """One managed child: who started it, what it runs, where its logs are, and how it ended.
+
+    Attributes:
+        pid: the child's pid (its process group id too).
+        project: the project it belongs to.
+        command: the executable as given to ``create``.
+        args: its arguments.
+        created_at: aware UTC time of the spawn.
+    """
+
+    pid: int
+    project: Project
+    command: str
+    args: tuple[str, ...]
+    created_at: datetime
+    _run: ManagedRun = attrs.field(alias="run", repr=False)
+    _logs: dict[Stream, LogFile] = attrs.field(alias="logs", repr=False)
+    _changed_at: datetime = attrs.field(
+        init=False, default=attrs.Factory(lambda self: self.created_at, takes_self=True)
+    )
+    _stopping: bool = attrs.field(init=False, default=False)
+    _capped_final: bool = attrs.field(init=False, default=False)
+    _removed: bool = attrs.field(init=False, default=False)
+
+    @property
+    def state(self) -> RunState:
+        """``RUNNING`` while the process lives, ``EXITING`` while its tree is being ended, then ``EXITED``."""
+        return RunState.EXITED if self._run.exit is not None else self._run.state
+
+    @property
+    def exit(self) -> RunExit | None:
+        """How the process ended, or ``None`` while it is alive."""
+        return self._run.exit
+
+    @property
+    def running(self) -> bool:
+        """Whether the process (or its tree) is still alive."""
+        return self._run.exit is None
+
+    @property
+    def stdout_path(self) -> str:
+        """Absolute path of the stdout log."""
+        return self._logs["stdout"].path
+
+    @property
+    def stderr_path(self) -> str:
+        """Absolute path of the stderr log."""
+        return self._logs["stderr"].path
+
+    def _last_change(self) -> datetime:
+        moments = [self._changed_at]
+        if self._run.exit is not None:
+            moments.append(self._run.started_at + timedelta(seconds=self._run.exit.duration_seconds))
+        return max(moments)
+
+    def __repr__(self) -> str:
+        status = self._run.exit.describe() if self._run.exit is not None else self.state.value
+        argv = [self.command, *self.args]
+        return f"<SubProcess {self.pid} {self.project.slug} {argv!r}: {status}>"
+
+
+@attrs.frozen
+class SubProcessSummary:
+    """A serialisable snapshot of one :class:`SubProcess`: no process handle, no stream.
+
+    Attributes:
+        pid: the child's pid.
+        project_id: its project's id.
+        project_slug: its project's slug.
+        command: the executable.
+        args: its arguments.
+        state: :class:`RunState` (``running``, ``exiting`` or ``exited``).
+        status: a phrase: ``"running"``, ``"exiting"``, ``"exited 0"``, ``"killed by signal 9 (SIGKILL)"``.
+        exit_code: the exit code, or ``None`` (alive, or ended by a signal).
+        signal: the signal that ended it, or ``None``.
+        reason: why it ended (:class:`TerminationReason`), or ``None`` while alive.
+        escalated: whether SIGKILL was needed.
+        survivors: pids of its tree that outlived SIGKILL (normally empty).
+        created_at: aware UTC time of the spawn.
+        updated_at: the later of its last state change and its log files' modification time.
+        stdout_path: absolute path of the stdout log.
+        stderr_path: absolute path of the stderr log.
+    """
+
+    pid: int
+    project_id: str
+    project_slug: str
+    command: str
+    args: tuple[str, ...]
+    state: RunState
+    status: str
+    exit_code: int | None
+    signal: int | None
+    reason: TerminationReason | None
+    escalated: bool
+    survivors: tuple[int, ...]
+    created_at: datetime
+    updated_at: datetime
+    stdout_path: str
+    stderr_path: str
+
+    def to_dict(self) -> dict[str, object]:
+        """The summary as JSON-ready values: enums as their values, times as ISO 8601, tuples as lists."""
+        out: dict[str, object] = {}
+        for field in attrs.fields(SubProcessSummary):
+            value = getattr(self, field.name)
+            if isinstance(value, RunState | TerminationReason):
+                value = value.value
+            elif isinstance(value, datetime):
+                value = value.isoformat()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[field.name] = value
+        return out
+
+
+def _check_int(name: str, value: object, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, got {value!r}")
+    if not minimum <= value <= _MAX_INT:
+        raise ValueError(f"{name} must be between {minimum} and {_MAX_INT}, got {value}")
+    return value
+
+
+def _check_argv(cmd: object, args: object) -> tuple[str, ...]:
+    if not isinstance(cmd, str) or not cmd.strip():
+        raise ValueError(f"cmd must name the program to run, got {cmd!r}")
+    if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+        raise TypeError(f"args must be a sequence of strings, got {args!r}")
+    argv = (cmd, *args)
+    for item in argv:
+        if not isinstance(item, str):
+            raise TypeError(f"args must hold strings only, got {item!r}")
+        if "\0" in item:
+            raise ValueError(f"cmd and args must not contain NUL characters, got {item!r}")
+        try:
+            os.fsencode(item)
+        except UnicodeError:
+            raise ValueError(f"cmd and args must be encodable file names, got {item!r}") from None
+    return argv
+
+
+def _check_directory(project: Project) -> None:
+    if not os.path.isdir(project.directory):
+        raise SpawnError(
+            f"project directory {project.directory!r} does not exist or is not a directory",
+            errno=errno.ENOENT,
+            path=project.directory,
+            reason="bad cwd",
+        )
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@final
+@attrs.define(eq=False)
+class SubProcessService:
+    """Starts, lists, kills and halts the subprocesses of every project.
+
+    Made by :func:`open_subprocess_service`.
+
+    Records are keyed by pid. A kept (halted or finished) record whose pid the kernel hands to a new child
+    stays listed, but the pid then resolves to the live child.
+    """
+
+    _supervisor: Supervisor = attrs.field(alias="supervisor")
+    _config: EngineConfig = attrs.field(alias="config")
+    _nursery: trio.Nursery = attrs.field(alias="nursery")
+    _records: list[SubProcess] = attrs.field(init=False, factory=list)
+    _pending: dict[str, int] = attrs.field(init=False, factory=dict)
+    _log_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _capper: trio.CancelScope | None = attrs.field(init=False, default=None)
+    _closed: bool = attrs.field(init=False, default=False)
+
+    # ---- creating ------------------------------------------------------------------------------
+
+    async def create(self, project: Project, cmd: str, args: Sequence[str] = ()) -> SubProcess:
+        """Start ``cmd args...`` in ``project.directory`` with its output in two new log files.
+
+        The logs are created (mode 0600, folder 0700) under temporary names before the spawn and renamed
+        to ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid is known; the child's descriptors
+        follow the rename. When a kept record already owns those names, its files move aside to
+        ``subproc-<pid>-<n>.*`` first.
+
+        Cancellation: before the spawn nothing is left behind; once spawned the record is registered
+        (the remaining steps do not block).
+
+        Raises:
+            ValueError, TypeError: ``cmd`` or ``args`` is not a program and a list of strings.
+            LimitExceededError: ``max_processes_per_project`` or ``max_processes`` would be exceeded.
+            SpawnError: the program or the project directory cannot be used; no record, no file is left.
+            RuntimeError: the service is stopped.
+        """
+        if not isinstance(project, Project):
+            raise TypeError(f"project must be a Project, got {project!r}")
+        argv = _check_argv(cmd, args)
+        self._check_limits(project)
+        if self._closed:
+            raise RuntimeError("the subprocess service is stopped; start a new engine to create processes")
+        _check_directory(project)
+        directory = os.path.join(project.directory, self._config.gadget_dir_name, "subprocess-logs")
+        scope = project.scope_key
+        self._pending[project.id] = self._pending.get(project.id, 0) + 1
+        made: list[str] = []
+        temps: tuple[str, str] | None = None
+        try:
+            made = prepare_log_dir(directory)
+            temps = create_temp_logs(directory)
+            run = await self._supervisor.spawn(
+                SpawnSpec(argv=argv, cwd=project.directory, stdout=temps[0], stderr=temps[1], scope_key=scope)
+            )
+        except BaseException:
+            for path in temps or ():
+                _unlink_quietly(path)
+            for folder in made:  # innermost first; only the ones this call made, and only when empty
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break
+            raise
+        finally:
+            self._pending[project.id] -= 1
+            if not self._pending[project.id]:
+                del self._pending[project.id]
+        paths = self._claim_names(directory, run.pid)
+        try:
+            for temp, path in zip(temps, paths, strict=True):
+                os.rename(temp, path)
+        except OSError:
+            with trio.CancelScope(shield=True):
+                await self._supervisor.cancel(run, force=True)
+            for path in (*temps, *paths):
+                _unlink_quietly(path)
+            raise
+        sp = SubProcess(
+            pid=run.pid,
+            project=project,
+            command=cmd,
+            args=tuple(args),
+            created_at=run.started_at,
+            run=run,
+            logs={stream: LogFile(path) for stream, path in zip(STREAMS, paths, strict=True)},
+        )
+        self._records.append(sp)
+        self._start_capper()
+        return sp
+
+    def _check_limits(self, project: Project) -> None:
+        live = [sp for sp in self._records if sp.running]
+        mine = sum(1 for sp in live if sp.project.id == project.id) + self._pending.get(project.id, 0)
+        per_project = self._config.max_processes_per_project
+        if mine >= per_project:
+            raise LimitExceededError(
+                f"max_processes_per_project reached: project {project.slug!r} already has {mine} live "
+                f"subprocesses (limit {per_project}); kill or halt one, or raise the setting"
+            )
+        total = len(live) + sum(self._pending.values())
+        if total >= self._config.max_processes:
+            raise LimitExceededError(
+                f"max_processes reached: {total} live subprocesses in the engine (limit "
+                f"{self._config.max_processes}); kill or halt one, or raise the setting"
+            )
+
+    def _claim_names(self, directory: str, pid: int) -> tuple[str, str]:
+        """The final log names for ``pid``, after moving any files holding them to ``subproc-<pid>-<n>``."""
+        paths = final_log_paths(directory, pid)
+        if not any(os.path.lexists(p) for p in paths):
+            return paths
+        generation = 1
+        while any(os.path.lexists(p) for p in final_log_paths(directory, pid, generation)):
+            generation += 1
+        aside = final_log_paths(directory, pid, generation)
+        owners = {log.path: log for sp in self._records for log in sp._logs.values()}
+        for old, new in zip(paths, aside, strict=True):
+            if os.path.lexists(old):
+                os.rename(old, new)
+            if old in owners:
+                owners[old].path = new
+        return paths
+
+    # ---- looking ---------------------------------------------------------------------------------
+
+    def ps(self) -> list[SubProcess]:
+        """Every managed subprocess, live or kept (halted, finished), oldest first."""
+        return list(self._records)
+
+    def lookup(self, pid: int) -> SubProcess:
+        """The record ``pid`` names: the live child holding it, else the newest kept record.
+
+        Raises:
+            SubProcessNotFoundError: no managed subprocess has this pid (or it was killed).
+        """
+        matches = [sp for sp in self._records if sp.pid == pid and not isinstance(pid, bool)]
+        if not matches:
+            raise SubProcessNotFoundError(
+                f"no managed subprocess has pid {pid!r} (never created here, or killed); see ps()"
+            )
+        live = [sp for sp in matches if sp.running]
+        return (live or matches)[-1]
+
+    def summarize(self, sp: SubProcess) -> SubProcessSummary:
+        """A serialisable snapshot of ``sp``; ``updated_at`` also looks at its log files' mtime."""
+        updated = sp._last_change()
+        for log in sp._logs.values():
+            try:
+                mtime = datetime.fromtimestamp(os.stat(log.path).st_mtime, UTC)
+            except OSError:
+                continue
+            updated = max(updated, mtime)
+        ex = sp.exit
+        return SubProcessSummary(
+            pid=sp.pid,
+            project_id=sp.project.id,
+            project_slug=sp.project.slug,
+            command=sp.command,
+            args=sp.args,
+            state=sp.state,
+            status=ex.describe() if ex is not None else sp.state.value,
+            exit_code=ex.exit_code if ex is not None else None,
+            signal=ex.signal if ex is not None else None,
+            reason=ex.reason if ex is not None else None,
+            escalated=ex.escalated if ex is not None else False,
+            survivors=ex.survivors if ex is not None else (),
+            created_at=sp.created_at,
+            updated_at=updated,
+            stdout_path=sp.stdout_path,
+            stderr_path=sp.stderr_path,
+        )
+
+    # ---- ending ----------------------------------------------------------------------------------
+
+    def _require(self, sp: SubProcess) -> None:
+        if not isinstance(sp, SubProcess) or sp._removed or sp not in self._records:
+            raise SubProcessNotFoundError(
+                f"{sp!r} is not a managed subprocess (killed, or never created here)"
+            )
+
+    async def _stop(self, sp: SubProcess) -> bool:
+        """End ``sp``'s tree if it is alive; ``True`` when this call is the one that stopped it."""
+        if sp._stopping or sp.exit is not None:
+            if sp.exit is None:  # another call is ending it: wait for the same exit
+                await sp._run.wait()
+            else:
+                await trio.lowlevel.checkpoint()
+            return False
+        sp._stopping = True
+        sp._changed_at = _now()
+        try:
+            await self._supervisor.cancel(sp._run)
+        finally:
+            sp._changed_at = _now()
+        return True
+
+    def _remove(self, sp: SubProcess) -> None:
+        if sp._removed:
+            return
+        sp._removed = True
+        for log in sp._logs.values():
+            _unlink_quietly(log.path)
+        self._records.remove(sp)
+
+    async def kill_subprocess(self, sp: SubProcess) -> bool:
+        """End ``sp`` by escalation, delete both its log files and forget it.
+
+        Escalation: SIGINT to the group, up to ``grace_seconds`` for the whole tree to go, SIGKILL, up to
+        ``kill_wait_seconds`` more, reap. A record that already exited (halted or finished) is not
+        signalled again; its logs are still deleted.
+
+        Cancellation: the tree is still ended, reaped and its logs deleted; then the cancellation
+        propagates.
+
+        Returns:
+            ``True`` when this call stopped a live process, ``False`` when it had already exited.
+
+        Raises:
+            SubProcessNotFoundError: ``sp`` was already killed or is not managed here.
+        """
+        self._require(sp)
+        try:
+            return await self._stop(sp)
+        finally:
+            if sp.exit is not None:
+                self._remove(sp)
+
+    async def kill_pid(self, pid: int) -> bool:
+        """:meth:`kill_subprocess` for the record ``pid`` names (see :meth:`lookup`).
+
+        Cancellation: as :meth:`kill_subprocess`.
+
+        Raises:
+            SubProcessNotFoundError: no managed subprocess has this pid.
+        """
+        return await self.kill_subprocess(self.lookup(pid))
+
+    async def _kill_many(self, records: list[SubProcess]) -> bool:
+        async with trio.open_nursery() as nursery:
+            for sp in records:
+                nursery.start_soon(self._kill_quietly, sp)
+        return all(sp.exit is not None and not sp.exit.survivors for sp in records)
+
+    async def _kill_quietly(self, sp: SubProcess) -> None:
+        if not sp._removed:
+            await self.kill_subprocess(sp)
+
+    async def kill_project(self, project_id: str) -> None:
+        """Kill every subprocess of one project (concurrently), live or kept, and delete their logs.
+
+        Other projects' subprocesses are not touched. An unknown id kills nothing.
+
+        Cancellation: as :meth:`kill_subprocess`, for each of them.
+        """
+        if not isinstance(project_id, str):
+            raise TypeError(f"project_id must be a string, got {project_id!r}")
+        await self._kill_many([sp for sp in self._records if sp.project.id == project_id])
+
+    async def kill_all(self) -> bool:
+        """Kill every subprocess of every project (concurrently) and delete every log file.
+
+        The engine runs this when it stops.
+
+        Cancellation: as :meth:`kill_subprocess`, for each of them.
+
+        Returns:
+            ``True`` when every process group was verified empty (no survivor of SIGKILL anywhere).
+        """
+        return await self._kill_many(list(self._records))
+
+    async def halt_subprocess(self, sp: SubProcess) -> bool:
+        """End ``sp`` by escalation but keep its record and both log files for inspection.
+
+        Afterwards ``sp`` is exited with its exit; ``ps``, ``summarize`` and ``get_log`` still work. Halting
+        a record that already exited is a harmless no-op returning ``False``: its old pid is never
+        signalled again and its logs stay as they are.
+
+        Cancellation: the tree is still ended and reaped; then the cancellation propagates.
+
+        Returns:
+            ``True`` when this call stopped a live process.
+
+        Raises:
+            SubProcessNotFoundError: ``sp`` was killed or is not managed here.
+        """
+        self._require(sp)
+        stopped = await self._stop(sp)
+        if stopped:
+            with trio.CancelScope(shield=True):
+                await self._cap([sp])
+        return stopped
+
+    async def halt_pid(self, pid: int) -> bool:
+        """:meth:`halt_subprocess` for the record ``pid`` names.
+
+        Cancellation: as :meth:`halt_subprocess`.
+
+        Raises:
+            SubProcessNotFoundError: no managed subprocess has this pid.
+        """
+        return await self.halt_subprocess(self.lookup(pid))
+
+    # ---- logs ------------------------------------------------------------------------------------
+
+    async def get_log(self, pid: int, stream: str) -> str:
+        """The whole kept content of one log of the record ``pid`` names (invalid UTF-8 replaced).
+
+        Cancellation: the read runs in a worker thread and is waited for (it is bounded by the log cap).
+
+        Raises:
+            ValueError: ``stream`` is not ``"stdout"`` or ``"stderr"``.
+            SubProcessNotFoundError: no managed subprocess has this pid, or its log file is gone.
+        """
+        name = check_stream(stream)
+        sp = self.lookup(pid)
+        log = sp._logs[name]
+        async with self._log_lock:
+            try:
+                return await trio.to_thread.run_sync(log.read_all)
+            except FileNotFoundError:
+                raise _gone(sp, name) from None
+
+    async def read_log(
+        self,
+        pid: int,
+        stream: str,
+        *,
+        offset: int | None = None,
+        limit: int | None = None,
+        tail: int | None = None,
+        max_bytes: int = 32768,
+    ) -> LogSlice:
+        """A bounded slice of one log of the record ``pid`` names; see :meth:`read_subprocess_log`.
+
+        Cancellation: as :meth:`get_log`.
+        """
+        name = check_stream(stream)
+        _check_read_args(offset, limit, tail, max_bytes)
+        return await self.read_subprocess_log(
+            self.lookup(pid), name, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
+        )
+
+    async def read_subprocess_log(
+        self,
+        sp: SubProcess,
+        stream: str,
+        *,
+        offset: int | None = None,
+        limit: int | None = None,
+        tail: int | None = None,
+        max_bytes: int = 32768,
+    ) -> LogSlice:
+        """Read a bounded slice of ``sp``'s log: forward from ``offset`` or the last ``tail`` lines.
+
+        Args:
+            sp: the record.
+            stream: ``"stdout"`` or ``"stderr"``.
+            offset: logical byte offset to read forward from (the default: the oldest kept byte).
+                Offsets in the part the log cap dropped start at the first kept byte.
+            limit: at most this many lines (forward reads only).
+            tail: the last this many lines (not with ``offset`` or ``limit``).
+            max_bytes: at most this many bytes of text.
+
+        Cancellation: as :meth:`get_log`.
+
+        Raises:
+            ValueError, TypeError: a bad stream or a bad combination or value of the numbers.
+            SubProcessNotFoundError: ``sp`` was killed, or its log file is gone.
+        """
+        name = check_stream(stream)
+        _check_read_args(offset, limit, tail, max_bytes)
+        self._require(sp)
+        log = sp._logs[name]
+        async with self._log_lock:
+            try:
+                return await trio.to_thread.run_sync(
+                    lambda: log.read(offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
+                )
+            except FileNotFoundError:
+                raise _gone(sp, name) from None
+
+    # ---- the log cap -----------------------------------------------------------------------------
+
+    def _start_capper(self) -> None:
+        if self._capper is None and not self._closed:
+            self._capper = trio.CancelScope()
+            self._nursery.start_soon(self._cap_loop, self._capper, name="subprocess log cap")
+
+    async def _cap_loop(self, scope: trio.CancelScope) -> None:
+        try:
+            with scope:
+                while True:
+                    await trio.sleep(CAP_POLL_SECONDS)
+                    todo = [sp for sp in self._records if sp.running or not sp._capped_final]
+                    if not todo:
+                        return
+                    await self._cap(todo)
+        finally:
+            if self._capper is scope:
+                self._capper = None
+
+    async def _cap(self, records: list[SubProcess]) -> None:
+        finished = [sp for sp in records if not sp.running]
+        cap = self._config.log_cap_bytes
+
+        def enforce() -> None:
+            for sp in records:
+                for log in sp._logs.values():
+                    try:
+                        log.enforce_cap(cap)
+                    except OSError as exc:
+                        _log.warning("log cap of %s failed: %s", log.path, exc)
+
+        async with self._log_lock:
+            await trio.to_thread.run_sync(enforce)
+        for sp in finished:
+            sp._capped_final = True
+
+    def _close(self) -> None:
+        self._closed = True
+        if self._capper is not None:
+            self._capper.cancel()
+
+
+def _check_read_args(offset: object, limit: object, tail: object, max_bytes: object) -> None:
+    _check_int("offset", offset, 0)
+    _check_int("limit", limit, 1)
+    _check_int("tail", tail, 1)
+    if _check_int("max_bytes", max_bytes, 1) is None:
+        raise TypeError("max_bytes must be a whole number >= 1, got None")
+    if tail is not None and (offset is not None or limit is not None):
+        raise ValueError("give tail alone, or offset and/or limit, not both")
+
+
+def _gone(sp: SubProcess, stream: Stream) -> SubProcessNotFoundError:
+    path = sp._logs[stream].path
+    return SubProcessNotFoundError(f"the {stream} log of subprocess {sp.pid} is gone ({path})")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@asynccontextmanager
+async def open_subprocess_service(
+    supervisor: Supervisor, config: EngineConfig | None = None
+) -> AsyncIterator[SubProcessService]:
+    """Run a :class:`SubProcessService` on ``supervisor``; leaving the block kills every subprocess.
+
+    Args:
+        supervisor: the supervisor children run under (it must outlive the block).
+        config: caps, log cap and folder name (``None``: defaults).
+
+    Cancellation: leaving the block by cancellation or error still runs ``kill_all`` (shielded), so
+    every child is ended and reaped and every log deleted before the exception propagates.
+    """
+    async with trio.open_nursery() as nursery:
+        service = SubProcessService(
+            supervisor=supervisor, config=config if config is not None else EngineConfig(), nursery=nursery
+        )
+        try:
+            yield service
+        finally:
+            with trio.CancelScope(shield=True):
+                await service.kill_all()
+            service._close()

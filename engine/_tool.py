@@ -1,0 +1,303 @@
+"""The ``subprocess`` agent tool: one function over the subprocess service, bound to a project per call.
+
+The tool is the edge where an agent's loosely typed parameters meet the library, so it validates
+everything first and turns every rejection and every service error into one text starting
+``SUBPROCESS ERROR: ``; a rejected call changes nothing. It acts only on the calling project's
+subprocesses: ``list`` and ``killAll`` cover that project, and another project's pid is "not found", so
+one agent can never end another agent's processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import ClassVar, Final, final
+
+import attrs
+import trio
+
+from ._config import EngineConfig
+from ._errors import EngineError
+from ._logs import LogSlice
+from ._project import Project
+from ._subprocesses import SubProcess, SubProcessService
+
+__all__ = ["SubprocessTool"]
+
+COMMANDS: Final = ("create", "list", "kill", "killAll", "halt", "log")
+_USES: Final[Mapping[str, frozenset[str]]] = {
+    "create": frozenset({"command", "args"}),
+    "list": frozenset(),
+    "kill": frozenset({"pid"}),
+    "killAll": frozenset(),
+    "halt": frozenset({"pid"}),
+    "log": frozenset({"pid", "which", "offset", "limit", "tail"}),
+}
+_PARAMETERS: Final = ("cmd", "command", "args", "pid", "which", "offset", "limit", "tail")
+
+#: What ``log`` shows by default: the last lines within a byte budget.
+LOG_DEFAULT_LINES: Final = 200
+LOG_MAX_BYTES: Final = 32 * 1024
+_MAX_INT: Final = 2**53
+
+_KILLALL_TEXT: Final = (
+    "SUBPROCESS KILLALL\nAll managed subprocesses have been terminated and their logs removed."
+)
+_HALTED_TEXT: Final = "The process has been stopped. Log files are retained for inspection."
+
+
+class _RejectedError(Exception):
+    """A parameter problem, reported to the agent as a ``SUBPROCESS ERROR`` text."""
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _whole(name: str, value: object, minimum: int) -> int:
+    """A JSON number that is a whole number ``>= minimum`` (``3.0`` counts, ``true`` does not)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _RejectedError(f"{name} must be a whole number, got {value!r}")
+    if not minimum <= value <= _MAX_INT:
+        raise _RejectedError(f"{name} must be a whole number >= {minimum}, got {value}")
+    return value
+
+
+@final
+@attrs.define(eq=False)
+class SubprocessTool:
+    """The ``subprocess`` tool (category ``system``) for agents in the modes Build, Test, Ship and Develop.
+
+    Attributes:
+        service: the service it acts through.
+        config: the engine settings, quoted in the tool's description (``None``: defaults).
+    """
+
+    service: SubProcessService
+    config: EngineConfig | None = attrs.field(default=None, kw_only=True)
+
+    name: ClassVar[str] = "subprocess"
+    category: ClassVar[str] = "system"
+
+    @property
+    def definition(self) -> dict[str, object]:
+        """``{"name", "description", "parameters"}``; ``parameters`` is a plain JSON Schema object.
+
+        No ``$schema``, ``$ref`` or conditional keywords, so OpenAI, Anthropic and MCP tool definitions
+        can all take it as it is. Which parameters each ``cmd`` needs is in the descriptions.
+        """
+        config = self.config if self.config is not None else EngineConfig()
+        description = (
+            "Manage long-running processes (dev servers, watchers, test runs, builds) in the current "
+            "project. cmd=create starts `command` with `args` in the project directory and returns its pid "
+            "and the paths of its stdout and stderr log files; the process keeps running after this call. "
+            "cmd=list shows this project's processes. cmd=log shows the end of one log (pid, which); "
+            "page with offset/limit or tail. cmd=halt stops a process and keeps its logs; cmd=kill stops it "
+            "and deletes its logs; cmd=killAll kills every process of this project. Stopping sends SIGINT, "
+            f"then SIGKILL after {config.grace_seconds:g} s. At most {config.max_processes_per_project} "
+            f"live processes per project; each log keeps its newest {config.log_cap_bytes // 2**20} MiB."
+        )
+        parameters: dict[str, object] = {
+            "type": "object",
+            "properties": {
+                "cmd": {
+                    "type": "string",
+                    "enum": list(COMMANDS),
+                    "description": "The operation: create, list, kill, killAll, halt or log.",
+                },
+                "command": {
+                    "type": "string",
+                    "description": "For create: the executable to run, e.g. npm, node, python3, ./run.sh.",
+                },
+                "args": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "For create: the arguments, one string each (no shell parsing).",
+                },
+                "pid": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "For kill, halt and log: the pid create or list reported.",
+                },
+                "which": {
+                    "type": "string",
+                    "enum": ["stdout", "stderr"],
+                    "description": "For log: which log to read.",
+                },
+                "offset": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "For log: read forward from this byte offset (0 = the start).",
+                },
+                "limit": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": (
+                        f"For log with offset: at most this many lines (default {LOG_DEFAULT_LINES})."
+                    ),
+                },
+                "tail": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": f"For log: the last this many lines (default {LOG_DEFAULT_LINES}).",
+                },
+            },
+            "required": ["cmd"],
+            "additionalProperties": False,
+        }
+        return {"name": self.name, "description": description, "parameters": parameters}
+
+    async def execute(self, params: Mapping[str, object], project: Project) -> str:
+        """Run one tool call for ``project`` and return the response text.
+
+        Every rejected call, and every error of the service, comes back as one text starting
+        ``SUBPROCESS ERROR: ``; nothing else is raised.
+
+        Cancellation: propagates ``trio.Cancelled``; a kill or halt under way still ends and reaps its
+        process first (see :meth:`SubProcessService.kill_subprocess`).
+        """
+        try:
+            return await self._execute(params, project)
+        except _RejectedError as exc:
+            return f"SUBPROCESS ERROR: {exc}"
+        except (EngineError, ValueError, TypeError) as exc:
+            return f"SUBPROCESS ERROR: {exc}"
+        except OSError as exc:
+            return f"SUBPROCESS ERROR: {exc.strerror or exc} ({exc.filename or 'no path'})"
+        except Exception as exc:  # the tool must answer with a text, whatever broke underneath
+            return f"SUBPROCESS ERROR: internal error: {type(exc).__name__}: {exc}"
+
+    async def _execute(self, params: Mapping[str, object], project: Project) -> str:
+        if not isinstance(params, Mapping):
+            raise _RejectedError('parameters must be an object, e.g. {"cmd": "list"}')
+        if not isinstance(project, Project):
+            raise _RejectedError("the call is not bound to a project")
+        unknown = sorted(repr(k) for k in params if k not in _PARAMETERS)
+        if unknown:
+            raise _RejectedError(
+                f"unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(_PARAMETERS)}"
+            )
+        cmd = params.get("cmd")
+        if cmd not in COMMANDS:
+            raise _RejectedError(f"cmd must be one of {', '.join(COMMANDS)}, got {cmd!r}")
+        assert isinstance(cmd, str)
+        stray = [k for k in _PARAMETERS[1:] if params.get(k) is not None and k not in _USES[cmd]]
+        if stray:
+            raise _RejectedError(f"cmd={cmd} does not take {', '.join(stray)}; leave them out")
+        if cmd == "create":
+            return await self._create(params, project)
+        if cmd == "list":
+            await trio.lowlevel.checkpoint()
+            return self._list(project)
+        if cmd == "killAll":
+            await self.service.kill_project(project.id)
+            return _KILLALL_TEXT
+        sp = self._find(project, _whole("pid", self._required(params, "pid"), 1))
+        if cmd == "kill":
+            await self.service.kill_subprocess(sp)
+            return f"SUBPROCESS KILLED\npid: {sp.pid}"
+        if cmd == "halt":
+            await self.service.halt_subprocess(sp)
+            return f"SUBPROCESS HALTED\npid: {sp.pid}\n{_HALTED_TEXT}"
+        return await self._log(params, sp)
+
+    @staticmethod
+    def _required(params: Mapping[str, object], name: str) -> object:
+        value = params.get(name)
+        if value is None:
+            raise _RejectedError(f"cmd={params['cmd']} needs {name}")
+        return value
+
+    def _find(self, project: Project, pid: int) -> SubProcess:
+        mine = [sp for sp in self.service.ps() if sp.pid == pid and sp.project.id == project.id]
+        if not mine:
+            raise _RejectedError(
+                f"no subprocess with pid {pid} in this project (killed, or never created); see cmd=list"
+            )
+        live = [sp for sp in mine if sp.running]
+        return (live or mine)[-1]
+
+    async def _create(self, params: Mapping[str, object], project: Project) -> str:
+        command = self._required(params, "command")
+        if not isinstance(command, str) or not command.strip():
+            raise _RejectedError(f"command must be a non-empty string naming the executable, got {command!r}")
+        args = params.get("args")
+        if args is None:
+            args = []
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise _RejectedError(f"args must be an array of strings, got {args!r}")
+        sp = await self.service.create(project, command, args)
+        return f"SUBPROCESS CREATED\npid: {sp.pid}\nstdout: {sp.stdout_path}\nstderr: {sp.stderr_path}"
+
+    def _list(self, project: Project) -> str:
+        lines = ["SUBPROCESS LIST"]
+        for sp in self.service.ps():
+            if sp.project.id != project.id:
+                continue
+            summary = self.service.summarize(sp)
+            lines.append(
+                f"pid: {sp.pid} | project: {project.slug} | created: {_iso(summary.created_at)} | "
+                f"updated: {_iso(summary.updated_at)} | status: {summary.status}"
+            )
+        if len(lines) == 1:
+            lines.append("No subprocesses in this project.")
+        return "\n".join(lines)
+
+    async def _log(self, params: Mapping[str, object], sp: SubProcess) -> str:
+        which = self._required(params, "which")
+        if which not in ("stdout", "stderr"):
+            raise _RejectedError(f'which must be "stdout" or "stderr", got {which!r}')
+        assert isinstance(which, str)
+        offset = params.get("offset")
+        limit = params.get("limit")
+        tail = params.get("tail")
+        if tail is not None and (offset is not None or limit is not None):
+            raise _RejectedError("give tail alone, or offset (and limit); not both")
+        got: LogSlice
+        if offset is None and limit is None:
+            lines = LOG_DEFAULT_LINES if tail is None else _whole("tail", tail, 1)
+            got = await self.service.read_subprocess_log(sp, which, tail=lines, max_bytes=LOG_MAX_BYTES)
+            note = _tail_note(got)
+        else:
+            start = None if offset is None else _whole("offset", offset, 0)
+            count = LOG_DEFAULT_LINES if limit is None else _whole("limit", limit, 1)
+            got = await self.service.read_subprocess_log(
+                sp, which, offset=start, limit=count, max_bytes=LOG_MAX_BYTES
+            )
+            note = _forward_note(got)
+        if got.dropped_bytes:
+            note = (note + " " if note else "") + (
+                f"[the log cap dropped the oldest {got.dropped_bytes} bytes of this log; they cannot be read]"
+            )
+        text = f"SUBPROCESS LOG ({which})\npid: {sp.pid}\n---\n{got.text}"
+        return f"{text}\n{note}" if note else text
+
+
+def _shown_lines(text: str) -> int:
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+def _tail_note(got: LogSlice) -> str:
+    before = got.start_offset - got.dropped_bytes
+    if before <= 0:
+        return ""
+    lines = max(got.total_lines - _shown_lines(got.text), 0)
+    return (
+        f"[truncated: showing bytes {got.start_offset}-{got.next_offset} of {got.total_bytes}; "
+        f"{lines} earlier lines ({before} bytes) left out. For more, call log again with tail=<lines> "
+        f"(up to {LOG_MAX_BYTES} bytes per call) or with offset=<byte> and limit=<lines>, "
+        f"e.g. offset={got.dropped_bytes} to page from the start.]"
+    )
+
+
+def _forward_note(got: LogSlice) -> str:
+    after = got.total_bytes - got.next_offset
+    if after <= 0:
+        return ""
+    return (
+        f"[truncated: showing bytes {got.start_offset}-{got.next_offset} of {got.total_bytes}; {after} "
+        f"more bytes follow. Continue with offset={got.next_offset}, or use tail=<lines> for the end.]"
+    )
