@@ -1,0 +1,579 @@
+"""The cron service: the job API, the timer, the run pipeline and delivery of fires.
+
+One :class:`CronService` per engine (``engine.cron``). Its tasks live in a nursery of its own, opened by
+:func:`open_cron_service` inside the engine's, and all stop when the engine closes.
+
+Every fire takes the same path. A due time is *claimed* in one store transaction before anything runs
+(``last_run_at`` moves to now, ``next_run_at`` past now): a claimed due time never runs again, a crash
+included. A ``SystemEvent`` job commits its fire in that same transaction; a ``Command`` job commits its
+fire once the command has ended. A committed fire is then *delivered* (see :meth:`CronService.deliver`).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import shlex
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any, final
+
+import attrs
+import trio
+
+from .._errors import InvalidScheduleError, JobNotFoundError, SpawnError
+from .._supervisor import SpawnSpec, Supervisor
+from ._events import FiredEvent, exit_fire, text_fire
+from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
+from ._plan import claim, finish, interrupted, is_due, next_wake, schedule_next, should_delete
+from ._schedule import At, Cron, Schedule, next_run_after, require_aware, validate_schedule
+from ._store import JobStore, SqliteJobStore
+
+__all__ = ["CronService", "open_cron_service"]
+
+logger = logging.getLogger("engine.cron")
+
+#: ``on_fire`` handlers: awaited with each delivered event (embedded hosts).
+FireHandler = Callable[[FiredEvent], Awaitable[None]]
+#: ``on_jobs_changed`` handlers: awaited with the complete job list after each committed change.
+JobsChangedHandler = Callable[[list[CronJob]], Awaitable[None]]
+
+#: Waits between retries of a failed store write that must not be lost (a committed run's fire), seconds.
+STORE_RETRY_SECONDS = (1.0, 5.0, 30.0, 300.0)
+
+_UPDATABLE = ("name", "enabled", "schedule", "payload", "delete_after_run")
+
+
+def utc_now() -> datetime:
+    """The system's wall time, aware UTC (the default ``now`` of the service)."""
+    return datetime.now(UTC)
+
+
+class _StaleJobError(Exception):
+    """Raised inside a store transaction when the job no longer is what the caller decided on."""
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise InvalidScheduleError(f"name must be a non-empty string, got {name!r}")
+
+
+def _default_name(payload: Payload) -> str:
+    label = payload.text if isinstance(payload, SystemEvent) else shlex.join(payload.argv)
+    return label if len(label) <= 60 else label[:57] + "..."
+
+
+def _require_future(schedule: Schedule, now: datetime) -> None:
+    if isinstance(schedule, At) and require_aware(schedule.at, "at") <= now:
+        raise InvalidScheduleError(
+            f"at {schedule.at.isoformat()} is in the past (now is {now.isoformat()}); give a future time"
+        )
+
+
+@final
+@attrs.define(eq=False)
+class CronService:
+    """Scheduled jobs of one engine: add, change, remove, run them, and read the event log.
+
+    Make it with :func:`open_cron_service` (``open_engine`` does), which runs :meth:`run`.
+
+    Attributes:
+        store: the :class:`JobStore`.
+        supervisor: runs ``Command`` payloads.
+        state_dir: the engine's state directory (``Command`` logs go to ``cron-logs/`` in it).
+        now: returns the wall time, aware (tests steer it; the timer itself sleeps on the Trio clock).
+        on_fire: awaited with each delivered :class:`FiredEvent` (embedded hosts), or ``None``.
+        on_jobs_changed: awaited with the complete job list after every committed add, update, enable,
+            disable or removal (and a job deleted after its run), and once at start-up. The exit
+            watchers hook ``reconcile`` here. Calls never overlap and each sees the store as it is then.
+            An exception from it propagates to the caller of the change, which stays committed.
+        recheck_seconds: the longest the timer sleeps before it looks at the wall clock again.
+    """
+
+    store: JobStore
+    supervisor: Supervisor
+    state_dir: str
+    now: Callable[[], datetime] = utc_now
+    on_fire: FireHandler | None = None
+    on_jobs_changed: JobsChangedHandler | None = None
+    recheck_seconds: float = 60.0
+    _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
+    _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+
+    def __repr__(self) -> str:
+        state = "running" if self._nursery is not None else "not started"
+        return f"<CronService {self.state_dir!r}: {state}, {len(self._running)} job(s) running>"
+
+    def _wall(self) -> datetime:
+        return require_aware(self.now(), "now()")
+
+    # -- the job API --------------------------------------------------------------------------------
+
+    async def add(
+        self,
+        schedule: Schedule,
+        payload: Payload,
+        *,
+        name: str | None = None,
+        enabled: bool = True,
+        delete_after_run: bool = False,
+    ) -> CronJob:
+        """Add a job and return it.
+
+        Cancellation: if cancelled before the write starts, nothing is added; a write under way
+        completes (the job exists) and the cancellation is raised after it.
+
+        Args:
+            schedule: when it runs (:class:`At` must be in the future).
+            payload: what it does.
+            name: a label (``None``: made from the payload).
+            enabled: whether it is armed now.
+            delete_after_run: remove a one-shot job once it ran successfully.
+
+        Raises:
+            InvalidScheduleError: a field is invalid (named); nothing is written.
+            StoreError: the write failed; nothing is written.
+        """
+        validate_schedule(schedule)
+        validate_payload(payload)
+        if name is not None:
+            _check_name(name)
+        if not isinstance(enabled, bool) or not isinstance(delete_after_run, bool):
+            raise InvalidScheduleError("enabled and delete_after_run must be True or False")
+        now = self._wall()
+        _require_future(schedule, now)
+        next_run_at = next_run_after(schedule, now, default_anchor=now) if enabled else None
+        if next_run_at is None and enabled and isinstance(schedule, Cron):
+            raise InvalidScheduleError(f"expr {schedule.expr!r} matches no time in the next 50 years")
+        job = CronJob(
+            id=secrets.token_hex(6),
+            name=name if name is not None else _default_name(payload),
+            enabled=enabled,
+            schedule=schedule,
+            payload=payload,
+            delete_after_run=delete_after_run,
+            created_at=now,
+            updated_at=now,
+            next_run_at=next_run_at,
+        )
+        await self.store.insert_job(job)
+        await self.notify_jobs_changed()
+        return job
+
+    async def update(self, job_id: str, **changes: Any) -> CronJob:
+        """Change fields of a job (``name``, ``enabled``, ``schedule``, ``payload``, ``delete_after_run``).
+
+        A new schedule, or enabling a disabled job, computes the next run afresh; disabling clears it.
+
+        Cancellation: as :meth:`add`.
+
+        Raises:
+            JobNotFoundError: no job has this id.
+            InvalidScheduleError: an unknown field or an invalid value (named); nothing is written.
+            StoreError: the write failed; nothing is written.
+        """
+        for key, value in changes.items():
+            if key not in _UPDATABLE:
+                raise InvalidScheduleError(
+                    f"update got the unknown field {key!r}; fields: {', '.join(_UPDATABLE)}"
+                )
+            if key == "schedule":
+                validate_schedule(value)
+            elif key == "payload":
+                validate_payload(value)
+            elif key == "name":
+                _check_name(value)
+            elif not isinstance(value, bool):
+                raise InvalidScheduleError(f"{key} must be True or False, got {value!r}")
+        now = self._wall()
+
+        def change(job: CronJob) -> CronJob:
+            new = attrs.evolve(job, updated_at=now, **changes)
+            if not new.enabled:
+                return attrs.evolve(new, next_run_at=None)
+            if "schedule" in changes or not job.enabled:
+                _require_future(new.schedule, now)
+                new = attrs.evolve(new, next_run_at=schedule_next(new, now))
+            return new
+
+        job = await self.store.update_job(job_id, change)
+        await self.notify_jobs_changed()
+        return job
+
+    async def enable(self, job_id: str) -> CronJob:
+        """Arm a job (``update(job_id, enabled=True)``). Cancellation, errors: as :meth:`update`."""
+        return await self.update(job_id, enabled=True)
+
+    async def disable(self, job_id: str) -> CronJob:
+        """Disarm a job (``update(job_id, enabled=False)``). Cancellation, errors: as :meth:`update`."""
+        return await self.update(job_id, enabled=False)
+
+    async def remove(self, job_id: str) -> None:
+        """Delete a job and its ``Command`` logs. A fire it committed but had not delivered is delivered.
+
+        Cancellation: as :meth:`add`.
+
+        Raises:
+            JobNotFoundError: no job has this id.
+            StoreError: the write failed; nothing is deleted.
+        """
+        _job, pending = await self.store.delete_job(job_id)
+        for path in self._log_paths(job_id):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        await self.notify_jobs_changed()
+        if pending is not None:
+            await self.fire_pending(job_id, pending)
+
+    async def get(self, job_id: str) -> CronJob:
+        """The job ``job_id``.
+
+        Cancellation: safe; nothing changes.
+
+        Raises:
+            JobNotFoundError: no job has this id.
+        """
+        return await self.store.get_job(job_id)
+
+    async def list(self, *, include_disabled: bool = True) -> builtins.list[CronJob]:
+        """Every job, oldest first (only the enabled ones with ``include_disabled=False``).
+
+        Cancellation: safe; nothing changes.
+        """
+        jobs = await self.store.list_jobs()
+        return jobs if include_disabled else [job for job in jobs if job.enabled]
+
+    async def events(self, since: int = 0) -> builtins.list[FiredEvent]:
+        """The logged events after cursor ``since``, oldest first.
+
+        Cancellation: safe; nothing changes.
+
+        Raises:
+            InvalidScheduleError: ``since`` is not an integer >= 0.
+        """
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise InvalidScheduleError(f"since must be an event cursor (an integer >= 0), got {since!r}")
+        return await self.store.events(since)
+
+    async def run_now(self, job_id: str) -> None:
+        """Run a job now, whatever its schedule or enabled flag, and wait until its fire is delivered.
+
+        A run of the same job under way is waited for first. An ``At`` job counts as run (disabled).
+
+        Cancellation: if cancelled before the claim is written, nothing runs. Once claimed, the run goes
+        on in the service's nursery; only the waiting stops.
+
+        Raises:
+            JobNotFoundError: no job has this id.
+            StoreError: the claim could not be written; nothing runs.
+        """
+        while (busy := self._running.get(job_id)) is not None:
+            await busy.wait()
+        done = await self._claim_and_start(job_id, self._wall(), forced=True)
+        if done is not None:
+            await done.wait()
+
+    # -- change notifications ----------------------------------------------------------------------
+
+    async def notify_jobs_changed(self) -> None:
+        """Wake the timer and await ``on_jobs_changed`` with the complete current job list.
+
+        Cancellation: a handler call under way may be interrupted; the next call sees the whole set again.
+        """
+        self._changed.set()
+        if self.on_jobs_changed is None:
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._notify_lock:
+            jobs = await self.store.list_jobs()
+            await self.on_jobs_changed(jobs)
+
+    # -- delivery (shared with the exit watchers) ---------------------------------------------------
+
+    async def deliver(self, job_id: str, pending_fire: dict[str, Any]) -> FiredEvent:
+        """Deliver a committed fire of ``job_id`` once (the delivery contract of design section 5).
+
+        Standalone (no ``on_fire``): the event is appended to the log and the job's ``pending_fire``
+        cleared in one transaction, exactly once. Embedded: the event is appended (or found, by
+        ``fire_id``), ``on_fire`` is awaited, then ``pending_fire`` is cleared; a crash in between
+        delivers the same ``fire_id`` again at the next start.
+
+        Cancellation: the fire stays pending (delivered at the next start) unless the final clearing
+        transaction had begun.
+
+        Raises:
+            StoreError: a store write failed; the fire is still pending.
+            Exception: whatever ``on_fire`` raised; the fire is still pending.
+        """
+        if self.on_fire is None:
+            return await self.store.deliver_fire(job_id, pending_fire)
+        event = await self.store.record_event(job_id, pending_fire)
+        await self.on_fire(event)
+        await self.store.clear_pending_fire(job_id, event.fire_id)
+        return event
+
+    async def fire_pending(self, job_id: str, pending_fire: dict[str, Any]) -> FiredEvent | None:
+        """:meth:`deliver`, retrying failed store writes (1 s, 5 s, 30 s, then every 5 min) until one works.
+
+        Then a one-shot job with ``delete_after_run`` is deleted. An exception from ``on_fire`` is logged
+        and the fire left pending for the next start (``None`` is returned).
+
+        Cancellation: the fire stays pending, to be delivered at the next start.
+        """
+        attempt = 0
+        while True:
+            try:
+                event = await self.deliver(job_id, pending_fire)
+                break
+            except OSError as exc:
+                delay = STORE_RETRY_SECONDS[min(attempt, len(STORE_RETRY_SECONDS) - 1)]
+                logger.error(
+                    "cron job %s: delivering fire %s failed (%s); retrying in %s s",
+                    job_id,
+                    pending_fire.get("fire_id"),
+                    exc,
+                    delay,
+                )
+                attempt += 1
+                await trio.sleep(delay)
+            except Exception:
+                logger.exception(
+                    "cron job %s: on_fire failed; the fire is delivered again at the next start", job_id
+                )
+                return None
+        await self._delete_if_done(job_id)
+        return event
+
+    async def _delete_if_done(self, job_id: str) -> None:
+        try:
+            job = await self.store.get_job(job_id)
+            if should_delete(job):
+                await self.store.delete_job(job_id)
+                await self.notify_jobs_changed()
+        except JobNotFoundError:
+            pass
+        except OSError as exc:
+            logger.error("cron job %s: deleting it after its run failed (%s)", job_id, exc)
+
+    # -- the run pipeline ---------------------------------------------------------------------------
+
+    def _log_paths(self, job_id: str) -> tuple[str, str]:
+        folder = os.path.join(self.state_dir, "cron-logs")
+        return (os.path.join(folder, f"{job_id}.stdout.log"), os.path.join(folder, f"{job_id}.stderr.log"))
+
+    async def _claim_and_start(self, job_id: str, now: datetime, *, forced: bool) -> trio.Event | None:
+        """Claim ``job_id``'s due time (or a forced run) and start its run; ``None`` if it was not due."""
+        assert self._nursery is not None, "the cron service is not running"
+        for _ in range(3):
+            seen = await self.store.get_job(job_id)
+
+            def change(job: CronJob, seen: CronJob = seen) -> CronJob:
+                if job.payload != seen.payload:
+                    raise _StaleJobError
+                if not forced and not is_due(job, now):
+                    raise _StaleJobError
+                claimed = claim(job, now)
+                return finish(claimed, now, error=None) if isinstance(job.payload, SystemEvent) else claimed
+
+            try:
+                if isinstance(seen.payload, SystemEvent):
+                    fire = text_fire(seen.name, seen.payload.text)
+                    job = await self.store.commit_fire(job_id, change, fire)
+                else:
+                    fire = None
+                    job = await self.store.update_job(job_id, change)
+            except _StaleJobError:
+                if not forced:
+                    return None
+                continue
+            done = self._running[job_id] = trio.Event()
+            self._nursery.start_soon(self._run, job, fire, done, name=f"cron job {job_id}")
+            return done
+        raise JobNotFoundError(f"job_id {job_id!r} keeps changing; try run_now again")
+
+    async def _run(self, job: CronJob, fire: dict[str, Any] | None, done: trio.Event) -> None:
+        try:
+            if fire is None:
+                assert isinstance(job.payload, Command)
+                fire = await self._run_command(job, job.payload)
+            await self.fire_pending(job.id, fire)
+        except Exception:
+            logger.exception("cron job %s: the run failed", job.id)
+        finally:
+            if self._running.get(job.id) is done:
+                del self._running[job.id]
+            done.set()
+            self._changed.set()
+
+    async def _run_command(self, job: CronJob, payload: Command) -> dict[str, Any]:
+        stdout, stderr = self._log_paths(job.id)
+        os.makedirs(os.path.dirname(stdout), mode=0o700, exist_ok=True)
+        for path in (stdout, stderr):  # a fresh pair of logs for each run
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+        command = shlex.join(payload.argv)
+        spec = SpawnSpec(
+            argv=payload.argv, cwd=payload.cwd, stdout=stdout, stderr=stderr, scope_key=f"cron:{job.id}"
+        )
+        error: str | None
+        try:
+            run = await self.supervisor.spawn(spec)
+        except SpawnError as exc:
+            error = f"could not start {command!r}: {exc}"
+            fire = exit_fire(
+                job.name,
+                command=command,
+                exit_code=None,
+                signal=None,
+                reason="spawn_failed",
+                duration_seconds=None,
+                stdout_path=None,
+                stderr_path=None,
+                intro=error,
+            )
+        else:
+            try:
+                result = await run.wait()
+            except trio.Cancelled:  # the engine is closing: end the command; the job shows "interrupted"
+                with trio.CancelScope(shield=True):
+                    await self.supervisor.cancel(run)
+                raise
+            error = None if result.exit_code == 0 else f"{command!r} {result.describe()}"
+            read_logs = functools.partial(
+                exit_fire,
+                job.name,
+                command=command,
+                exit_code=result.exit_code,
+                signal=result.signal,
+                reason=result.reason.value,
+                duration_seconds=result.duration_seconds,
+                stdout_path=stdout,
+                stderr_path=stderr,
+            )
+            fire = await trio.to_thread.run_sync(read_logs)
+        attempt = 0
+        while True:  # persist the result; never run the command again for it
+            now = self._wall()
+            try:
+                await self.store.commit_fire(job.id, functools.partial(finish, now=now, error=error), fire)
+                return fire
+            except JobNotFoundError:  # removed while it ran: log the event all the same
+                return fire
+            except OSError as exc:
+                delay = STORE_RETRY_SECONDS[min(attempt, len(STORE_RETRY_SECONDS) - 1)]
+                logger.error(
+                    "cron job %s: persisting its run failed (%s); retrying in %s s", job.id, exc, delay
+                )
+                attempt += 1
+                await trio.sleep(delay)
+
+    # -- the service's life -------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Recover from the last run of the engine, then run the timer until cancelled.
+
+        Start-up: jobs left ``RUNNING`` become ``INTERRUPTED`` (their due time stays consumed), every
+        pending fire left by a crash is delivered, and ``on_jobs_changed`` sees the job list once.
+
+        Cancellation: the timer and every run stop; ``Command`` children are ended by escalation.
+        """
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                now = self._wall()
+                for job in await self.store.list_jobs():
+                    if job.last_status is JobStatus.RUNNING:
+                        await self.store.update_job(job.id, lambda j: interrupted(j, now))
+                for job, fire in await self.store.pending_fires():
+                    nursery.start_soon(self.fire_pending, job.id, fire)
+                await self.notify_jobs_changed()
+                task_status.started()
+                await self._timer()
+            finally:
+                self._nursery = None
+
+    async def _timer(self) -> None:
+        failures = 0
+        while True:
+            changed = self._changed = trio.Event()
+            try:
+                jobs = await self.store.list_jobs()
+                now = self._wall()
+                due = sorted(
+                    (j for j in jobs if j.id not in self._running and is_due(j, now)),
+                    key=lambda j: (j.next_run_at, j.created_at),
+                )
+                for job in due:
+                    with contextlib.suppress(JobNotFoundError):
+                        await self._claim_and_start(job.id, now, forced=False)
+                failures = 0
+            except OSError as exc:
+                delay = STORE_RETRY_SECONDS[min(failures, len(STORE_RETRY_SECONDS) - 1)]
+                failures += 1
+                logger.error("cron timer: the job store failed (%s); looking again in %s s", exc, delay)
+                with trio.move_on_after(delay):
+                    await changed.wait()
+                continue
+            if due:
+                continue
+            wake = next_wake(j for j in jobs if j.id not in self._running)
+            if wake is None:
+                await changed.wait()
+                continue
+            delay = min(self.recheck_seconds, max(0.0, (wake - now).total_seconds()))
+            with trio.move_on_at(trio.current_time() + delay):
+                await changed.wait()
+
+
+@asynccontextmanager
+async def open_cron_service(
+    *,
+    state_dir: str,
+    supervisor: Supervisor,
+    store: JobStore | None = None,
+    now: Callable[[], datetime] | None = None,
+    on_fire: FireHandler | None = None,
+    on_jobs_changed: JobsChangedHandler | None = None,
+) -> AsyncIterator[CronService]:
+    """Open the store, start a :class:`CronService` (start-up recovery done), and stop it on exit.
+
+    Args:
+        state_dir: the engine's state directory.
+        supervisor: runs ``Command`` payloads; it must outlive the block.
+        store: the job store (``None``: :class:`SqliteJobStore` at ``<state_dir>/cron.sqlite3``).
+        now: the wall clock (``None``: the system's, aware UTC).
+        on_fire: awaited with each delivered event (embedded hosts).
+        on_jobs_changed: see :attr:`CronService.on_jobs_changed`.
+
+    Cancellation: leaving the block stops the timer and every run (``Command`` children ended), then
+    closes the store under a shield.
+
+    Raises:
+        StoreError: the store cannot be opened or read at start-up.
+    """
+    store = store if store is not None else SqliteJobStore.in_state_dir(state_dir)
+    await store.open()
+    try:
+        async with trio.open_nursery() as nursery:
+            service = CronService(
+                store=store,
+                supervisor=supervisor,
+                state_dir=state_dir,
+                now=now if now is not None else utc_now,
+                on_fire=on_fire,
+                on_jobs_changed=on_jobs_changed,
+            )
+            await nursery.start(service.run)
+            try:
+                yield service
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()

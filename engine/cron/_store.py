@@ -1,0 +1,477 @@
+"""The durable job store: the ``JobStore`` protocol and its SQLite implementation.
+
+``<state_dir>/cron.sqlite3`` in WAL mode with ``synchronous=FULL``, one connection used from worker
+threads one call at a time (``trio.to_thread.run_sync`` behind a ``CapacityLimiter(1)``). Every write is
+one transaction: it commits as a whole or, raising :class:`StoreError`, leaves nothing behind. A row
+that cannot be read is logged and skipped, so one bad record never hides the others.
+
+Two columns serve the exit watchers: ``pending_fire`` (a committed fire not yet delivered, see
+``_events``) and ``watch_state`` (whatever a watcher needs to find its command again after a restart).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import trio
+
+from .._errors import JobNotFoundError, StoreError
+from ._events import PENDING_FIRE_FIELDS, FiredEvent
+from ._job import CronJob
+
+__all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]
+
+logger = logging.getLogger("engine.cron")
+
+STORE_FILE_NAME = "cron.sqlite3"
+SCHEMA_VERSION = 1
+
+#: A pure, synchronous edit of a job, applied inside a store transaction to the job as stored.
+JobChange = Callable[[CronJob], CronJob]
+
+_T = TypeVar("_T")
+
+_SCHEMA = """
+CREATE TABLE jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    data TEXT NOT NULL,
+    pending_fire TEXT,
+    watch_state TEXT
+);
+CREATE TABLE events (
+    cursor INTEGER PRIMARY KEY AUTOINCREMENT,
+    fire_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL,
+    job_name TEXT NOT NULL,
+    text TEXT NOT NULL,
+    command TEXT,
+    exit_code INTEGER,
+    signal INTEGER,
+    reason TEXT,
+    duration_seconds REAL,
+    stdout_tail TEXT NOT NULL,
+    stderr_tail TEXT NOT NULL,
+    truncated INTEGER NOT NULL
+);
+"""
+
+
+class JobStore(Protocol):
+    """Where jobs, pending fires, watch state and the event log live.
+
+    Every method is a checkpoint; every write is atomic. Failures raise :class:`StoreError` (an
+    ``OSError``); a job id that names no job raises :class:`JobNotFoundError`. An exception raised by a
+    ``change`` callable propagates unchanged and the transaction is rolled back.
+
+    Cancellation (every method): a transaction that has begun runs to its end; the cancellation is
+    delivered after it.
+    """
+
+    async def open(self) -> None:
+        """Open the store (create or migrate the schema)."""
+
+    async def aclose(self) -> None:
+        """Close the store; further calls fail."""
+
+    async def list_jobs(self) -> list[CronJob]:
+        """Every readable job, oldest first."""
+        ...
+
+    async def get_job(self, job_id: str) -> CronJob:
+        """The job ``job_id``."""
+        ...
+
+    async def insert_job(self, job: CronJob) -> None:
+        """Add a new job (its id must be new)."""
+
+    async def update_job(self, job_id: str, change: JobChange) -> CronJob:
+        """Replace the job by ``change(job)`` in one transaction and return the new job."""
+        ...
+
+    async def delete_job(self, job_id: str) -> tuple[CronJob | None, dict[str, Any] | None]:
+        """Delete the job; return it (``None`` if its row was unreadable) and its undelivered pending fire."""
+        ...
+
+    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
+        """In one transaction, replace the job by ``change(job)`` and set its ``pending_fire``."""
+        ...
+
+    async def commit_exit(self, job_id: str, pending_fire: dict[str, Any]) -> CronJob:
+        """In one transaction, disable the job (``next_run_at`` cleared) and set its ``pending_fire``."""
+        ...
+
+    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        """Append ``fire`` to the event log unless its ``fire_id`` is there; return the logged event."""
+        ...
+
+    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        """:meth:`record_event` and :meth:`clear_pending_fire` in one transaction."""
+        ...
+
+    async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:
+        """Clear the job's ``pending_fire`` if it is still ``fire_id`` (a gone job is fine)."""
+
+    async def pending_fires(self) -> list[tuple[CronJob, dict[str, Any]]]:
+        """Every job with a committed, undelivered fire, and that fire."""
+        ...
+
+    async def set_watch_state(self, job_id: str, state: dict[str, Any] | None) -> None:
+        """Set (or, with ``None``, clear) the job's watch state."""
+
+    async def watch_states(self) -> dict[str, dict[str, Any]]:
+        """Every job's watch state, by job id."""
+        ...
+
+    async def events(self, since: int = 0) -> list[FiredEvent]:
+        """The events with a cursor greater than ``since``, in order."""
+        ...
+
+
+def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        logger.error("cron store: the %s of job %s is unreadable; skipped", what, job_id)
+        return None
+    return value
+
+
+@attrs.define(eq=False)
+class SqliteJobStore:
+    """A :class:`JobStore` in one SQLite file.
+
+    Args:
+        path: the database file (``<state_dir>/cron.sqlite3``; see :meth:`in_state_dir`).
+        connection_factory: the ``sqlite3.Connection`` class to use (tests pass one that fails on purpose).
+    """
+
+    path: str
+    connection_factory: type[sqlite3.Connection] = sqlite3.Connection
+    _conn: sqlite3.Connection | None = attrs.field(init=False, default=None)
+    _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
+
+    @classmethod
+    def in_state_dir(cls, state_dir: str) -> SqliteJobStore:
+        """The store of a state directory: ``<state_dir>/cron.sqlite3``."""
+        return cls(os.path.join(state_dir, STORE_FILE_NAME))
+
+    def __repr__(self) -> str:
+        return f"<SqliteJobStore {self.path!r}: {'open' if self._conn is not None else 'closed'}>"
+
+    async def _call(self, fn: Callable[[sqlite3.Connection], _T], *, write: bool) -> _T:
+        def run() -> _T:
+            conn = self._conn
+            if conn is None:
+                raise StoreError(f"the job store {self.path!r} is closed")
+            try:
+                if not write:
+                    return fn(conn)
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    result = fn(conn)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.rollback()
+                    raise
+                return result
+            except (sqlite3.Error, OSError) as exc:
+                if isinstance(exc, StoreError):
+                    raise
+                raise StoreError(f"job store {self.path!r}: {exc}") from exc
+
+        return await trio.to_thread.run_sync(run, limiter=self._limiter)
+
+    async def open(self) -> None:
+        """Open (creating or migrating) the database.
+
+        Cancellation: the opening runs to its end; the cancellation is delivered after it.
+
+        Raises:
+            StoreError: the file cannot be opened, or was written by a newer schema.
+        """
+
+        def connect() -> sqlite3.Connection:
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+                conn = sqlite3.connect(
+                    self.path, factory=self.connection_factory, check_same_thread=False, isolation_level=None
+                )
+            except (sqlite3.Error, OSError) as exc:
+                raise StoreError(f"cannot open the job store {self.path!r}: {exc}") from exc
+            try:
+                os.chmod(self.path, 0o600)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.execute("PRAGMA busy_timeout=5000")
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"the job store {self.path!r} has schema {version}, newer than this engine's "
+                        f"{SCHEMA_VERSION}; upgrade the engine"
+                    )
+                if version < 1:
+                    try:
+                        conn.executescript(
+                            f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;"
+                        )
+                    except BaseException:
+                        if conn.in_transaction:
+                            conn.rollback()
+                        raise
+            except (sqlite3.Error, OSError) as exc:
+                conn.close()
+                if isinstance(exc, StoreError):
+                    raise
+                raise StoreError(f"cannot open the job store {self.path!r}: {exc}") from exc
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+        self._conn = await trio.to_thread.run_sync(connect, limiter=self._limiter)
+
+    async def aclose(self) -> None:
+        """Close the connection (a no-op when closed).
+
+        Cancellation: the close runs to its end; the cancellation is delivered after it.
+        """
+
+        def close() -> None:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                conn.close()
+
+        await trio.to_thread.run_sync(close, limiter=self._limiter)
+
+    # -- jobs ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _read(conn: sqlite3.Connection, job_id: str) -> tuple[CronJob, sqlite3.Row | tuple[Any, ...]]:
+        row = conn.execute(
+            "SELECT data, pending_fire, watch_state FROM jobs WHERE id = ?", (job_id,)
+        ).fetchone()
+        if row is None:
+            raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
+        job = _job_from_row(job_id, row[0])
+        if job is None:
+            raise JobNotFoundError(f"job_id {job_id!r} names a cron job whose record is unreadable")
+        return job, row
+
+    @staticmethod
+    def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
+        if job.id != before.id:
+            raise ValueError("a job change must keep the job's id")
+        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(job.to_dict()), job.id))
+
+    async def list_jobs(self) -> list[CronJob]:
+        """Every readable job, oldest first; unreadable rows are logged and skipped."""
+
+        def run(conn: sqlite3.Connection) -> list[CronJob]:
+            rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
+            return [job for job in (_job_from_row(r[0], r[1]) for r in rows) if job is not None]
+
+        return await self._call(run, write=False)
+
+    async def get_job(self, job_id: str) -> CronJob:
+        """The job ``job_id``.
+
+        Raises:
+            JobNotFoundError: no such job (or its row is unreadable).
+        """
+        return await self._call(lambda conn: self._read(conn, job_id)[0], write=False)
+
+    async def insert_job(self, job: CronJob) -> None:
+        """Add ``job``.
+
+        Raises:
+            StoreError: the write failed, or the id exists.
+        """
+
+        def run(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO jobs (id, data) VALUES (?, ?)", (job.id, json.dumps(job.to_dict())))
+
+        await self._call(run, write=True)
+
+    async def update_job(self, job_id: str, change: JobChange) -> CronJob:
+        """Replace job ``job_id`` by ``change(job)`` in one transaction; return the new job."""
+
+        def run(conn: sqlite3.Connection) -> CronJob:
+            before, _ = self._read(conn, job_id)
+            after = change(before)
+            self._write(conn, after, before)
+            return after
+
+        return await self._call(run, write=True)
+
+    async def delete_job(self, job_id: str) -> tuple[CronJob | None, dict[str, Any] | None]:
+        """Delete job ``job_id`` (an unreadable row too); return it and its undelivered pending fire."""
+
+        def run(conn: sqlite3.Connection) -> tuple[CronJob | None, dict[str, Any] | None]:
+            row = conn.execute("SELECT data, pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
+            conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            return _job_from_row(job_id, row[0]), _loads(row[1], "pending fire", job_id)
+
+        return await self._call(run, write=True)
+
+    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
+        """Replace the job by ``change(job)`` and set its ``pending_fire``, in one transaction."""
+        _check_fire(pending_fire)
+
+        def run(conn: sqlite3.Connection) -> CronJob:
+            before, _ = self._read(conn, job_id)
+            after = change(before)
+            self._write(conn, after, before)
+            conn.execute("UPDATE jobs SET pending_fire = ? WHERE id = ?", (json.dumps(pending_fire), job_id))
+            return after
+
+        return await self._call(run, write=True)
+
+    async def commit_exit(self, job_id: str, pending_fire: dict[str, Any]) -> CronJob:
+        """Disable the job and set its ``pending_fire``, in one transaction (an on-exit job's exit)."""
+        return await self.commit_fire(
+            job_id, lambda job: attrs.evolve(job, enabled=False, next_run_at=None), pending_fire
+        )
+
+    # -- events -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _append(conn: sqlite3.Connection, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        row = conn.execute("SELECT * FROM events WHERE fire_id = ?", (fire["fire_id"],)).fetchone()
+        if row is not None:
+            event = _event_from_row(row)
+            if event is None:
+                raise StoreError(f"the logged event of fire {fire['fire_id']!r} is unreadable")
+            return event
+        values = [fire[k] for k in PENDING_FIRE_FIELDS]
+        cur = conn.execute(
+            "INSERT INTO events (job_id, "
+            + ", ".join(PENDING_FIRE_FIELDS)
+            + ") VALUES (?"
+            + ", ?" * len(values)
+            + ")",
+            (job_id, *values),
+        )
+        assert cur.lastrowid is not None
+        return FiredEvent.from_fields(cur.lastrowid, job_id, fire)
+
+    @staticmethod
+    def _clear(conn: sqlite3.Connection, job_id: str, fire_id: str) -> None:
+        row = conn.execute("SELECT pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None or row[0] is None:
+            return
+        pending = _loads(row[0], "pending fire", job_id)
+        if pending is None or pending.get("fire_id") == fire_id:
+            conn.execute("UPDATE jobs SET pending_fire = NULL WHERE id = ?", (job_id,))
+
+    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        """Append ``fire`` to the event log, or return the event already logged with its ``fire_id``."""
+        _check_fire(fire)
+        return await self._call(lambda conn: self._append(conn, job_id, fire), write=True)
+
+    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        """Append ``fire`` (deduplicated by ``fire_id``) and clear the pending fire, in one transaction."""
+        _check_fire(fire)
+
+        def run(conn: sqlite3.Connection) -> FiredEvent:
+            event = self._append(conn, job_id, fire)
+            self._clear(conn, job_id, event.fire_id)
+            return event
+
+        return await self._call(run, write=True)
+
+    async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:
+        """Clear the job's pending fire if it is ``fire_id``."""
+        await self._call(lambda conn: self._clear(conn, job_id, fire_id), write=True)
+
+    async def pending_fires(self) -> list[tuple[CronJob, dict[str, Any]]]:
+        """Every readable job with a committed, undelivered fire, and that fire, oldest job first."""
+
+        def run(conn: sqlite3.Connection) -> list[tuple[CronJob, dict[str, Any]]]:
+            rows = conn.execute(
+                "SELECT id, data, pending_fire FROM jobs WHERE pending_fire IS NOT NULL ORDER BY seq"
+            ).fetchall()
+            found = []
+            for job_id, data, text in rows:
+                job = _job_from_row(job_id, data)
+                fire = _loads(text, "pending fire", job_id)
+                if job is not None and fire is not None:
+                    found.append((job, fire))
+            return found
+
+        return await self._call(run, write=False)
+
+    async def set_watch_state(self, job_id: str, state: dict[str, Any] | None) -> None:
+        """Set (``None``: clear) the watch state of job ``job_id``.
+
+        Raises:
+            JobNotFoundError: no such job.
+        """
+        text = None if state is None else json.dumps(state)
+
+        def run(conn: sqlite3.Connection) -> None:
+            if conn.execute("UPDATE jobs SET watch_state = ? WHERE id = ?", (text, job_id)).rowcount == 0:
+                raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
+
+        await self._call(run, write=True)
+
+    async def watch_states(self) -> dict[str, dict[str, Any]]:
+        """Every job's watch state, by job id (unreadable ones skipped)."""
+
+        def run(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
+            rows = conn.execute("SELECT id, watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
+            states = {job_id: _loads(text, "watch state", job_id) for job_id, text in rows}
+            return {k: v for k, v in states.items() if v is not None}
+
+        return await self._call(run, write=False)
+
+    async def events(self, since: int = 0) -> list[FiredEvent]:
+        """The logged events with ``cursor > since``, oldest first (unreadable ones skipped)."""
+
+        def run(conn: sqlite3.Connection) -> list[FiredEvent]:
+            rows = conn.execute("SELECT * FROM events WHERE cursor > ? ORDER BY cursor", (since,)).fetchall()
+            return [e for e in (_event_from_row(r) for r in rows) if e is not None]
+
+        return await self._call(run, write=False)
+
+
+def _check_fire(fire: dict[str, Any]) -> None:
+    missing = [k for k in PENDING_FIRE_FIELDS if k not in fire]
+    if missing:
+        raise ValueError(f"a pending fire needs the fields {missing}")
+    json.dumps(fire)  # must be JSON-able: fail before the transaction
+
+
+def _job_from_row(job_id: str, data: str) -> CronJob | None:
+    try:
+        job = CronJob.from_dict(json.loads(data))
+        if job.id != job_id:
+            raise ValueError(f"the record holds id {job.id!r}")
+        return job
+    except ValueError as exc:
+        logger.error("cron store: the record of job %s is unreadable (%s); skipped", job_id, exc)
+        return None
+
+
+def _event_from_row(row: tuple[Any, ...]) -> FiredEvent | None:
+    cursor, fire_id, job_id, *rest = row
+    fields = dict(zip(PENDING_FIRE_FIELDS, (fire_id, *rest), strict=True))
+    fields["truncated"] = bool(fields["truncated"])
+    try:
+        return FiredEvent.from_fields(cursor, job_id, fields)
+    except ValueError as exc:
+        logger.error("cron store: event %s is unreadable (%s); skipped", cursor, exc)
+        return None
