@@ -31,5 +31,18 @@ from ._supervisor import Supervisor as Supervisor
 from ._supervisor import TerminationReason as TerminationReason
 from ._supervisor import open_supervisor as open_supervisor
 from ._tool import SubprocessTool as SubprocessTool
+from .cron import At as At
+from .cron import Command as Command
+from .cron import Cron as Cron
+from .cron import CronJob as CronJob
+from .cron import CronService as CronService
+from .cron import Every as Every
+from .cron import FiredEvent as FiredEvent
+from .cron import JobStatus as JobStatus
+from .cron import JobStore as JobStore
+from .cron import OnExit as OnExit
+from .cron import SqliteJobStore as SqliteJobStore
+from .cron import SystemEvent as SystemEvent
+from .cron import compute_next_run_at as compute_next_run_at
 
 __version__ = "0.1.0"

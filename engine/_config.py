@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 import attrs
 import platformdirs
+
+if TYPE_CHECKING:
+    from .cron._store import JobStore
 
 __all__ = ["EngineConfig"]
 
@@ -44,6 +49,10 @@ class EngineConfig:
         gadget_dir_name: the folder under a project that holds ``subprocess-logs/``.
         exit_watch_shell: argv prefix of on-exit commands (``None``: ``resolve_exit_watch_shell()``).
         subreaper: make the engine a child subreaper where Linux allows.
+        store_factory: makes the cron job store from the state dir (``None``: SQLite at
+            ``<state_dir>/cron.sqlite3``); tests pass a store that fails on purpose.
+        wall_clock: returns the wall time, aware, for cron maths (``None``: the system clock);
+            tests steer it.
     """
 
     state_dir: str | None = attrs.field(
@@ -57,6 +66,8 @@ class EngineConfig:
     gadget_dir_name: str = attrs.field(default=".gadget", validator=attrs.validators.instance_of(str))
     exit_watch_shell: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_shell)
     subreaper: bool = True
+    store_factory: Callable[[str], JobStore] | None = None
+    wall_clock: Callable[[], datetime] | None = None
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

@@ -15,6 +15,7 @@ from ._errors import EngineLockedError
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
 from ._tool import SubprocessTool
+from .cron._service import CronService, open_cron_service
 
 __all__ = ["Engine", "open_engine"]
 
@@ -33,6 +34,7 @@ class Engine:
         supervisor: the :class:`Supervisor` every child runs under.
         service: the :class:`SubProcessService` of agent subprocesses (stopping the engine kills them all).
         tool: the ``subprocess`` agent tool over ``service``.
+        cron: the :class:`CronService` (scheduled jobs and the event log).
     """
 
     config: EngineConfig
@@ -40,6 +42,7 @@ class Engine:
     supervisor: Supervisor
     service: SubProcessService
     tool: SubprocessTool
+    cron: CronService
 
 
 def _lock_state_dir(state_dir: str) -> int:
@@ -87,10 +90,22 @@ async def open_engine(
                 subreaper=config.subreaper,
             ) as supervisor,
             open_subprocess_service(supervisor, config) as service,
+            open_cron_service(
+                state_dir=state_dir,
+                supervisor=supervisor,
+                store=config.store_factory(state_dir) if config.store_factory is not None else None,
+                now=config.wall_clock,
+                on_fire=on_fire,
+            ) as cron,
         ):
             tool = SubprocessTool(service, config=config)
             yield Engine(
-                config=config, state_dir=state_dir, supervisor=supervisor, service=service, tool=tool
+                config=config,
+                state_dir=state_dir,
+                supervisor=supervisor,
+                service=service,
+                tool=tool,
+                cron=cron,
             )
     finally:
         os.close(lock_fd)
