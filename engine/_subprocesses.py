@@ -99,6 +99,13 @@ class SubProcess:
         """Absolute path of the stderr log."""
         return self._logs["stderr"].path
 
+    async def wait(self) -> RunExit:
+        """Wait until the process and its tree have ended, and return how it ended.
+
+        Cancellation: safe; the process goes on and can be waited for again.
+        """
+        return await self._run.wait()
+
     def _last_change(self) -> datetime:
         moments = [self._changed_at]
         if self._run.exit is not None:
