@@ -53,6 +53,8 @@ class EngineConfig:
             ``<state_dir>/cron.sqlite3``); tests pass a store that fails on purpose.
         wall_clock: returns the wall time, aware, for cron maths (``None``: the system clock);
             tests steer it.
+        guardian: start the guardian process that ends the children if the engine dies (records of
+            live groups are kept in the state dir either way, for the next engine's start-up sweep).
     """
 
     state_dir: str | None = attrs.field(
@@ -66,6 +68,7 @@ class EngineConfig:
     gadget_dir_name: str = attrs.field(default=".gadget", validator=attrs.validators.instance_of(str))
     exit_watch_shell: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_shell)
     subreaper: bool = True
+    guardian: bool = True
     store_factory: Callable[[str], JobStore] | None = None
     wall_clock: Callable[[], datetime] | None = None
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, final
 
 import attrs
+import trio
 
 from ._config import EngineConfig
 from ._errors import EngineLockedError
+from ._guardian_link import GuardianLink
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
+from ._sweep import sweep_records
 from ._tool import SubprocessTool
 from .cron._service import CronService, open_cron_service
 
@@ -82,7 +86,19 @@ async def open_engine(
     config = config if config is not None else EngineConfig()
     state_dir = config.resolved_state_dir()
     lock_fd = _lock_state_dir(state_dir)
+    guardian = GuardianLink(state_dir, config.grace_seconds, config.kill_wait_seconds)
     try:
+        # Under the lock: what a crashed engine (and its guardian) left behind is ours to end.
+        await trio.to_thread.run_sync(
+            functools.partial(
+                sweep_records,
+                state_dir,
+                grace_seconds=config.grace_seconds,
+                kill_wait_seconds=config.kill_wait_seconds,
+            )
+        )
+        if config.guardian:
+            guardian.start()
         async with (
             open_supervisor(
                 grace_seconds=config.grace_seconds,
@@ -98,6 +114,7 @@ async def open_engine(
                 on_fire=on_fire,
             ) as cron,
         ):
+            supervisor.add_observer(guardian)
             tool = SubprocessTool(service, config=config)
             yield Engine(
                 config=config,
@@ -108,4 +125,7 @@ async def open_engine(
                 cron=cron,
             )
     finally:
-        os.close(lock_fd)
+        try:
+            await guardian.close()
+        finally:
+            os.close(lock_fd)

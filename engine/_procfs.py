@@ -12,8 +12,7 @@ import ctypes.util
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-
-import attrs
+from typing import NamedTuple
 
 __all__ = [
     "RUN_MARKER_VAR",
@@ -35,8 +34,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
 
-@attrs.frozen
-class ProcInfo:
+class ProcInfo(NamedTuple):
     """One line of the process table.
 
     Attributes:

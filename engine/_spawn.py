@@ -141,11 +141,12 @@ def spawn_process(
     env: Mapping[str, str],
     stdout_fd: int | None,
     stderr_fd: int | None,
+    stdin_fd: int | None = None,
 ) -> int:
     """Start ``argv`` as the leader of a new session and return its pid.
 
-    The child gets: stdin from ``/dev/null``; stdout and stderr on the given descriptors (``None`` means
-    ``/dev/null``); every catchable signal at its default disposition and an empty signal mask; no other
+    The child gets: stdin from ``/dev/null`` (or ``stdin_fd``); stdout and stderr on the given
+    descriptors (``None`` means ``/dev/null``); every catchable signal at its default disposition and an empty signal mask; no other
     open descriptor; ``cwd`` as its working directory; exactly ``env`` as its environment.
 
     Args:
@@ -154,6 +155,7 @@ def spawn_process(
         env: the complete environment.
         stdout_fd: descriptor the child's stdout is a copy of, or ``None``.
         stderr_fd: likewise for stderr.
+        stdin_fd: descriptor the child's stdin is a copy of (the guardian's pipe), or ``None``.
 
     Raises:
         SpawnError: the executable is missing, not executable, a directory, has a missing interpreter, or
@@ -185,7 +187,11 @@ def spawn_process(
         _check(_libc.posix_spawnattr_setflags(attr, ctypes.c_short(flags)), "setflags")
 
         devnull = b"/dev/null"
-        _check(_libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0), "addopen stdin")
+        if stdin_fd is None:
+            rc = _libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0)
+        else:
+            rc = _libc.posix_spawn_file_actions_adddup2(fa, stdin_fd, 0)
+        _check(rc, "file action stdin")
         for target, fd in ((1, stdout_fd), (2, stderr_fd)):
             if fd is None:
                 rc = _libc.posix_spawn_file_actions_addopen(fa, target, devnull, os.O_WRONLY, 0)

@@ -14,7 +14,7 @@ import secrets
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import final
+from typing import Protocol, final
 
 import attrs
 import trio
@@ -96,6 +96,8 @@ class SpawnSpec:
         replace_existing_scope: end every run of ``scope_key`` (reaped) before this one starts.
         max_runtime_seconds: end the run by escalation after this many seconds.
         grace_seconds: SIGINT -> SIGKILL delay for this run (``None``: the supervisor's).
+        outlive_engine_crash: leave this run to the next engine if this one crashes (the guardian and the
+            start-up sweep skip it); on-exit watched commands use it. A graceful shutdown still ends it.
     """
 
     argv: tuple[str, ...] | None = attrs.field(default=None, converter=_argv_tuple)
@@ -113,6 +115,7 @@ class SpawnSpec:
     replace_existing_scope: bool = False
     max_runtime_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
     grace_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
+    outlive_engine_crash: bool = False
 
     def __attrs_post_init__(self) -> None:
         if (self.argv is None) == (self.shell_command is None):
@@ -193,6 +196,7 @@ class ManagedRun:
     scope_key: str
     argv: tuple[str, ...]
     started_at: datetime
+    outlive_engine_crash: bool
     _tree: ProcessTree = attrs.field(alias="tree")
     _grace_seconds: float = attrs.field(alias="grace_seconds")
     _started: float = attrs.field(alias="started")
@@ -201,6 +205,16 @@ class ManagedRun:
     _done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _requested: TerminationReason | None = attrs.field(init=False, default=None)
+
+    @property
+    def marker(self) -> str:
+        """The run marker in the environment of the run's whole tree (``GADGET_ENGINE_RUN``)."""
+        return self._tree.marker
+
+    @property
+    def start_time(self) -> int:
+        """The leader's start time in clock ticks since boot (with ``pid`` it names the process)."""
+        return self._tree.start_time
 
     @property
     def state(self) -> RunState:
@@ -226,6 +240,16 @@ class ManagedRun:
         return f"<ManagedRun {self.pid} {list(self.argv)!r}: {status}>"
 
 
+class RunObserver(Protocol):
+    """Told of runs as they start and end (the guardian link keeps its records this way)."""
+
+    def run_started(self, run: ManagedRun) -> None:
+        """Called right after the spawn, before ``spawn`` returns."""
+
+    def run_ended(self, run: ManagedRun) -> None:
+        """Called once the run's tree is reaped, before ``wait`` returns."""
+
+
 @final
 @attrs.define(eq=False)
 class Supervisor:
@@ -247,6 +271,15 @@ class Supervisor:
     _leaders: set[int] = attrs.field(init=False, factory=set)
     _locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
     _closing: bool = attrs.field(init=False, default=False)
+    _observers: list[RunObserver] = attrs.field(init=False, factory=list)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closing else "open"
+        return f"<Supervisor {state}: {len(self._runs)} runs, grace {self.grace_seconds} s>"
+
+    def add_observer(self, observer: RunObserver) -> None:
+        """Have ``observer`` told, synchronously, of every run started and ended from now on."""
+        self._observers.append(observer)
 
     def runs(self, scope_key: str | None = None) -> list[ManagedRun]:
         """The runs not yet ended (all of them, or those of ``scope_key``), oldest first."""
@@ -320,6 +353,7 @@ class Supervisor:
             scope_key=spec.scope_key,
             argv=argv,
             started_at=datetime.now(UTC),
+            outlive_engine_crash=spec.outlive_engine_crash,
             tree=tree,
             grace_seconds=grace,
             started=trio.current_time(),
@@ -328,6 +362,8 @@ class Supervisor:
             run._cancel_scope.deadline = trio.current_time() + spec.max_runtime_seconds
         self._runs[run_id] = run
         self._leaders.add(pid)
+        for observer in self._observers:
+            observer.run_started(run)
         self._nursery.start_soon(self._watch, run, name=f"watch run {pid}")
         return run
 
@@ -380,6 +416,8 @@ class Supervisor:
             run._state = RunState.EXITED
             self._runs.pop(run.run_id, None)
             self._leaders.discard(run.pid)
+            for observer in self._observers:
+                observer.run_ended(run)
             run._done.set()
 
     def _request(self, run: ManagedRun, *, force: bool) -> None:

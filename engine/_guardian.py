@@ -1,0 +1,63 @@
+"""The guardian: a small separate process that ends the engine's children if the engine dies.
+
+The engine starts it (``python -c`` calling :func:`main`) in its own session, with a pipe from the engine
+as its stdin and a log file in the state dir as stdout/stderr: it never touches the engine's stdio. The
+engine writes one line per run started (``+ pgid sid start_time marker``) and ended (``- pgid
+start_time``). When the pipe reaches end-of-file, the engine is gone: by a graceful exit (nothing left
+registered) or by any death, SIGKILL included. Then the guardian finds every descendant of the registered
+groups (group members, ``/proc`` parent links and the run marker), runs SIGINT -> grace -> SIGKILL on them
+and removes their records. Runs spawned with ``outlive_engine_crash`` (on-exit watched commands) are
+never registered, so they survive for the next engine to adopt.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ._sweep import GroupRecord, end_processes, find_record_processes
+
+__all__ = ["BOOTSTRAP", "main"]
+
+#: ``python -c`` code that runs :func:`main` without importing the ``engine`` package's ``__init__``
+#: (trio and the rest): the guardian needs only ``_sweep`` and ``_procfs``, and starts in ~50 ms.
+BOOTSTRAP = (
+    "import sys, types; pkg = types.ModuleType('engine'); pkg.__path__ = [sys.argv[1]]; "
+    "sys.modules['engine'] = pkg; from engine._guardian import main; sys.exit(main(sys.argv[2:]))"
+)
+
+
+def _log(message: str) -> None:
+    print(f"guardian {os.getpid()}: {message}", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """The guardian process: read registrations until end-of-file, then end what is still registered."""
+    state_dir, grace, kill_wait = argv[0], float(argv[1]), float(argv[2])
+    live: dict[tuple[int, int], GroupRecord] = {}
+    with os.fdopen(0, "r", encoding="utf-8", errors="replace") as pipe:
+        for line in pipe:
+            kind, _, rest = line.strip().partition(" ")
+            try:
+                if kind == "+":
+                    record = GroupRecord.parse(rest)
+                    live[(record.pgid, record.start_time)] = record
+                elif kind == "-":
+                    pgid, start = rest.split()
+                    live.pop((int(pgid), int(start)), None)
+            except ValueError:
+                _log(f"ignored a bad line: {line!r}")
+    if not live:
+        return 0
+    targets = find_record_processes(live.values())
+    _log(f"the engine is gone; ending {len(targets)} processes of {len(live)} groups")
+    survivors = end_processes(targets, grace_seconds=grace, kill_wait_seconds=kill_wait)
+    if survivors:
+        _log(f"survivors after SIGKILL: {survivors}")
+    for record in live.values():
+        record.remove(state_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""The engine's end of the guardian (see ``_guardian``): group records and the pipe."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import final
+
+import attrs
+import trio
+
+from ._guardian import BOOTSTRAP
+from ._procfs import read_proc
+from ._spawn import spawn_process
+from ._supervisor import ManagedRun
+from ._sweep import GroupRecord, records_dir
+
+__all__ = ["GuardianLink"]
+
+_LOG = "guardian.log"
+
+
+@final
+@attrs.define(eq=False)
+class GuardianLink:
+    """The engine's end: keeps the group records and feeds the guardian (a ``RunObserver``).
+
+    Attributes:
+        state_dir: where records and the guardian's log live.
+        grace_seconds: the guardian's SIGINT -> SIGKILL delay.
+        kill_wait_seconds: its wait after SIGKILL.
+        pid: the guardian's pid, or ``None`` before :meth:`start`.
+    """
+
+    state_dir: str
+    grace_seconds: float
+    kill_wait_seconds: float
+    pid: int | None = attrs.field(init=False, default=None)
+    _pipe: int = attrs.field(init=False, default=-1)
+    _records: dict[int, GroupRecord] = attrs.field(init=False, factory=dict)
+
+    def start(self) -> None:
+        """Start the guardian process (it loads in the background; lines wait in the pipe)."""
+        records_dir(self.state_dir)
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        log = os.open(
+            os.path.join(self.state_dir, _LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+        )
+        try:
+            argv = (
+                sys.executable,
+                "-c",
+                BOOTSTRAP,
+                os.path.dirname(os.path.abspath(__file__)),
+                self.state_dir,
+                str(self.grace_seconds),
+                str(self.kill_wait_seconds),
+            )
+            env = {k: v for k, v in os.environ.items() if k != "GADGET_ENGINE_RUN"}
+            self.pid = spawn_process(argv, cwd="/", env=env, stdout_fd=log, stderr_fd=log, stdin_fd=read_end)
+        finally:
+            os.close(read_end)
+            os.close(log)
+        self._pipe = write_end
+        for record in self._records.values():
+            self._send(f"+ {record.line()}")
+
+    def _send(self, line: str) -> None:
+        if self._pipe < 0:
+            return
+        try:
+            os.write(self._pipe, (line + "\n").encode())
+        except BrokenPipeError:  # the guardian died: start another one, re-registering every group
+            os.close(self._pipe)
+            self._pipe = -1
+            self._reap_guardian(block=False)
+            self.start()
+
+    def run_started(self, run: ManagedRun) -> None:
+        """Record the run's group and tell the guardian (skipped for ``outlive_engine_crash`` runs)."""
+        if run.outlive_engine_crash:
+            return
+        info = read_proc(run.pid)
+        sid = info.sid if info is not None else run.pid
+        record = GroupRecord(pgid=run.pgid, sid=sid, start_time=run.start_time, marker=run.marker)
+        self._records[run.pid] = record
+        record.write(self.state_dir)
+        self._send(f"+ {record.line()}")
+
+    def run_ended(self, run: ManagedRun) -> None:
+        """Drop the run's record and tell the guardian."""
+        record = self._records.pop(run.pid, None)
+        if record is not None:
+            record.remove(self.state_dir)
+            self._send(f"- {record.pgid} {record.start_time}")
+
+    def _reap_guardian(self, *, block: bool) -> bool:
+        if self.pid is None:
+            return True
+        try:
+            pid, _ = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            pid = self.pid
+        if pid == 0:
+            return False
+        self.pid = None
+        return True
+
+    async def close(self) -> None:
+        """Close the pipe (the guardian exits: nothing is registered any more) and reap the guardian.
+
+        Cancellation: shielded and bounded (2 s, then SIGKILL).
+        """
+        with trio.CancelScope(shield=True):
+            if self._pipe >= 0:
+                os.close(self._pipe)
+                self._pipe = -1
+            if self.pid is not None and not self._reap_guardian(block=False):
+                pidfd = os.pidfd_open(self.pid)
+                try:
+                    with trio.move_on_after(2.0):
+                        await trio.lowlevel.wait_readable(pidfd)
+                finally:
+                    trio.lowlevel.notify_closing(pidfd)
+                    os.close(pidfd)
+                self._reap_guardian(block=False)
+            if self.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, 9)
+                self._reap_guardian(block=True)

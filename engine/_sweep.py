@@ -1,0 +1,192 @@
+"""Records of live process groups in the state directory, and ending the trees they name.
+
+Both the guardian (after the engine died) and the next engine's start-up sweep use this. A record names
+a group by ``(pgid, sid, leader start time)`` plus the run marker; a process is ended only when it
+matches, so a pid reused by someone else is never signalled:
+
+- the leader pid alive with the recorded start time: the group is ours;
+- the leader pid alive with another start time: the pid was reused, so the group is gone (the kernel
+  keeps a pid reserved while any process still uses it as its group id): nothing is ours;
+- the leader pid free: processes with the recorded pgid and sid are our group's members.
+
+Escapees are found by the run marker in their environment and by ``/proc`` parent links.
+Everything here is synchronous (it runs in the guardian, or in a worker thread of the engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from ._procfs import children_map, read_marker, read_proc, scan_processes
+
+__all__ = ["GroupRecord", "end_processes", "find_record_processes", "load_records", "sweep_records"]
+
+_RECORDS = "groups"
+
+
+class GroupRecord(NamedTuple):
+    """One live group of an engine, as kept in ``<state_dir>/groups/``.
+
+    Attributes:
+        pgid: the group (and leader) id.
+        sid: the session id (equal to pgid for our children).
+        start_time: the leader's start time in clock ticks since boot.
+        marker: the run marker in the tree's environment.
+    """
+
+    pgid: int
+    sid: int
+    start_time: int
+    marker: str
+
+    def line(self) -> str:
+        """The record as one line: ``pgid sid start_time marker``."""
+        return f"{self.pgid} {self.sid} {self.start_time} {self.marker}"
+
+    @classmethod
+    def parse(cls, line: str) -> GroupRecord:
+        """Read :meth:`line` back; ``ValueError`` on anything else."""
+        pgid, sid, start, marker = line.split()
+        return cls(int(pgid), int(sid), int(start), marker)
+
+    def path(self, state_dir: str) -> Path:
+        """Where this record is kept."""
+        return Path(state_dir) / _RECORDS / f"{self.pgid}-{self.start_time}"
+
+    def write(self, state_dir: str) -> None:
+        """Keep the record (one small file, mode 0600)."""
+        path = self.path(state_dir)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, (self.line() + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def remove(self, state_dir: str) -> None:
+        """Forget the record (missing is fine)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path(state_dir).unlink()
+
+
+def records_dir(state_dir: str) -> Path:
+    """``<state_dir>/groups``, created (0700) if missing."""
+    path = Path(state_dir) / _RECORDS
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def load_records(state_dir: str) -> list[GroupRecord]:
+    """Every readable record; unreadable files are removed."""
+    out = []
+    for path in records_dir(state_dir).iterdir():
+        try:
+            out.append(GroupRecord.parse(path.read_text()))
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return out
+
+
+def find_record_processes(records: Iterable[GroupRecord]) -> dict[int, int]:
+    """The live processes the records name, ``{pid: start_time}`` (one ``/proc`` scan, see the module)."""
+    records = list(records)
+    procs = [p for p in scan_processes() if not p.zombie]
+    by_pid = {p.pid: p for p in procs}
+    found: dict[int, int] = {}
+    markers: dict[str, int] = {}
+    for rec in records:
+        leader = by_pid.get(rec.pgid)
+        if leader is not None and leader.start_time != rec.start_time:
+            continue  # pid reused: the group no longer exists
+        markers[rec.marker] = rec.start_time
+        for p in procs:
+            if p.pgid == rec.pgid and p.sid == rec.sid and p.start_time >= rec.start_time:
+                found[p.pid] = p.start_time
+    if markers:
+        earliest = min(markers.values())
+        for p in procs:
+            if p.pid not in found and p.start_time >= earliest and p.pid != os.getpid():
+                marker = read_marker(p.pid)
+                if marker is not None and marker in markers and p.start_time >= markers[marker]:
+                    found[p.pid] = p.start_time
+    kids = children_map(procs)
+    stack = list(found)
+    while stack:
+        for child in kids.get(stack.pop(), ()):
+            if child.pid not in found:
+                found[child.pid] = child.start_time
+                stack.append(child.pid)
+    return found
+
+
+def _alive(targets: dict[int, int]) -> dict[int, int]:
+    out = {}
+    for pid, start in targets.items():
+        info = read_proc(pid)
+        if info is not None and info.start_time == start and not info.zombie:
+            out[pid] = start
+    return out
+
+
+def _send(targets: dict[int, int], sig: int) -> None:
+    for pid, start in targets.items():
+        info = read_proc(pid)
+        if info is not None and info.start_time == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+
+def end_processes(targets: dict[int, int], *, grace_seconds: float, kill_wait_seconds: float) -> list[int]:
+    """SIGINT (+SIGCONT) -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` on ``targets``.
+
+    Blocks (polling every 20 ms). A zombie counts as gone: its parent reaps it, not us.
+
+    Returns:
+        The pids still alive at the end.
+    """
+    _send(targets, signal.SIGINT)
+    _send(targets, signal.SIGCONT)
+    deadline = time.monotonic() + grace_seconds
+    alive = _alive(targets)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = _alive(alive)
+    if not alive:
+        return []
+    _send(alive, signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait_seconds
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = _alive(alive)
+    return sorted(alive)
+
+
+def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: float) -> tuple[int, list[int]]:
+    """End every process the state dir's records name, then drop the records.
+
+    Run by an engine at start-up, under the state-dir lock, so that no other engine's children are
+    touched: processes left by a crashed engine (and a crashed guardian) are ended here.
+
+    Returns:
+        ``(number of processes ended, survivors)``.
+    """
+    records = load_records(state_dir)
+    if not records:
+        return 0, []
+    targets = find_record_processes(records)
+    survivors = end_processes(targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)
+    for rec in records:
+        rec.remove(state_dir)
+    return len(targets), survivors
+
+
+def read_leader(pid: int) -> tuple[int, int] | None:
+    """``(sid, start_time)`` of a live process, for a record."""
+    info = read_proc(pid)
+    return None if info is None else (info.sid, info.start_time)

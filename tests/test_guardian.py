@@ -1,0 +1,133 @@
+"""Children never outlive the engine: the guardian after an engine SIGKILL, and the start-up sweep."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import EngineConfig, SpawnSpec, open_engine
+from engine._procfs import read_proc
+from engine._sweep import GroupRecord, records_dir
+
+from .children import kill_leftovers, pgrep
+
+ROOT = Path(__file__).parent.parent
+STUBBORN = "sleep 331.1 & setsid sleep 331.2 & trap '' INT; sleep 331.3; wait"
+
+
+def start_engine(
+    state: Path, grace: float, *pairs: tuple[Path, str]
+) -> tuple[subprocess.Popen[str], list[int]]:
+    args = [a for project, command in pairs for a in (str(project), command)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.crash_engine", str(state), str(grace), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    assert line and line[0] == "ready", line
+    return proc, [int(p) for p in line[1:]]
+
+
+def sigkill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+
+
+def guardian_pids(state: Path) -> list[int]:
+    return [
+        p
+        for p in pgrep("engine._guardian import main")
+        if str(state) in Path(f"/proc/{p}/cmdline").read_text()
+    ]
+
+
+async def wait_gone(pattern: str, seconds: float) -> float:
+    t0 = time.monotonic()
+    with trio.fail_after(seconds):
+        while pgrep(pattern):
+            await trio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path) -> None:
+    projects = [tmp_path / "p1", tmp_path / "p2"]
+    for p in projects:
+        p.mkdir()
+    try:
+        proc, _ = start_engine(
+            tmp_path / "state", 5.0, (projects[0], STUBBORN), (projects[1], "sleep 331.4 & wait")
+        )
+        await trio.sleep(0.5)
+        assert len(pgrep(r"^sleep 331\.[1-4]")) == 4
+        t0 = time.monotonic()
+        sigkill(proc)
+        with trio.fail_after(8):
+            while pgrep(r"^sleep 331\.[1-4]"):
+                await trio.sleep(0.05)
+        assert time.monotonic() - t0 <= 8.0
+        with trio.fail_after(2):  # then the guardian drops the records
+            while list((tmp_path / "state" / "groups").iterdir()):
+                await trio.sleep(0.02)
+    finally:
+        kill_leftovers(r"sleep 331\.[1-4]")
+
+
+async def test_guardian_exits_with_engine_on_graceful_shutdown(tmp_path: Path) -> None:
+    async with open_engine(EngineConfig(state_dir=str(tmp_path), grace_seconds=0.3)) as engine:
+        await engine.supervisor.spawn(SpawnSpec(argv=("sleep", "332.1")))
+        with trio.fail_after(5):
+            while not guardian_pids(tmp_path):
+                await trio.sleep(0.02)
+    assert not guardian_pids(tmp_path)
+    assert not pgrep(r"^sleep 332\.1")
+
+
+async def test_sweep_ends_leftovers_when_guardian_died_too(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    try:
+        proc, _ = start_engine(state, 0.3, (tmp_path, STUBBORN))
+        await trio.sleep(0.5)
+        with trio.fail_after(5):
+            while not guardian_pids(state):
+                await trio.sleep(0.02)
+        for pid in guardian_pids(state):  # the guardian first, then the engine: nobody cleans up
+            os.kill(pid, signal.SIGKILL)
+        sigkill(proc)
+        await trio.sleep(0.3)
+        assert len(pgrep(r"^sleep 331\.[123]")) == 3
+        # A stranger whose pid is in a record with another start time must be left alone.
+        stranger = subprocess.Popen(["sleep", "333.1"])
+        info = read_proc(stranger.pid)
+        assert info is not None
+        records_dir(str(state))
+        GroupRecord(stranger.pid, info.sid, info.start_time - 1, "someone:1").write(str(state))
+        async with open_engine(EngineConfig(state_dir=str(state), grace_seconds=0.3)):
+            assert not pgrep(r"^sleep 331\.[123]")  # swept at start-up, before open_engine returned
+            assert stranger.poll() is None
+        assert not os.listdir(state / "groups")
+        stranger.kill()
+        stranger.wait()
+    finally:
+        kill_leftovers(r"sleep 33[13]\.[123]")
+
+
+@pytest.mark.parametrize("outlive", [True, False])
+async def test_guardian_skips_runs_that_outlive_engine_crash(tmp_path: Path, outlive: bool) -> None:
+    state = tmp_path / "state"
+    async with open_engine(EngineConfig(state_dir=str(state), grace_seconds=0.3)) as engine:
+        run = await engine.supervisor.spawn(SpawnSpec(argv=("sleep", "334.1"), outlive_engine_crash=outlive))
+        recorded = [p.name for p in (state / "groups").iterdir()]
+        assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
+    assert not pgrep(r"^sleep 334\.1")  # a graceful exit ends it either way
