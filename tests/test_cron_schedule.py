@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import attrs
@@ -18,8 +19,8 @@ from engine.cron._schedule import next_run_after
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
 
-def utc(*args: int) -> datetime:
-    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]  # year, month, day, ... positional
+def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0) -> datetime:
+    return datetime(year, month, day, hour, minute, tzinfo=UTC)
 
 
 def runs(schedule: Cron, start: datetime, end: datetime) -> list[datetime]:
@@ -196,7 +197,7 @@ def test_other_fixed_offsets_are_fine() -> None:
 # -- the decision core -------------------------------------------------------------------------------
 
 
-def make_job(schedule: Every | Cron | At, now: datetime, **kw: object) -> CronJob:
+def make_job(schedule: Every | Cron | At, now: datetime, **kw: Any) -> CronJob:
     job = CronJob(
         id="j1",
         name="j",

@@ -23,9 +23,7 @@ async def main(state_dir: str) -> None:
     config = EngineConfig(state_dir=state_dir, grace_seconds=0.5)
     async with open_engine(config, on_fire=on_fire) as engine:
         await engine.cron.add(Every(every_seconds=1.0), SystemEvent("stand up and stretch"), name="stretch")
-        job = await engine.cron.add(
-            Every(every_seconds=3600.0), Command(("echo", "build ok")), name="build"
-        )
+        job = await engine.cron.add(Every(every_seconds=3600.0), Command(("echo", "build ok")), name="build")
         await engine.cron.run_now(job.id)  # waits until the fire is delivered
         with trio.fail_after(10):
             await two_fired.wait()

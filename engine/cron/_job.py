@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, TypeAlias
 
@@ -22,6 +22,10 @@ class SystemEvent:
     text: str
 
 
+def _to_argv(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 @attrs.frozen
 class Command:
     """Run ``argv`` under the engine's supervisor, in ``cwd``, and deliver how it ended.
@@ -30,7 +34,7 @@ class Command:
     run); the fired event carries the exit code or signal, the duration and the last lines of each stream.
     """
 
-    argv: tuple[str, ...] = attrs.field(converter=tuple)
+    argv: tuple[str, ...] = attrs.field(converter=_to_argv)
     cwd: str | None = None
 
 

@@ -1,0 +1,409 @@
+"""The cron service (``engine/cron/_service.py``): timer, run pipeline, event log, restarts, bad input."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from engine import (
+    At,
+    Command,
+    Cron,
+    CronJob,
+    EngineConfig,
+    Every,
+    FiredEvent,
+    InvalidScheduleError,
+    JobNotFoundError,
+    JobStatus,
+    OnExit,
+    SqliteJobStore,
+    StoreError,
+    Supervisor,
+    SystemEvent,
+    open_engine,
+)
+from engine.cron import CronService, open_cron_service
+from engine.cron._events import text_fire
+
+from .test_cron_store import FullDiskConnection
+
+T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+REPO = Path(__file__).resolve().parent.parent
+
+
+class WallClock:
+    """Wall time that follows the Trio clock from ``start``, and can be stepped (downtime, NTP)."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self.start = start
+        self.origin = trio.current_time()
+        self.offset = 0.0
+
+    def __call__(self) -> datetime:
+        return self.start + timedelta(seconds=trio.current_time() - self.origin + self.offset)
+
+    def step(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+class CountingStore(SqliteJobStore):
+    """The real store, counting how often the timer reads the job list."""
+
+    reads = 0
+
+    async def list_jobs(self) -> list[CronJob]:
+        self.reads += 1
+        return await super().list_jobs()
+
+
+@pytest.fixture
+def clock(autojump_clock: trio.testing.MockClock) -> trio.testing.MockClock:
+    # Jump only after the loop has been idle a little while, so a store call running in a worker
+    # thread is never mistaken for idleness.
+    autojump_clock.autojump_threshold = 0.05
+    return autojump_clock
+
+
+@asynccontextmanager
+async def cron_service(
+    state_dir: Path,
+    supervisor: Supervisor,
+    wall: Callable[[], datetime],
+    *,
+    store: SqliteJobStore | None = None,
+    on_fire: Callable[[FiredEvent], Any] | None = None,
+    on_jobs_changed: Callable[[list[CronJob]], Any] | None = None,
+) -> AsyncIterator[CronService]:
+    async with open_cron_service(
+        state_dir=str(state_dir),
+        supervisor=supervisor,
+        store=store,
+        now=wall,
+        on_fire=on_fire,
+        on_jobs_changed=on_jobs_changed,
+    ) as service:
+        yield service
+
+
+async def test_service_every_fires_each_due_time_once(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    wall = WallClock()
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        job = await cron.add(Every(60, anchor=T0), SystemEvent("tick"), name="ticker")
+        assert job.next_run_at == T0 + timedelta(seconds=60)
+        await trio.sleep(185)
+        events = await cron.events()
+        assert [e.cursor for e in events] == [1, 2, 3]
+        assert {e.text for e in events} == {"tick"} and {e.job_name for e in events} == {"ticker"}
+        assert len({e.fire_id for e in events}) == 3
+        job = await cron.get(job.id)
+        assert job.last_run_at == T0 + timedelta(seconds=180)
+        assert job.next_run_at == T0 + timedelta(seconds=240)
+        assert job.last_status is JobStatus.OK
+        assert await cron.events(since=2) == events[2:]
+
+
+async def test_service_idle_timer_does_not_busy_loop(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    store = CountingStore(str(tmp_path / "cron.sqlite3"))
+    async with cron_service(tmp_path, supervisor, WallClock(), store=store) as cron:
+        await trio.sleep(3600)
+        assert store.reads <= 3  # no timed job: it sleeps until a change
+        await cron.add(Every(86400), SystemEvent("daily"))
+        before = store.reads
+        await trio.sleep(3600)
+        assert 55 <= store.reads - before <= 65  # a look at the wall clock about once a minute
+
+
+async def test_service_missed_job_after_downtime_runs_once(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    wall = WallClock()
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        job = await cron.add(Every(60, anchor=T0), SystemEvent("tick"))
+    wall.step(5 * 3600)  # the engine is down for five hours: 300 slots missed
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        await trio.sleep(1)
+        assert len(await cron.events()) == 1
+        after = await cron.get(job.id)
+        assert after.next_run_at == T0 + timedelta(hours=5, seconds=60)
+        await trio.sleep(60)
+        assert len(await cron.events()) == 2
+
+
+async def test_service_at_never_runs_again_after_restart(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    wall = WallClock()
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        once = await cron.add(At(T0 + timedelta(seconds=10)), SystemEvent("once"))
+        gone = await cron.add(At(T0 + timedelta(seconds=10)), SystemEvent("gone"), delete_after_run=True)
+        await trio.sleep(20)
+        assert sorted(e.text for e in await cron.events()) == ["gone", "once"]
+        job = await cron.get(once.id)
+        assert not job.enabled and job.next_run_at is None and job.last_status is JobStatus.OK
+        with pytest.raises(JobNotFoundError):
+            await cron.get(gone.id)
+    wall.step(-60)  # even with the clock back before its time, a spent one-shot stays spent
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        await trio.sleep(120)
+        assert len(await cron.events()) == 2
+
+
+async def test_service_wall_clock_stepped_back_never_reruns_a_due_time(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    wall = WallClock()
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        await cron.add(Every(60, anchor=T0), SystemEvent("tick"))
+        await trio.sleep(70)
+        assert len(await cron.events()) == 1
+        wall.step(-120)  # back to T0 - 50 s: the 60 s slot comes round on the wall clock again
+        await trio.sleep(150)  # wall: T0 + 100 s
+        assert len(await cron.events()) == 1
+        await trio.sleep(30)  # wall: T0 + 130 s, past the 120 s slot
+        assert len(await cron.events()) == 2
+
+
+async def test_service_bad_input_raises_typed_errors_and_writes_nothing(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, WallClock()) as cron:
+        cases: list[tuple[Any, Any, str]] = [
+            (At(T0 - timedelta(seconds=1)), SystemEvent("x"), "at"),
+            (Cron("99 * * * *"), SystemEvent("x"), "expr"),
+            (Cron("0 9 * * *", "Nowhere/Town"), SystemEvent("x"), "tz"),
+            (OnExit(""), SystemEvent("x"), "command"),
+            (Every(-1), SystemEvent("x"), "every_seconds"),
+            (Every(10), SystemEvent(""), "text"),
+            (Every(10), Command(()), "argv"),
+            ("daily", SystemEvent("x"), "schedule"),
+        ]
+        for schedule, payload, field in cases:
+            with pytest.raises(InvalidScheduleError, match=field):
+                await cron.add(schedule, payload)
+        assert await cron.list() == []
+        job = await cron.add(Every(10), SystemEvent("x"))
+        with pytest.raises(InvalidScheduleError, match="colour"):
+            await cron.update(job.id, colour="red")
+        with pytest.raises(InvalidScheduleError, match="tz"):
+            await cron.update(job.id, schedule=Cron("0 9 * * *", "Atlantis/Main"))
+        with pytest.raises(InvalidScheduleError, match="at"):
+            await cron.update(job.id, schedule=At(T0 - timedelta(days=1)))
+        assert await cron.list() == [job]
+        for call in (cron.get, cron.remove, cron.enable, cron.disable, cron.run_now):
+            with pytest.raises(JobNotFoundError, match="nope"):
+                await call("nope")
+        with pytest.raises(InvalidScheduleError, match="since"):
+            await cron.events(since=-1)
+
+
+async def test_service_update_enable_disable(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    wall = WallClock()
+    async with cron_service(tmp_path, supervisor, wall) as cron:
+        job = await cron.add(Every(60, anchor=T0), SystemEvent("x"), enabled=False)
+        assert job.next_run_at is None
+        await trio.sleep(100)
+        assert await cron.events() == []
+        enabled = await cron.enable(job.id)
+        assert enabled.enabled and enabled.next_run_at == T0 + timedelta(seconds=120)
+        assert [j.id for j in await cron.list(include_disabled=False)] == [job.id]
+        renamed = await cron.update(job.id, name="renamed", payload=SystemEvent("y"))
+        assert renamed.next_run_at == enabled.next_run_at  # no schedule change: same next run
+        await trio.sleep(30)
+        [event] = await cron.events()
+        assert event.text == "y" and event.job_name == "renamed"
+        moved = await cron.update(job.id, schedule=Cron("0 13 * * *", "Europe/Berlin"))
+        assert moved.next_run_at == datetime(2026, 6, 2, 11, 0, tzinfo=UTC)
+        disabled = await cron.disable(job.id)
+        assert not disabled.enabled and disabled.next_run_at is None
+        assert await cron.list(include_disabled=False) == []
+        await cron.remove(job.id)
+        assert await cron.list() == []
+
+
+async def test_service_notifies_job_changes_with_the_complete_set(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    seen: list[list[str]] = []
+
+    async def on_jobs_changed(jobs: list[CronJob]) -> None:
+        seen.append([f"{j.id}:{'on' if j.enabled else 'off'}" for j in jobs])
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_jobs_changed=on_jobs_changed) as cron:
+        assert seen == [[]]  # once at start-up
+        a = await cron.add(OnExit("make test"), SystemEvent("tests done"))
+        assert a.next_run_at is None
+        b = await cron.add(Every(60), SystemEvent("tick"))
+        await cron.disable(a.id)
+        await cron.update(b.id, name="b")
+        await cron.remove(b.id)
+        assert seen == [
+            [],
+            [f"{a.id}:on"],
+            [f"{a.id}:on", f"{b.id}:on"],
+            [f"{a.id}:off", f"{b.id}:on"],
+            [f"{a.id}:off", f"{b.id}:on"],
+            [f"{a.id}:off"],
+        ]
+
+
+async def test_service_store_failure_raises_and_the_timer_recovers(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    store = SqliteJobStore(str(tmp_path / "cron.sqlite3"), connection_factory=FullDiskConnection)
+    async with cron_service(tmp_path, supervisor, WallClock(), store=store) as cron:
+        job = await cron.add(Every(3600, anchor=T0 - timedelta(seconds=3540)), SystemEvent("tick"))
+        FullDiskConnection.armed = True
+        try:
+            with pytest.raises(StoreError, match="No space"):
+                await cron.add(Every(5), SystemEvent("lost"))
+            with pytest.raises(StoreError):
+                await cron.update(job.id, name="lost")
+            await trio.sleep(600)  # due at 60 s: the claim cannot be written, so it does not fire
+            assert await cron.events() == []
+        finally:
+            FullDiskConnection.armed = False
+        assert [j.name for j in await cron.list()] == [job.name]
+        await trio.sleep(330)  # the timer retries with back-off (at most 5 min) and fires once
+        assert len(await cron.events()) == 1
+
+
+async def test_service_pending_fire_left_by_crash_is_delivered_at_start(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    store = SqliteJobStore.in_state_dir(str(tmp_path))
+    await store.open()
+    job = CronJob(
+        id="w1",
+        name="watch",
+        enabled=True,
+        schedule=OnExit("true"),
+        payload=SystemEvent("done"),
+        delete_after_run=False,
+        created_at=T0,
+        updated_at=T0,
+    )
+    await store.insert_job(job)
+    fire = text_fire("watch", "the command exited 0")
+    await store.commit_exit("w1", fire)
+    await store.aclose()
+
+    delivered: list[FiredEvent] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        delivered.append(event)
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
+        await trio.sleep(1)
+        assert [e.fire_id for e in delivered] == [fire["fire_id"]]
+        assert len(await cron.events()) == 1
+        assert not (await cron.get("w1")).enabled
+        # the watchers' path: a committed exit, then deliver
+        fire2 = text_fire("watch", "second")
+        await cron.store.commit_exit("w1", fire2)
+        await cron.store.record_event("w1", fire2)  # ... and the engine "crashes" before clearing
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
+        await trio.sleep(1)
+        # at least once when embedded: the same fire id again, never a second log entry
+        assert [e.fire_id for e in delivered] == [fire["fire_id"], fire2["fire_id"]]
+        assert [e.fire_id for e in await cron.events()] == [fire["fire_id"], fire2["fire_id"]]
+        assert await cron.store.pending_fires() == []
+
+
+async def test_service_on_fire_error_keeps_the_fire_for_next_start(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async def broken(event: FiredEvent) -> None:
+        raise RuntimeError("host is down")
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=broken) as cron:
+        await cron.add(At(T0 + timedelta(seconds=5)), SystemEvent("hello"))
+        await trio.sleep(10)
+        assert len(await cron.store.pending_fires()) == 1
+    got: list[FiredEvent] = []
+
+    async def works(event: FiredEvent) -> None:
+        got.append(event)
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=works) as cron:
+        await trio.sleep(1)
+        assert [e.text for e in got] == ["hello"]
+        assert len(await cron.events()) == 1
+
+
+# -- real processes: real clock -------------------------------------------------------------------
+
+
+async def test_service_command_payload_reports_exit_and_output(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
+        argv = ("sh", "-c", "echo out; echo err >&2; exit 3")
+        job = await cron.add(Every(3600), Command(argv, cwd=str(tmp_path)), name="build")
+        with trio.fail_after(10):
+            await cron.run_now(job.id)
+        [event] = await cron.events()
+        assert event.exit_code == 3 and event.signal is None and event.reason == "exit"
+        assert event.stdout_tail == "out\n" and event.stderr_tail == "err\n" and not event.truncated
+        assert event.command == "sh -c 'echo out; echo err >&2; exit 3'"
+        assert "exited with code 3" in event.text and "out" in event.text
+        assert event.duration_seconds is not None and event.duration_seconds < 5
+        assert (tmp_path / "cron-logs" / f"{job.id}.stdout.log").read_text() == "out\n"
+        after = await cron.get(job.id)
+        assert after.last_status is JobStatus.ERROR and after.consecutive_errors == 1
+        assert after.next_run_at is not None and after.last_run_at is not None
+        assert after.next_run_at >= after.last_run_at + timedelta(seconds=30)  # back-off
+
+        missing = await cron.add(Every(3600), Command(("/no/such/program",)))
+        with trio.fail_after(10):
+            await cron.run_now(missing.id)
+        last = (await cron.events())[-1]
+        assert last.reason == "spawn_failed" and last.exit_code is None
+        assert "/no/such/program" in last.text
+        await cron.remove(job.id)
+        assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
+
+
+async def test_engine_reopens_the_store_on_the_same_state_dir(tmp_path: Path) -> None:
+    config = EngineConfig(state_dir=str(tmp_path), grace_seconds=0.4, kill_wait_seconds=1.0)
+    with trio.fail_after(20):
+        async with open_engine(config) as engine:
+            a = await engine.cron.add(Cron("30 1 * * *", "America/New_York"), SystemEvent("nightly"))
+            b = await engine.cron.add(OnExit("make test", cwd=str(tmp_path)), SystemEvent("tests ended"))
+            c = await engine.cron.add(Every(3600), Command(("true",)), enabled=False)
+            await engine.cron.run_now(a.id)
+            events = await engine.cron.events()
+            jobs = await engine.cron.list()
+        assert os.path.exists(tmp_path / "cron.sqlite3")
+        async with open_engine(config) as engine:
+            assert await engine.cron.list() == jobs
+            assert [j.id for j in jobs] == [a.id, b.id, c.id]
+            assert await engine.cron.events() == events
+
+
+async def test_docs_example_runs(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [sys.executable, str(REPO / "docs" / "examples" / "cron_example.py"), str(tmp_path)],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 0, result.stderr.decode()
+    out = result.stdout.decode()
+    assert "stand up and stretch" in out and "build ok" in out
