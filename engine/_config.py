@@ -11,7 +11,7 @@ import attrs
 import platformdirs
 
 if TYPE_CHECKING:
-    from .cron._store import JobStore
+    from .cron._protocol import JobStore
 
 __all__ = ["EngineConfig"]
 

@@ -7,6 +7,7 @@ from ._job import Command as Command
 from ._job import CronJob as CronJob
 from ._job import JobStatus as JobStatus
 from ._job import SystemEvent as SystemEvent
+from ._protocol import JobStore as JobStore
 from ._schedule import At as At
 from ._schedule import Cron as Cron
 from ._schedule import Every as Every
@@ -14,5 +15,4 @@ from ._schedule import OnExit as OnExit
 from ._schedule import compute_next_run_at as compute_next_run_at
 from ._service import CronService as CronService
 from ._service import open_cron_service as open_cron_service
-from ._store import JobStore as JobStore
 from ._store import SqliteJobStore as SqliteJobStore

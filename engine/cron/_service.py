@@ -26,13 +26,15 @@ from typing import Any, final
 import attrs
 import trio
 
-from .._errors import InvalidScheduleError, JobNotFoundError, SpawnError
-from .._supervisor import SpawnSpec, Supervisor
-from ._events import FiredEvent, exit_fire, text_fire
+from .._errors import InvalidScheduleError, JobNotFoundError
+from .._supervisor import Supervisor
+from ._command import command_log_paths, run_command
+from ._events import FiredEvent, text_fire
 from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
 from ._plan import claim, finish, interrupted, is_due, next_wake, schedule_next, should_delete
+from ._protocol import JobStore
 from ._schedule import At, Cron, Schedule, next_run_after, require_aware, validate_schedule
-from ._store import JobStore, SqliteJobStore
+from ._store import SqliteJobStore
 
 __all__ = ["CronService", "open_cron_service"]
 
@@ -365,8 +367,7 @@ class CronService:
     # -- the run pipeline ---------------------------------------------------------------------------
 
     def _log_paths(self, job_id: str) -> tuple[str, str]:
-        folder = os.path.join(self.state_dir, "cron-logs")
-        return (os.path.join(folder, f"{job_id}.stdout.log"), os.path.join(folder, f"{job_id}.stderr.log"))
+        return command_log_paths(self.state_dir, job_id)
 
     async def _claim_and_start(self, job_id: str, now: datetime, *, forced: bool) -> trio.Event | None:
         """Claim ``job_id``'s due time (or a forced run) and start its run; ``None`` if it was not due."""
@@ -413,50 +414,7 @@ class CronService:
             self._changed.set()
 
     async def _run_command(self, job: CronJob, payload: Command) -> dict[str, Any]:
-        stdout, stderr = self._log_paths(job.id)
-        os.makedirs(os.path.dirname(stdout), mode=0o700, exist_ok=True)
-        for path in (stdout, stderr):  # a fresh pair of logs for each run
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
-        command = shlex.join(payload.argv)
-        spec = SpawnSpec(
-            argv=payload.argv, cwd=payload.cwd, stdout=stdout, stderr=stderr, scope_key=f"cron:{job.id}"
-        )
-        error: str | None
-        try:
-            run = await self.supervisor.spawn(spec)
-        except SpawnError as exc:
-            error = f"could not start {command!r}: {exc}"
-            fire = exit_fire(
-                job.name,
-                command=command,
-                exit_code=None,
-                signal=None,
-                reason="spawn_failed",
-                duration_seconds=None,
-                stdout_path=None,
-                stderr_path=None,
-                intro=error,
-            )
-        else:
-            try:
-                result = await run.wait()
-            except trio.Cancelled:  # the engine is closing: end the command; the job shows "interrupted"
-                with trio.CancelScope(shield=True):
-                    await self.supervisor.cancel(run)
-                raise
-            error = None if result.exit_code == 0 else f"{command!r} {result.describe()}"
-            read_logs = functools.partial(
-                exit_fire,
-                job.name,
-                command=command,
-                exit_code=result.exit_code,
-                signal=result.signal,
-                reason=result.reason.value,
-                duration_seconds=result.duration_seconds,
-                stdout_path=stdout,
-                stderr_path=stderr,
-            )
-            fire = await trio.to_thread.run_sync(read_logs)
+        fire, error = await run_command(self.supervisor, self.state_dir, job, payload)
         attempt = 0
         while True:  # persist the result; never run the command again for it
             now = self._wall()

@@ -16,7 +16,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -24,16 +24,15 @@ import trio
 from .._errors import JobNotFoundError, StoreError
 from ._events import PENDING_FIRE_FIELDS, FiredEvent
 from ._job import CronJob
+from ._protocol import JobChange, JobStore
 
-__all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]
+__all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]  # JobStore re-exported
 
 logger = logging.getLogger("engine.cron")
 
 STORE_FILE_NAME = "cron.sqlite3"
 SCHEMA_VERSION = 1
 
-#: A pure, synchronous edit of a job, applied inside a store transaction to the job as stored.
-JobChange = Callable[[CronJob], CronJob]
 
 _T = TypeVar("_T")
 
@@ -61,77 +60,6 @@ CREATE TABLE events (
     truncated INTEGER NOT NULL
 );
 """
-
-
-class JobStore(Protocol):
-    """Where jobs, pending fires, watch state and the event log live.
-
-    Every method is a checkpoint; every write is atomic. Failures raise :class:`StoreError` (an
-    ``OSError``); a job id that names no job raises :class:`JobNotFoundError`. An exception raised by a
-    ``change`` callable propagates unchanged and the transaction is rolled back.
-
-    Cancellation (every method): a transaction that has begun runs to its end; the cancellation is
-    delivered after it.
-    """
-
-    async def open(self) -> None:
-        """Open the store (create or migrate the schema)."""
-
-    async def aclose(self) -> None:
-        """Close the store; further calls fail."""
-
-    async def list_jobs(self) -> list[CronJob]:
-        """Every readable job, oldest first."""
-        ...
-
-    async def get_job(self, job_id: str) -> CronJob:
-        """The job ``job_id``."""
-        ...
-
-    async def insert_job(self, job: CronJob) -> None:
-        """Add a new job (its id must be new)."""
-
-    async def update_job(self, job_id: str, change: JobChange) -> CronJob:
-        """Replace the job by ``change(job)`` in one transaction and return the new job."""
-        ...
-
-    async def delete_job(self, job_id: str) -> tuple[CronJob | None, dict[str, Any] | None]:
-        """Delete the job; return it (``None`` if its row was unreadable) and its undelivered pending fire."""
-        ...
-
-    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
-        """In one transaction, replace the job by ``change(job)`` and set its ``pending_fire``."""
-        ...
-
-    async def commit_exit(self, job_id: str, pending_fire: dict[str, Any]) -> CronJob:
-        """In one transaction, disable the job (``next_run_at`` cleared) and set its ``pending_fire``."""
-        ...
-
-    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """Append ``fire`` to the event log unless its ``fire_id`` is there; return the logged event."""
-        ...
-
-    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """:meth:`record_event` and :meth:`clear_pending_fire` in one transaction."""
-        ...
-
-    async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:
-        """Clear the job's ``pending_fire`` if it is still ``fire_id`` (a gone job is fine)."""
-
-    async def pending_fires(self) -> list[tuple[CronJob, dict[str, Any]]]:
-        """Every job with a committed, undelivered fire, and that fire."""
-        ...
-
-    async def set_watch_state(self, job_id: str, state: dict[str, Any] | None) -> None:
-        """Set (or, with ``None``, clear) the job's watch state."""
-
-    async def watch_states(self) -> dict[str, dict[str, Any]]:
-        """Every job's watch state, by job id."""
-        ...
-
-    async def events(self, since: int = 0) -> list[FiredEvent]:
-        """The events with a cursor greater than ``since``, in order."""
-        ...
 
 
 def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:

@@ -1,0 +1,78 @@
+"""Running a ``Command`` payload under the supervisor and turning how it ended into a pending fire."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+from typing import Any
+
+import trio
+
+from .._errors import SpawnError
+from .._supervisor import SpawnSpec, Supervisor
+from ._events import exit_fire
+from ._job import Command, CronJob
+
+__all__ = ["command_log_paths", "run_command"]
+
+
+def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
+    """The stdout and stderr logs of a ``Command`` job: ``<state_dir>/cron-logs/<job_id>.std*.log``."""
+    folder = os.path.join(state_dir, "cron-logs")
+    return (os.path.join(folder, f"{job_id}.stdout.log"), os.path.join(folder, f"{job_id}.stderr.log"))
+
+
+async def run_command(
+    supervisor: Supervisor, state_dir: str, job: CronJob, payload: Command
+) -> tuple[dict[str, Any], str | None]:
+    """Run ``payload`` for ``job`` to its end; return its pending fire and what failed (``None``: exit 0).
+
+    The command runs in scope ``cron:<job id>`` with its output in a fresh pair of log files. A program
+    that cannot be started is reported (reason ``"spawn_failed"``), not raised.
+
+    Cancellation: the command is ended by escalation (shielded), then the cancellation propagates.
+    """
+    stdout, stderr = command_log_paths(state_dir, job.id)
+    os.makedirs(os.path.dirname(stdout), mode=0o700, exist_ok=True)
+    for path in (stdout, stderr):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+    command = shlex.join(payload.argv)
+    spec = SpawnSpec(
+        argv=payload.argv, cwd=payload.cwd, stdout=stdout, stderr=stderr, scope_key=f"cron:{job.id}"
+    )
+    try:
+        run = await supervisor.spawn(spec)
+    except SpawnError as exc:
+        error = f"could not start {command!r}: {exc}"
+        fire = exit_fire(
+            job.name,
+            command=command,
+            exit_code=None,
+            signal=None,
+            reason="spawn_failed",
+            duration_seconds=None,
+            stdout_path=None,
+            stderr_path=None,
+            intro=error,
+        )
+        return fire, error
+    try:
+        result = await run.wait()
+    except trio.Cancelled:  # the engine is closing: end the command; the job shows "interrupted"
+        with trio.CancelScope(shield=True):
+            await supervisor.cancel(run)
+        raise
+    read_logs = functools.partial(
+        exit_fire,
+        job.name,
+        command=command,
+        exit_code=result.exit_code,
+        signal=result.signal,
+        reason=result.reason.value,
+        duration_seconds=result.duration_seconds,
+        stdout_path=stdout,
+        stderr_path=stderr,
+    )
+    fire = await trio.to_thread.run_sync(read_logs)
+    return fire, None if result.exit_code == 0 else f"{command!r} {result.describe()}"
