@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import final
@@ -201,6 +201,21 @@ def _check_argv(cmd: object, args: object) -> tuple[str, ...]:
     return argv
 
 
+def _check_env(env: object) -> dict[str, str] | None:
+    if env is None:
+        return None
+    if not isinstance(env, Mapping):
+        raise TypeError(f"env must be a mapping of variable names to strings, got {env!r}")
+    out: dict[str, str] = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise ValueError(f"env names must be non-empty strings without '=' or NUL, got {key!r}")
+        if not isinstance(value, str) or "\0" in value:
+            raise TypeError(f"env[{key!r}] must be a string without NUL, got {value!r}")
+        out[key] = value
+    return out
+
+
 def _check_directory(project: Project) -> None:
     if not os.path.isdir(project.directory):
         raise SpawnError(
@@ -237,8 +252,17 @@ class SubProcessService:
 
     # ---- creating ------------------------------------------------------------------------------
 
-    async def create(self, project: Project, cmd: str, args: Sequence[str] = ()) -> SubProcess:
+    async def create(
+        self,
+        project: Project,
+        cmd: str,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> SubProcess:
         """Start ``cmd args...`` in ``project.directory`` with its output in two new log files.
+
+        The child gets the engine's environment plus ``env`` (as ``systemd-run --setenv`` does).
 
         The logs are created (mode 0600, folder 0700) under temporary names before the spawn and renamed
         to ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid is known; the child's descriptors
@@ -249,7 +273,8 @@ class SubProcessService:
         (the remaining steps do not block).
 
         Raises:
-            ValueError, TypeError: ``cmd`` or ``args`` is not a program and a list of strings.
+            ValueError, TypeError: ``cmd`` or ``args`` is not a program and a list of strings, or
+                ``env`` is not a mapping of variable names to strings.
             LimitExceededError: ``max_processes_per_project`` or ``max_processes`` would be exceeded.
             SpawnError: the program or the project directory cannot be used; no record, no file is left.
             RuntimeError: the service is stopped.
@@ -257,6 +282,7 @@ class SubProcessService:
         if not isinstance(project, Project):
             raise TypeError(f"project must be a Project, got {project!r}")
         argv = _check_argv(cmd, args)
+        extra_env = _check_env(env)
         self._check_limits(project)
         if self._closed:
             raise RuntimeError("the subprocess service is stopped; start a new engine to create processes")
@@ -270,7 +296,14 @@ class SubProcessService:
             made = prepare_log_dir(directory)
             temps = create_temp_logs(directory)
             run = await self._supervisor.spawn(
-                SpawnSpec(argv=argv, cwd=project.directory, stdout=temps[0], stderr=temps[1], scope_key=scope)
+                SpawnSpec(
+                    argv=argv,
+                    cwd=project.directory,
+                    env=extra_env,
+                    stdout=temps[0],
+                    stderr=temps[1],
+                    scope_key=scope,
+                )
             )
         except BaseException:
             for path in temps or ():
