@@ -386,7 +386,7 @@ class SubProcessService:
         Raises:
             SubProcessNotFoundError: no managed subprocess has this pid (or it was killed).
         """
-        matches = [sp for sp in self._records if sp.pid == pid and not isinstance(pid, bool)]
+        matches = [] if isinstance(pid, bool) else [sp for sp in self._records if sp.pid == pid]
         if not matches:
             raise SubProcessNotFoundError(
                 f"no managed subprocess has pid {pid!r} (never created here, or killed); see ps()"
@@ -717,6 +717,8 @@ async def open_subprocess_service(
         try:
             yield service
         finally:
-            with trio.CancelScope(shield=True):
-                await service.kill_all()
-            service._close()
+            try:
+                with trio.CancelScope(shield=True):
+                    await service.kill_all()
+            finally:
+                service._close()

@@ -622,3 +622,17 @@ def test_service_demo_runs_and_leaves_nothing() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUBPROCESS CREATED" in proc.stdout
     assert "processes left: none" in proc.stdout
+
+
+async def test_log_cap_task_runs_only_while_children_live(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        service = engine.service
+        assert service._capper is None  # an idle engine does no work
+        sp = await service.create(project, "sleep", ["0.2"])
+        assert service._capper is not None
+        with trio.fail_after(10):
+            await sp.wait()
+            while service._capper is not None:  # one last pass over the finished child, then it ends
+                await trio.sleep(0.1)
+        assert sp._capped_final
