@@ -250,6 +250,10 @@ class SubProcessService:
     _capper: trio.CancelScope | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
 
+    def __repr__(self) -> str:
+        live = sum(1 for sp in self._records if sp.running)
+        return f"<SubProcessService {live} live, {len(self._records) - live} kept>"
+
     # ---- creating ------------------------------------------------------------------------------
 
     async def create(
