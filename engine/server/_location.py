@@ -1,0 +1,104 @@
+"""Where a standalone engine lives: its state directory and the path of its socket.
+
+The socket is ``<state_dir>/engine.sock``. A Unix socket path holds at most 107 bytes (``sun_path`` is
+108 bytes with its NUL), so for a deeper state directory the socket goes to a private runtime directory
+(``$XDG_RUNTIME_DIR/gadget-engine``, else ``/tmp/gadget-engine-<uid>``, mode 0700) under a name derived
+from the state directory, and ``<state_dir>/engine.sock.path`` names it. Clients read that file first.
+
+Standard library and ``platformdirs`` only: the client imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from typing import Final
+
+import platformdirs
+
+__all__ = [
+    "SOCKET_NAME",
+    "SOCKET_POINTER_NAME",
+    "STATE_DIR_ENV",
+    "SUN_PATH_MAX",
+    "choose_socket_path",
+    "default_state_dir",
+    "find_socket_path",
+    "resolve_state_dir",
+]
+
+SOCKET_NAME: Final = "engine.sock"
+SOCKET_POINTER_NAME: Final = "engine.sock.path"
+STATE_DIR_ENV: Final = "GADGET_ENGINE_STATE_DIR"
+#: The longest socket path the kernel takes, in bytes (``sizeof(sun_path) - 1``).
+SUN_PATH_MAX: Final = 107
+
+
+def default_state_dir() -> str:
+    """The state directory when none is given: the one ``EngineConfig().resolved_state_dir()`` names."""
+    return platformdirs.user_state_dir("gadget-engine")
+
+
+def resolve_state_dir(state_dir: str | None) -> str:
+    """The absolute state directory: ``state_dir``, else ``$GADGET_ENGINE_STATE_DIR``, else the default."""
+    chosen = state_dir if state_dir else os.environ.get(STATE_DIR_ENV) or None
+    if chosen is None:
+        return default_state_dir()
+    return os.path.abspath(os.path.expanduser(chosen))
+
+
+def _fits(path: str) -> bool:
+    return len(os.fsencode(path)) <= SUN_PATH_MAX
+
+
+def _private_dir(path: str) -> bool:
+    """Create ``path`` (0700) if needed; whether it is a real directory of ours that no one else can use."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        try:
+            os.chmod(path, 0o700)
+        except OSError:
+            return False
+    return True
+
+
+def choose_socket_path(state_dir: str) -> str:
+    """The path ``serve`` binds for ``state_dir``: ``<state_dir>/engine.sock`` when it fits.
+
+    Otherwise ``<runtime dir>/<16 hex digits of the state dir's hash>.sock``; the runtime directory is
+    ``$XDG_RUNTIME_DIR/gadget-engine`` when that is set and can be made private to this user, else
+    ``/tmp/gadget-engine-<uid>`` (0700, owned by this user).
+
+    Raises:
+        OSError: no runtime directory could be made private, or even its path is too long.
+    """
+    path = os.path.join(state_dir, SOCKET_NAME)
+    if _fits(path):
+        return path
+    name = hashlib.sha256(os.fsencode(state_dir)).hexdigest()[:16] + ".sock"
+    runtimes = [os.path.join("/tmp", f"gadget-engine-{os.getuid()}")]
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):  # what platformdirs.user_runtime_dir gives, without its warning when unset
+        runtimes.insert(0, os.path.join(xdg, "gadget-engine"))
+    for runtime in runtimes:
+        candidate = os.path.join(runtime, name)
+        if _fits(candidate) and _private_dir(runtime):
+            return candidate
+    raise OSError(f"no private runtime directory for the socket of {state_dir!r}; use a shorter --state-dir")
+
+
+def find_socket_path(state_dir: str) -> str:
+    """The socket a client connects to: the one ``engine.sock.path`` names, else the default one."""
+    try:
+        with open(os.path.join(state_dir, SOCKET_POINTER_NAME), encoding="utf-8") as f:
+            named = f.read().strip()
+    except OSError:
+        named = ""
+    return named or os.path.join(state_dir, SOCKET_NAME)
