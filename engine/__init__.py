@@ -34,6 +34,7 @@ from ._tool import SubprocessTool as SubprocessTool
 from .cron import At as At
 from .cron import Command as Command
 from .cron import Cron as Cron
+from .cron import CronExitWatchers as CronExitWatchers
 from .cron import CronJob as CronJob
 from .cron import CronService as CronService
 from .cron import Every as Every
@@ -44,5 +45,6 @@ from .cron import OnExit as OnExit
 from .cron import SqliteJobStore as SqliteJobStore
 from .cron import SystemEvent as SystemEvent
 from .cron import compute_next_run_at as compute_next_run_at
+from .cron import resolve_exit_watch_shell as resolve_exit_watch_shell
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -53,6 +53,10 @@ class EngineConfig:
             ``<state_dir>/cron.sqlite3``); tests pass a store that fails on purpose.
         wall_clock: returns the wall time, aware, for cron maths (``None``: the system clock);
             tests steer it.
+        watch_retry_seconds: waits between an exit watcher's persist (or spawn) attempts, in seconds;
+            the last one repeats (design: 1 s, 5 s, 30 s, 5 min).
+        watch_hooks: test hooks of the exit watchers by point name (``after_spawn``, ``before_persist``,
+            ``after_persist``, ``before_fire``): ``async def hook(job_id) -> None``.
         guardian: start the guardian process that ends the children if the engine dies (records of
             live groups are kept in the state dir either way, for the next engine's start-up sweep).
     """
@@ -71,6 +75,10 @@ class EngineConfig:
     guardian: bool = True
     store_factory: Callable[[str], JobStore] | None = None
     wall_clock: Callable[[], datetime] | None = None
+    watch_retry_seconds: tuple[float, ...] = attrs.field(
+        default=(1.0, 5.0, 30.0, 300.0), converter=tuple, validator=attrs.validators.min_len(1)
+    )
+    watch_hooks: Mapping[str, Callable[[str], Awaitable[None]]] | None = None
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

@@ -19,7 +19,9 @@ from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
 from ._sweep import sweep_records
 from ._tool import SubprocessTool
+from .cron._exit_watchers import CronExitWatchers
 from .cron._service import CronService, open_cron_service
+from .cron._shell import resolve_exit_watch_shell
 
 __all__ = ["Engine", "open_engine"]
 
@@ -39,6 +41,7 @@ class Engine:
         service: the :class:`SubProcessService` of agent subprocesses (stopping the engine kills them all).
         tool: the ``subprocess`` agent tool over ``service``.
         cron: the :class:`CronService` (scheduled jobs and the event log).
+        watchers: the :class:`CronExitWatchers` of on-exit jobs (reconciled on every job change).
     """
 
     config: EngineConfig
@@ -47,6 +50,7 @@ class Engine:
     service: SubProcessService
     tool: SubprocessTool
     cron: CronService
+    watchers: CronExitWatchers
 
 
 def _lock_state_dir(state_dir: str) -> int:
@@ -113,17 +117,37 @@ async def open_engine(
                 now=config.wall_clock,
                 on_fire=on_fire,
             ) as cron,
+            trio.open_nursery() as watch_nursery,
         ):
             supervisor.add_observer(guardian)
             tool = SubprocessTool(service, config=config)
-            yield Engine(
-                config=config,
-                state_dir=state_dir,
+            watchers = CronExitWatchers(
+                store=cron.store,
+                fire_pending=cron.fire_pending,
                 supervisor=supervisor,
-                service=service,
-                tool=tool,
-                cron=cron,
+                state_dir=state_dir,
+                shell=config.exit_watch_shell or resolve_exit_watch_shell(),
+                nursery=watch_nursery,
+                retry_seconds=config.watch_retry_seconds,
+                hooks=config.watch_hooks or {},
             )
+            # Adopt what a crashed engine left before the first reconcile, which arms the rest.
+            await watchers.adopt()
+            cron.on_jobs_changed = watchers.reconcile
+            await cron.notify_jobs_changed()
+            try:
+                yield Engine(
+                    config=config,
+                    state_dir=state_dir,
+                    supervisor=supervisor,
+                    service=service,
+                    tool=tool,
+                    cron=cron,
+                    watchers=watchers,
+                )
+            finally:
+                cron.on_jobs_changed = None
+                await watchers.cancel_all()  # graceful: the jobs stay enabled, re-armed at next start
     finally:
         try:
             await guardian.close()

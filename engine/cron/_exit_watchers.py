@@ -1,0 +1,509 @@
+"""On-exit watchers: run a job's command, and fire the job once when it exits (design section 5).
+
+Each enabled :class:`OnExit` job gets a slot with an arm token (``_arming``) and a watcher task in the
+engine's nursery. The task runs the command under our exit-recording shim (``_shim``), in scope
+``cron-exit:<job_id>`` with replace-existing, output to ``<state_dir>/watch-logs/``. When the command
+exits, the job is disabled and its pending fire written in one transaction (**persist**), and only then
+fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task that
+lost its slot never persists and never fires.
+
+Across restarts: the store keeps a ``watch_state`` per watched job (pid, start time, exit file). A crashed
+engine leaves the command running (``outlive_engine_crash``); the next engine adopts it if it is alive,
+reads the shim's exit file if it ended meanwhile, and reports "watch lost across restart" (job disabled,
+nothing fired) if neither. A graceful shutdown ends the commands and clears the watch states; the jobs
+stay enabled and are armed again at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any, final
+
+import attrs
+import trio
+
+from .._errors import JobNotFoundError, SpawnError
+from .._procfs import is_alive
+from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor
+from .._sweep import GroupRecord, end_processes, find_record_processes
+from ._arming import ArmTable, watchable
+from ._events import exit_fire
+from ._job import CronJob, JobStatus, SystemEvent
+from ._protocol import JobStore
+from ._schedule import OnExit
+from ._shell import watch_argv
+from ._shim import read_exit_file
+
+__all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
+
+logger = logging.getLogger("engine.cron")
+
+#: ``async def hook(job_id: str) -> None`` called at a named point (tests hold or crash a watcher there).
+WatchHook = Callable[[str], Awaitable[None]]
+#: The named points: after the command was spawned; after it exited (the slot can still be re-armed);
+#: inside the commit, before the persist transaction (a re-arm now waits for the commit to decide);
+#: after the persist committed; and right before the fire is delivered.
+HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "before_fire")
+
+_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim.py")
+_LOGS = "watch-logs"
+
+FirePending = Callable[[str, dict[str, Any]], Awaitable[object]]
+
+
+@attrs.frozen
+class _Paths:
+    stdout: str
+    stderr: str
+    exit_file: str
+    started: str
+
+    @classmethod
+    def of(cls, state_dir: str, job_id: str, arm_id: str) -> _Paths:
+        base = os.path.join(state_dir, _LOGS, f"{job_id}.{arm_id}")
+        return cls(f"{base}.stdout.log", f"{base}.stderr.log", f"{base}.exit.json", f"{base}.started")
+
+
+@attrs.define(eq=False)
+class _Watch:
+    job_id: str
+    token: int
+    arm_id: str
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    run: ManagedRun | None = None
+    adopted: GroupRecord | None = None
+    completed: bool = False
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+
+def _outcome(record: Mapping[str, object]) -> tuple[int | None, int | None]:
+    code, sig = record.get("exit_code"), record.get("signal")
+    return (code if isinstance(code, int) else None, sig if isinstance(sig, int) else None)
+
+
+@final
+@attrs.define(eq=False)
+class CronExitWatchers:
+    """The exit watchers of one engine (``engine.watchers``).
+
+    Attributes:
+        store: the job store (persist, watch states).
+        fire_pending: delivers a committed fire (``CronService.fire_pending``).
+        supervisor: runs the watched commands.
+        state_dir: where the watch logs and exit files live.
+        shell: argv prefix of the commands (``EngineConfig.exit_watch_shell``).
+        retry_seconds: waits between persist (or spawn) attempts; the last one repeats.
+        hooks: named test hooks, see :data:`HOOK_POINTS`.
+    """
+
+    store: JobStore
+    fire_pending: FirePending
+    supervisor: Supervisor
+    state_dir: str
+    shell: tuple[str, ...]
+    nursery: trio.Nursery
+    retry_seconds: tuple[float, ...] = (1.0, 5.0, 30.0, 300.0)
+    hooks: Mapping[str, WatchHook] = attrs.field(factory=dict)
+    _table: ArmTable = attrs.field(init=False, factory=ArmTable)
+    _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
+    _errors: dict[str, str] = attrs.field(init=False, factory=dict)
+    _state_locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<CronExitWatchers {len(self._table)} armed: {self._table.active_job_ids()}>"
+
+    # -- the public API ----------------------------------------------------------------------------
+
+    def active_job_ids(self) -> list[str]:
+        """Ids of the jobs that have a watcher now (armed, running, or persisting its exit)."""
+        return self._table.active_job_ids()
+
+    def watched_pid(self, job_id: str) -> int | None:
+        """The pid of the command watched for ``job_id`` (the shim, its group leader), if any."""
+        slot = self._table.slot(job_id)
+        watch = self._watches.get((job_id, slot.token)) if slot is not None else None
+        if watch is None:
+            return None
+        if watch.run is not None:
+            return watch.run.pid
+        return watch.adopted.pgid if watch.adopted is not None else None
+
+    def last_error(self, job_id: str) -> str | None:
+        """The last spawn or persistence error of ``job_id``'s watcher, if one is failing now."""
+        return self._errors.get(job_id)
+
+    async def reconcile(self, jobs: Iterable[CronJob]) -> None:
+        """Make the watchers match ``jobs``, the **complete** desired set of jobs.
+
+        Decided before the first checkpoint: every enabled on-exit job without a slot gets one with a
+        fresh arm token; an unchanged job keeps its watcher (same command, same pid); a payload-only
+        change keeps it and the fire uses the newest job; a changed command or cwd re-arms; every
+        active id not in the set (or disabled) is cancelled, ending its command without a fire.
+
+        Cancellation: the decisions are made and the watchers started before the first checkpoint; a
+        cancelled call changes nothing more.
+        """
+        decisions = self._table.reconcile(jobs)
+        for job_id, token in decisions.cancel:
+            self._stop(job_id, token)
+        for job, token in decisions.arm:
+            self._start(job, token)
+        await trio.lowlevel.checkpoint()
+
+    async def cancel(self, job_id: str) -> None:
+        """End ``job_id``'s watcher and its command (no fire). A watcher already persisting the exit
+        of its command finishes that (the exit is the job's fire).
+
+        Cancellation: the watcher is cancelled before the first checkpoint.
+        """
+        token = self._table.cancel(job_id)
+        if token is not None:
+            self._stop(job_id, token)
+        await trio.lowlevel.checkpoint()
+
+    async def cancel_all(self) -> None:
+        """End every watcher and its command, and wait until they are ended (graceful shutdown).
+
+        The jobs stay enabled in the store and are armed again at the next start.
+
+        Cancellation: the commands are still ended (each watcher ends its own under a shield).
+        """
+        for job_id, token in self._table.cancel_all():
+            self._stop(job_id, token)
+        with trio.CancelScope(shield=True):
+            for watch in list(self._watches.values()):
+                await watch.done.wait()
+
+    # -- tasks -------------------------------------------------------------------------------------
+
+    def _start(self, job: CronJob, token: int, *, adopted: Mapping[str, Any] | None = None) -> None:
+        arm_id = str(adopted["arm_id"]) if adopted is not None else uuid.uuid4().hex[:12]
+        watch = _Watch(job.id, token, arm_id)
+        self._watches[(job.id, token)] = watch
+        self.nursery.start_soon(self._watch, job, watch, adopted, name=f"watch on-exit job {job.id}")
+
+    def _stop(self, job_id: str, token: int) -> None:
+        watch = self._watches.get((job_id, token))
+        if watch is not None:
+            watch.scope.cancel()
+
+    async def _hook(self, point: str, job_id: str) -> None:
+        hook = self.hooks.get(point)
+        if hook is not None:
+            await hook(job_id)
+
+    def _owns(self, watch: _Watch) -> bool:
+        return self._table.owns(watch.job_id, watch.token)
+
+    async def _watch(self, job: CronJob, watch: _Watch, adopted: Mapping[str, Any] | None) -> None:
+        paths = _Paths.of(self.state_dir, job.id, watch.arm_id)
+        try:
+            with watch.scope:
+                if adopted is not None and adopted.get("recorded"):
+                    record: Mapping[str, object] | None = adopted["recorded"]
+                elif adopted is not None:
+                    record = await self._wait_adopted(watch, adopted)
+                else:
+                    record = await self._run(job, watch, paths)
+                if record is None or not self._owns(watch):
+                    return
+                started_at = adopted.get("started_at") if adopted is not None else None
+                await self._hook("after_exit", job.id)
+                await self._complete(watch, paths, record, started_at)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._end_command(watch)
+                if not watch.completed:
+                    await self._forget(watch, paths)
+            self._watches.pop((watch.job_id, watch.token), None)
+            self._table.release(watch.job_id, watch.token)
+            watch.done.set()
+
+    async def _run(self, job: CronJob, watch: _Watch, paths: _Paths) -> Mapping[str, object] | None:
+        """Spawn the command (retrying failed spawns) and wait for its exit; the shim's record."""
+        assert isinstance(job.schedule, OnExit)
+        cwd = job.schedule.cwd or os.getcwd()
+        argv, env = watch_argv(self.shell, job.schedule.command, cwd, paths.started)
+        spec = SpawnSpec(
+            argv=(sys.executable, "-I", "-S", _SHIM, paths.exit_file, "--", *argv),
+            cwd=cwd,
+            env=env,
+            stdout=paths.stdout,
+            stderr=paths.stderr,
+            scope_key=f"cron-exit:{job.id}",
+            replace_existing_scope=True,
+            outlive_engine_crash=True,
+        )
+        attempt = 0
+        while True:
+            try:
+                if shutil.which(self.shell[0]) is None:
+                    raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
+                await trio.to_thread.run_sync(self._prepare_files, job.id, paths)
+                watch.run = await self.supervisor.spawn(spec)
+                break
+            except SpawnError as exc:
+                self._failing(job.id, f"cannot start the watched command: {exc}")
+                await trio.sleep(self.retry_seconds[min(attempt, len(self.retry_seconds) - 1)])
+                attempt += 1
+        if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
+            return None
+        self._errors.pop(job.id, None)
+        await self._save_state(watch, job, paths)
+        await self._hook("after_spawn", job.id)
+        result = await watch.run.wait()
+        record = await trio.to_thread.run_sync(read_exit_file, paths.exit_file)
+        if record is None:  # the shim itself was killed: fall back to what the supervisor saw
+            record = {"exit_code": result.exit_code, "signal": result.signal}
+        if env and not await trio.Path(paths.started).exists():
+            record = {**record, "reason": "not_started"}
+        return {**record, "duration_seconds": result.duration_seconds}
+
+    def _prepare_files(self, job_id: str, paths: _Paths) -> None:
+        folder = os.path.dirname(paths.stdout)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        keep = {os.path.basename(p) for p in (paths.stdout, paths.stderr)}
+        for name in os.listdir(folder):  # older arms' files of this job
+            if name.startswith(f"{job_id}.") and name not in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, name))
+        for path in (paths.stdout, paths.stderr):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+
+    async def _wait_adopted(self, watch: _Watch, state: Mapping[str, Any]) -> Mapping[str, object] | None:
+        """Wait (through a pidfd) for a command the previous engine started, then read its record."""
+        pid = int(state["pid"])
+        watch.adopted = GroupRecord(pid, int(state["sid"]), int(state["start_time"]), str(state["marker"]))
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = -1
+        if pidfd >= 0:
+            try:
+                if is_alive(pid, watch.adopted.start_time):
+                    await trio.lowlevel.wait_readable(pidfd)
+            finally:
+                trio.lowlevel.notify_closing(pidfd)
+                os.close(pidfd)
+        watch.adopted = None
+        record = await trio.to_thread.run_sync(read_exit_file, str(state["exit_file"]))
+        if record is None:
+            await self._report_lost(watch.job_id, "the adopted command ended without recording its exit")
+        return record
+
+    async def _complete(
+        self, watch: _Watch, paths: _Paths, record: Mapping[str, object], started_at: object
+    ) -> None:
+        """Persist the exit (retrying the persist, never the command), then fire."""
+        job = self._table.begin_commit(watch.job_id, watch.token)
+        if job is None:
+            return
+        await self._hook("before_persist", job.id)
+        exit_code, signal = _outcome(record)
+        duration = record.get("duration_seconds")
+        if not isinstance(duration, float) and isinstance(started_at, str):
+            ended = record.get("ended_at")
+            if isinstance(ended, float):
+                duration = ended - datetime.fromisoformat(started_at).timestamp()
+        reason = str(record.get("reason") or ("signal" if signal is not None else "exit"))
+        assert isinstance(job.schedule, OnExit)
+        intro = job.payload.text if isinstance(job.payload, SystemEvent) else None
+        if reason == "not_started":
+            intro = (intro + "\n" if intro else "") + (
+                "Warning: the login shell exited before running the command (does a profile `exec` "
+                "another shell?); the command did not run."
+            )
+        build = functools.partial(
+            exit_fire,
+            job.name,
+            command=job.schedule.command,
+            exit_code=exit_code,
+            signal=signal,
+            reason=reason,
+            duration_seconds=duration if isinstance(duration, float) else None,
+            stdout_path=paths.stdout,
+            stderr_path=paths.stderr,
+            intro=intro,
+            fire_id=f"exit-{job.id}-{watch.arm_id}",
+        )
+        fire = await trio.to_thread.run_sync(build)
+        attempt = 0
+        while True:
+            try:
+                await self.store.commit_fire(job.id, functools.partial(_exited, fire=fire), fire)
+                break
+            except JobNotFoundError:
+                self._table.end_commit(job.id, watch.token, committed=False)
+                return
+            except OSError as exc:
+                self._failing(job.id, f"persisting the exit failed ({exc}); retrying; it fires once stored")
+                successor = self._table.end_commit(job.id, watch.token, committed=False)
+                if successor is not None:
+                    self._start(*successor)
+                    return
+                await trio.sleep(self.retry_seconds[min(attempt, len(self.retry_seconds) - 1)])
+                attempt += 1
+                newest = self._table.begin_commit(watch.job_id, watch.token)
+                if newest is None:
+                    return
+        self._table.end_commit(job.id, watch.token, committed=True)
+        watch.completed = True
+        self._errors.pop(job.id, None)
+        await self._forget(watch, paths, keep_logs=True)
+        await self._hook("after_persist", job.id)
+        await self._hook("before_fire", job.id)
+        await self.fire_pending(job.id, fire)
+
+    def _failing(self, job_id: str, message: str) -> None:
+        self._errors[job_id] = message
+        logger.error("on-exit job %s: %s", job_id, message)
+
+    async def _end_command(self, watch: _Watch) -> None:
+        if watch.run is not None and watch.run.state is not RunState.EXITED:
+            await self.supervisor.cancel(watch.run)
+        if watch.adopted is not None:
+            record = watch.adopted
+            await trio.to_thread.run_sync(
+                functools.partial(
+                    _end_record,
+                    record,
+                    grace_seconds=self.supervisor.grace_seconds,
+                    kill_wait_seconds=self.supervisor.kill_wait_seconds,
+                )
+            )
+
+    # -- watch state in the store ------------------------------------------------------------------
+
+    def _state_lock(self, job_id: str) -> trio.Lock:
+        return self._state_locks.setdefault(job_id, trio.Lock())
+
+    async def _save_state(self, watch: _Watch, job: CronJob, paths: _Paths) -> None:
+        run = watch.run
+        assert run is not None and isinstance(job.schedule, OnExit)
+        state = {
+            "arm_id": watch.arm_id,
+            "pid": run.pid,
+            "sid": run.pid,
+            "start_time": run.start_time,
+            "marker": run.marker,
+            "exit_file": paths.exit_file,
+            "command": job.schedule.command,
+            "cwd": job.schedule.cwd,
+            "started_at": run.started_at.isoformat(),
+        }
+        async with self._state_lock(job.id):
+            if not self._owns(watch):
+                return
+            try:
+                await self.store.set_watch_state(job.id, state)
+            except (OSError, JobNotFoundError) as exc:  # only adoption after a crash needs it
+                logger.error("on-exit job %s: saving the watch state failed (%s)", job.id, exc)
+
+    async def _forget(self, watch: _Watch, paths: _Paths, *, keep_logs: bool = False) -> None:
+        async with self._state_lock(watch.job_id):
+            slot = self._table.slot(watch.job_id)
+            if slot is None or slot.token == watch.token:
+                with contextlib.suppress(OSError, JobNotFoundError):
+                    await self.store.set_watch_state(watch.job_id, None)
+        for path in (paths.exit_file, paths.started) if keep_logs else attrs.astuple(paths):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    # -- start-up ----------------------------------------------------------------------------------
+
+    async def adopt(self) -> None:
+        """Take over what a crashed engine left: adopt live commands, fire recorded exits, report lost
+        watches. Call once at start-up, before the first :meth:`reconcile`.
+
+        Cancellation: what was adopted so far stays adopted.
+        """
+        states = await self.store.watch_states()
+        jobs = {job.id: job for job in await self.store.list_jobs()}
+        for job_id, state in states.items():
+            job = jobs.get(job_id)
+            alive = _state_alive(state)
+            record = read_exit_file(str(state.get("exit_file", "")))
+            current = (
+                job is not None
+                and watchable(job)
+                and isinstance(job.schedule, OnExit)
+                and (job.schedule.command, job.schedule.cwd) == (state.get("command"), state.get("cwd"))
+            )
+            if not current:  # the job changed or went away meanwhile: end the old command, forget it
+                if alive:
+                    await trio.to_thread.run_sync(
+                        functools.partial(
+                            _end_record,
+                            _record_of(state),
+                            grace_seconds=self.supervisor.grace_seconds,
+                            kill_wait_seconds=self.supervisor.kill_wait_seconds,
+                        )
+                    )
+                with contextlib.suppress(OSError, JobNotFoundError):
+                    await self.store.set_watch_state(job_id, None)
+                continue
+            assert job is not None
+            if alive or record is not None:
+                token = self._table.arm(job)
+                self._start(job, token, adopted={**state, "recorded": None if alive else record})
+            else:
+                await self._report_lost(job_id, "the command was neither running nor recorded")
+
+    async def _report_lost(self, job_id: str, why: str) -> None:
+        message = f"watch lost across restart: {why}; the job is disabled and did not fire"
+        logger.error("on-exit job %s: %s", job_id, message)
+        self._errors[job_id] = message
+
+        def change(job: CronJob) -> CronJob:
+            return attrs.evolve(
+                job, enabled=False, last_error=message, updated_at=datetime.now(UTC), next_run_at=None
+            )
+
+        with contextlib.suppress(OSError, JobNotFoundError):
+            await self.store.update_job(job_id, change)
+            await self.store.set_watch_state(job_id, None)
+
+
+def _exited(job: CronJob, *, fire: Mapping[str, Any]) -> CronJob:
+    """The job after its watched command exited: disabled (one-shot), with the run's outcome."""
+    failed = fire.get("exit_code") != 0
+    now = datetime.now(UTC)
+    return attrs.evolve(
+        job,
+        enabled=False,
+        next_run_at=None,
+        last_run_at=now,
+        updated_at=now,
+        last_status=JobStatus.ERROR if failed else JobStatus.OK,
+        last_error=f"{fire.get('command')!r} ended: exit {fire.get('exit_code')}, signal {fire.get('signal')}"
+        if failed
+        else None,
+        consecutive_errors=job.consecutive_errors + 1 if failed else 0,
+    )
+
+
+def _record_of(state: Mapping[str, Any]) -> GroupRecord:
+    pid = int(state.get("pid", 0))
+    return GroupRecord(
+        pid, int(state.get("sid", pid)), int(state.get("start_time", 0)), str(state.get("marker"))
+    )
+
+
+def _state_alive(state: Mapping[str, Any]) -> bool:
+    try:
+        return is_alive(int(state["pid"]), int(state["start_time"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _end_record(record: GroupRecord, *, grace_seconds: float, kill_wait_seconds: float) -> None:
+    targets = find_record_processes([record])
+    end_processes(targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)

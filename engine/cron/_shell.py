@@ -1,0 +1,62 @@
+"""The shell an on-exit command runs in, and the argv of a watched command."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["resolve_exit_watch_shell", "watch_argv"]
+
+#: The POSIX default: a login shell, so the agent's PATH and tools are there; ``--`` so that a command
+#: starting with ``-`` is a command, not a bash option.
+POSIX_SHELL = ("bash", "-lc", "--")
+
+#: Environment variables the bash wrapper reads (documented in docs/guide-on-exit.md).
+CWD_VAR = "GADGET_WATCH_CWD"
+COMMAND_VAR = "GADGET_WATCH_COMMAND"
+STARTED_VAR = "GADGET_WATCH_STARTED"
+
+# After the login profile has run (it may `cd` anywhere, print, or `exec` another shell), re-enter the
+# job's cwd, mark that the command is about to run, and run the command string exactly as given:
+# `eval` parses it as bash would parse `bash -c STRING` (quotes, newlines, heredocs, `exit N`).
+_BASH_WRAPPER = (
+    ': > "$GADGET_WATCH_STARTED" || exit 125; '
+    'cd -- "$GADGET_WATCH_CWD" || exit 125; '
+    'eval -- "$GADGET_WATCH_COMMAND"'
+)
+
+
+def resolve_exit_watch_shell(platform: str = sys.platform, comspec: str | None = None) -> tuple[str, ...]:
+    """The argv prefix on-exit commands run with; the command string is appended as one argument.
+
+    ``("bash", "-lc", "--")`` on POSIX; ``(comspec or "cmd.exe", "/d", "/s", "/c")`` on Windows, where a
+    blank ``comspec`` counts as none (the spec's ``cmd.exe /d /s /c``).
+
+    Args:
+        platform: a ``sys.platform`` value.
+        comspec: the ``COMSPEC`` environment variable's value, if any.
+    """
+    if platform.startswith("win"):
+        shell = comspec.strip() if comspec is not None and comspec.strip() else "cmd.exe"
+        return (shell, "/d", "/s", "/c")
+    return POSIX_SHELL
+
+
+def _is_bash(shell: tuple[str, ...]) -> bool:
+    return os.path.basename(shell[0]) == "bash"
+
+
+def watch_argv(
+    shell: tuple[str, ...], command: str, cwd: str, started_file: str
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The argv and extra environment of a watched command.
+
+    With a bash prefix the command string travels in ``GADGET_WATCH_COMMAND`` and a fixed wrapper runs it
+    after the profile, in ``cwd`` (CR-01: a profile's ``cd`` or noise does not change where it runs);
+    ``started_file`` is created just before it runs, so a profile that replaced the shell is noticed.
+    Any other shell gets ``shell + (command,)`` as is.
+    """
+    if _is_bash(shell):
+        env = {CWD_VAR: cwd, COMMAND_VAR: command, STARTED_VAR: started_file}
+        return (*shell, _BASH_WRAPPER), env
+    return (*shell, command), {}

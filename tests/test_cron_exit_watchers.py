@@ -1,0 +1,340 @@
+"""On-exit watchers with real commands: persist before fire, one fire per exit, re-arming, failures."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from engine import CronJob, FiredEvent, OnExit, SystemEvent
+from engine.cron._shell import resolve_exit_watch_shell
+
+from .children import kill_leftovers, pgrep
+from .watch_support import FlakyStore, engine_with, wait_events, wait_until
+
+
+async def test_exit_watcher_persists_before_it_fires(tmp_path: Path) -> None:
+    order: list[str] = []
+    seen_at_fire: list[CronJob] = []
+    fired: list[FiredEvent] = []
+
+    async def after_persist(job_id: str) -> None:
+        order.append("persisted")
+
+    async def on_fire(event: FiredEvent) -> None:
+        order.append("fired")
+        seen_at_fire.append(await engine.cron.get(event.job_id))
+        fired.append(event)
+
+    d = tmp_path / "d"
+    d.mkdir()
+    async with engine_with(tmp_path / "s", hooks={"after_persist": after_persist}, on_fire=on_fire) as engine:
+        job = await engine.cron.add(
+            OnExit(command="echo out; echo err >&2; exit 3", cwd=str(d)), SystemEvent("tests finished")
+        )
+        await wait_until(lambda: bool(fired))
+        (event,) = await engine.cron.events()
+    assert order == ["persisted", "fired"]
+    assert not seen_at_fire[0].enabled  # the job was disabled before the fire was delivered
+    assert (event.job_id, event.exit_code, event.signal, event.reason) == (job.id, 3, None, "exit")
+    assert event.stdout_tail == "out\n" and event.stderr_tail == "err\n"
+    assert event.text.startswith("tests finished\n")
+    assert "exited with code 3" in event.text and "echo out; echo err >&2; exit 3" in event.text
+    assert fired[0].fire_id == event.fire_id
+    stored = seen_at_fire[0]
+    assert stored.last_status is not None and stored.last_status.value == "error"
+
+
+async def test_exit_watcher_fires_once_and_new_engine_does_not_spawn_again(tmp_path: Path) -> None:
+    marker = tmp_path / "runs.txt"
+    async with engine_with(tmp_path / "s") as engine:
+        job = await engine.cron.add(OnExit(command=f"echo run >> {marker}"), SystemEvent("ran"))
+        await wait_events(engine, 1)
+        await trio.sleep(0.3)
+        assert len(await engine.cron.events()) == 1
+        assert engine.watchers.active_job_ids() == []
+    async with engine_with(tmp_path / "s") as engine:
+        await trio.sleep(0.5)
+        assert engine.watchers.active_job_ids() == []
+        assert len(await engine.cron.events()) == 1
+        assert not (await engine.cron.get(job.id)).enabled
+    assert marker.read_text() == "run\n"
+
+
+async def test_exit_watcher_reports_signal_death(tmp_path: Path) -> None:
+    async with engine_with(tmp_path / "s") as engine:
+        await engine.cron.add(OnExit(command="kill -SEGV $$"), SystemEvent("crashed"))
+        (event,) = await wait_events(engine, 1)
+    assert (event.exit_code, event.signal, event.reason) == (None, 11, "signal")
+    assert "killed by signal 11 (SIGSEGV)" in event.text
+
+
+async def test_exit_watcher_fire_tail_is_bounded(tmp_path: Path) -> None:
+    async with engine_with(tmp_path / "s") as engine:
+        await engine.cron.add(OnExit(command="seq 1 200000"), SystemEvent("big"))
+        (event,) = await wait_events(engine, 1, seconds=20)
+    assert event.stdout_tail.endswith("200000\n")
+    assert len(event.stdout_tail.splitlines()) <= 50 and len(event.stdout_tail) <= 4096
+    assert event.truncated
+    assert len(event.text) < 10_000
+
+
+# ---- CR-01: the command string reaches bash exactly -------------------------------------------
+
+CR01 = {
+    "q1": (
+        """printf '%s|' "it's" 'say "hi"' "back\\\\slash" '$HOME'; echo""",
+        """it's|say "hi"|back\\slash|$HOME|\n""",
+        0,
+    ),
+    "q2": ("echo line-one\necho line-two\nexit 3", "line-one\nline-two\n", 3),
+    "q3": ("cat <<'EOF'\n$not_expanded \"dq\" 'sq' `nope`\nEOF", "$not_expanded \"dq\" 'sq' `nope`\n", 0),
+    "q4": ("echo '100% {job} %s %(x)s'", "100% {job} %s %(x)s\n", 0),
+    "q5": ("echo cont-\\\nnued", "cont-nued\n", 0),
+    "q6": ("x=$(printf 'a\\nb'); echo \"[$x]\"", "[a\nb]\n", 0),
+    "q7": ("-x", "", 127),
+}
+
+
+async def test_exit_watcher_cr01_login_shell_runs_command_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bash_profile").write_text("echo PROFILE-NOISE\ncd /\n")
+    monkeypatch.setenv("HOME", str(home))
+    d = tmp_path / "D"
+    d.mkdir()
+    cases = {**CR01, "q8": ('pwd; echo "$PWD"', f"{d}\n{d}\n", 0)}
+    async with engine_with(tmp_path / "s", exit_watch_shell=resolve_exit_watch_shell()) as engine:
+        assert engine.watchers.shell == ("bash", "-lc", "--")
+        ids = {}
+        for name, (command, _out, _code) in cases.items():
+            ids[(await engine.cron.add(OnExit(command=command, cwd=str(d)), SystemEvent(name))).id] = name
+        events = await wait_events(engine, len(cases), seconds=20)
+    by_name = {ids[e.job_id]: e for e in events}
+    for name, (_command, out, code) in cases.items():
+        event = by_name[name]
+        assert event.exit_code == code, name
+        # The profile's noise comes first; the command's own output is the end of the stream.
+        assert event.stdout_tail.endswith(out), (name, event.stdout_tail)
+        assert event.stdout_tail in (out, "PROFILE-NOISE\n" + out), name
+    assert "-x: command not found" in by_name["q7"].stderr_tail
+
+
+async def test_exit_watcher_cr01_profile_replacing_shell_is_diagnosed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bash_profile").write_text("exec sh -c 'exit 0'\n")
+    monkeypatch.setenv("HOME", str(home))
+    async with engine_with(tmp_path / "s", exit_watch_shell=("bash", "-lc", "--")) as engine:
+        await engine.cron.add(OnExit(command="echo never"), SystemEvent("replaced"))
+        (event,) = await wait_events(engine, 1)
+    assert event.reason == "not_started"
+    assert "did not run" in event.text
+
+
+# ---- CR-02: re-arming while the previous command exits ---------------------------------------
+
+
+async def _cr02_round(state: Path, offset: float, *, hold: str | None, tag: str) -> tuple[FiredEvent, int]:
+    held = trio.Event()
+    release = trio.Event()
+
+    async def hook(job_id: str) -> None:
+        if not held.is_set():
+            held.set()
+            await release.wait()
+
+    gen1 = f"sleep 0.5; echo gen-1-{tag}; exit 11"
+    gen2 = f"sleep 2; echo gen-2-{tag}; exit 22"
+    async with engine_with(state, hooks={hold: hook} if hold else None) as engine:
+        job = await engine.cron.add(OnExit(command=gen1), SystemEvent("cr02"))
+        if hold:
+            with trio.fail_after(10):
+                await held.wait()  # gen-1 exited; its watcher is held before the persist
+        else:
+            await trio.sleep(offset)
+        current = await engine.cron.get(job.id)  # J' from the store's record at this moment
+        await engine.watchers.reconcile([attrs.evolve(current, schedule=OnExit(command=gen2))])
+        release.set()
+        if engine.watchers.active_job_ids():
+            assert not pgrep(f"echo gen-1-{tag}")  # replaced: the old command is gone
+        events = await wait_events(engine, 1, seconds=15)
+        await trio.sleep(0.2)
+        events = await engine.cron.events()
+        assert engine.watchers.active_job_ids() == []
+    assert len(events) == 1, events
+    return events[0], len(events)
+
+
+async def test_exit_watcher_cr02_rearm_race_fires_exactly_once(tmp_path: Path) -> None:
+    rng = random.Random(2026)
+    results: dict[int, FiredEvent] = {}
+
+    async def one(n: int) -> None:
+        hold = {0: "after_exit", 1: "before_persist"}.get(n)
+        event, _ = await _cr02_round(tmp_path / f"s{n}", rng.uniform(0.40, 0.55), hold=hold, tag=str(n))
+        results[n] = event
+
+    with trio.fail_after(120):
+        for batch in range(0, 50, 10):
+            async with trio.open_nursery() as nursery:
+                for n in range(batch, batch + 10):
+                    nursery.start_soon(one, n)
+    generations = {1: 0, 2: 0}
+    for n, event in results.items():
+        if event.exit_code == 11:
+            assert event.stdout_tail == f"gen-1-{n}\n"
+            generations[1] += 1
+        else:
+            assert event.exit_code == 22, event
+            assert event.stdout_tail.endswith(f"gen-2-{n}\n")
+            generations[2] += 1
+    # Held after gen-1 exited, before its commit began: reconcile replaced the arm, gen-1 never persists.
+    assert results[0].exit_code == 22
+    # Held inside the commit: the commit decides; it succeeds, so gen-1 is the one fire and no gen-2.
+    assert results[1].exit_code == 11
+    assert sum(generations.values()) == 50
+    assert not pgrep(r"echo gen-[12]-")
+
+
+async def test_exit_watcher_unchanged_reconcile_keeps_watcher(tmp_path: Path) -> None:
+    async with engine_with(tmp_path / "s") as engine:
+        job = await engine.cron.add(OnExit(command="sleep 335.1"), SystemEvent("x"))
+        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+        pid = engine.watchers.watched_pid(job.id)
+        await engine.watchers.reconcile(await engine.cron.list())
+        await engine.cron.update(job.id, payload=SystemEvent("payload only"))
+        await trio.sleep(0.2)
+        assert engine.watchers.watched_pid(job.id) == pid
+        assert await engine.cron.events() == []
+
+
+async def test_exit_watcher_payload_change_uses_newest_job(tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    async with engine_with(tmp_path / "s") as engine:
+        job = await engine.cron.add(
+            OnExit(command=f"while [ ! -e {flag} ]; do sleep 0.02; done"), SystemEvent("old text")
+        )
+        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+        pid = engine.watchers.watched_pid(job.id)
+        await engine.cron.update(job.id, payload=SystemEvent("new text"), name="renamed")
+        assert engine.watchers.watched_pid(job.id) == pid
+        flag.touch()
+        (event,) = await wait_events(engine, 1)
+    assert event.text.startswith("new text\n")
+    assert event.job_name == "renamed"
+
+
+@pytest.mark.parametrize("how", ["disable", "remove", "cancel"])
+async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path: Path, how: str) -> None:
+    async with engine_with(tmp_path / "s") as engine:
+        job = await engine.cron.add(OnExit(command="trap '' INT; sleep 336.1"), SystemEvent("x"))
+        await wait_until(lambda: bool(pgrep(r"^sleep 336\.1")))
+        if how == "disable":
+            await engine.cron.disable(job.id)
+        elif how == "remove":
+            await engine.cron.remove(job.id)
+        else:
+            await engine.watchers.cancel(job.id)
+        assert engine.watchers.active_job_ids() == []
+        with trio.fail_after(6):
+            while pgrep(r"^sleep 336\.1"):
+                await trio.sleep(0.05)
+        await trio.sleep(0.3)
+        assert await engine.cron.events() == []
+
+
+async def test_exit_watcher_graceful_shutdown_keeps_job_and_rearms(tmp_path: Path) -> None:
+    async with engine_with(tmp_path / "s") as engine:
+        job = await engine.cron.add(OnExit(command="sleep 337.1"), SystemEvent("x"))
+        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+        first = engine.watchers.watched_pid(job.id)
+    assert not pgrep(r"^sleep 337\.1")
+    async with engine_with(tmp_path / "s") as engine:
+        assert (await engine.cron.get(job.id)).enabled
+        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+        assert engine.watchers.watched_pid(job.id) != first
+        await trio.sleep(0.2)
+        assert await engine.cron.events() == []  # the cancelled command's exit never fires
+
+
+async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Path) -> None:
+    missing = tmp_path / "later"
+    async with engine_with(tmp_path / "s") as engine:
+        job = await engine.cron.add(OnExit(command="echo made-it", cwd=str(missing)), SystemEvent("x"))
+        await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
+        error = engine.watchers.last_error(job.id)
+        assert error is not None and "working directory" in error
+        await trio.sleep(0.5)
+        assert await engine.cron.events() == []
+        missing.mkdir()
+        (event,) = await wait_events(engine, 1)
+    assert event.stdout_tail == "made-it\n"
+
+
+# ---- CR-03: a failing store write never fires, the command never runs again --------------------
+
+
+async def test_exit_watcher_cr03_store_failure_fails_closed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = tmp_path / "D"
+    d.mkdir()
+    store = FlakyStore(str(tmp_path / "s" / "cron.sqlite3"))
+    caplog.set_level(logging.ERROR, logger="engine.cron")
+    async with engine_with(tmp_path / "s", store=store, watch_retry_seconds=(0.5,)) as engine:
+        job = await engine.cron.add(OnExit(command="echo run >> runs.txt; echo done", cwd=str(d)), SystemEvent("J"))
+        store.failing.add(job.id)
+        other = await engine.cron.add(OnExit(command="echo other", cwd=str(d)), SystemEvent("other"))
+        (other_event,) = await wait_events(engine, 1)  # other jobs keep firing
+        assert other_event.job_id == other.id
+        await wait_until(lambda: (d / "runs.txt").exists())
+        await trio.sleep(3.0)
+        assert [e.job_id for e in await engine.cron.events()] == [other.id]  # no fire while failing
+        error = engine.watchers.last_error(job.id)
+        assert error is not None and "persisting the exit failed" in error
+        assert any(job.id in r.getMessage() for r in caplog.records)
+        await trio.sleep(2.0)
+        assert (d / "runs.txt").read_text() == "run\n"  # no retry storm: the command never re-ran
+        assert store.commit_attempts < 20
+        store.failing.clear()
+        events = await wait_events(engine, 2)
+        await trio.sleep(1.0)
+        events = await engine.cron.events()
+    assert [e.job_id for e in events] == [other.id, job.id]
+    assert events[1].stdout_tail == "done\n"
+    assert (d / "runs.txt").read_text() == "run\n"
+
+
+async def test_exit_watcher_store_failure_then_rearm_drops_old_exit(tmp_path: Path) -> None:
+    store = FlakyStore(str(tmp_path / "s" / "cron.sqlite3"))
+    async with engine_with(tmp_path / "s", store=store) as engine:
+        job = await engine.cron.add(OnExit(command="echo gen-1; exit 1"), SystemEvent("J"))
+        store.failing.add(job.id)
+        await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
+        store.failing.clear()
+        current = await engine.cron.get(job.id)
+        await engine.watchers.reconcile([attrs.evolve(current, schedule=OnExit(command="echo gen-2; exit 2"))])
+        events = await wait_events(engine, 1)
+        await trio.sleep(0.8)
+        events = await engine.cron.events()
+    assert len(events) == 1
+    assert events[0].exit_code in (1, 2)  # one generation, never both
+    if events[0].exit_code == 2:
+        assert events[0].stdout_tail == "gen-2\n"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers() -> object:
+    yield None
+    kill_leftovers(r"sleep 33[5-7]\.1|gen-[12]-")
+    assert os.getpid() > 0

@@ -1,0 +1,78 @@
+"""Helpers for the exit-watcher tests: an engine factory, a store that fails on purpose, event waits."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from engine import CronJob, Engine, EngineConfig, FiredEvent, SqliteJobStore, open_engine
+from engine.cron._protocol import JobChange
+
+#: Tests run watched commands with plain bash (no login profile, ~1 ms) unless the profile is the point.
+TEST_SHELL = ("bash", "-c", "--")
+
+
+class FlakyStore(SqliteJobStore):
+    """A real SQLite store whose exit commits fail with ENOSPC for the job ids in ``failing``."""
+
+    failing: set[str]
+    commit_attempts: int
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.failing = set()
+        self.commit_attempts = 0
+
+    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
+        self.commit_attempts += 1
+        if job_id in self.failing or "*" in self.failing:
+            await trio.lowlevel.checkpoint()
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+        return await super().commit_fire(job_id, change, pending_fire)
+
+
+def config(state_dir: Path, **changes: Any) -> EngineConfig:
+    base: dict[str, Any] = {
+        "state_dir": str(state_dir),
+        "grace_seconds": 0.3,
+        "kill_wait_seconds": 2.0,
+        "exit_watch_shell": TEST_SHELL,
+        "watch_retry_seconds": (0.3,),
+        "guardian": False,
+    }
+    base.update(changes)
+    return EngineConfig(**base)
+
+
+@asynccontextmanager
+async def engine_with(
+    state_dir: Path,
+    *,
+    hooks: Mapping[str, Callable[[str], Awaitable[None]]] | None = None,
+    store: FlakyStore | None = None,
+    on_fire: Callable[[FiredEvent], Awaitable[None]] | None = None,
+    **changes: Any,
+) -> AsyncIterator[Engine]:
+    if store is not None:
+        changes["store_factory"] = lambda _state_dir: store
+    async with open_engine(config(state_dir, watch_hooks=hooks, **changes), on_fire=on_fire) as engine:
+        yield engine
+
+
+async def wait_events(engine: Engine, count: int, *, seconds: float = 10.0) -> list[FiredEvent]:
+    """Wait until the event log holds at least ``count`` events; return them all."""
+    with trio.fail_after(seconds):
+        while len(events := await engine.cron.events()) < count:
+            await trio.sleep(0.02)
+    return events
+
+
+async def wait_until(predicate: Callable[[], bool], *, seconds: float = 10.0) -> None:
+    with trio.fail_after(seconds):
+        while not predicate():
+            await trio.sleep(0.02)
