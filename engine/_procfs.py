@@ -78,11 +78,25 @@ def _parse_stat(pid: int, data: bytes) -> ProcInfo | None:
         return None
 
 
+#: One ``read`` gets the whole stat line (about 300 bytes; 52 numeric fields and a 64-byte name at most).
+_STAT_READ = 4096
+
+
 def read_proc(pid: int) -> ProcInfo | None:
     """Read one process's ``/proc/<pid>/stat``; ``None`` when no such process exists (not even a zombie)."""
+    # os.open/os.read rather than open(): no buffered file object per process, about 40% less time per
+    # stat file, and escalation scans the whole table (benchmarks/terminate.py).
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, _STAT_READ)
+            while len(data) % _STAT_READ == 0 and data:
+                chunk = os.read(fd, _STAT_READ)
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            os.close(fd)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     return _parse_stat(pid, data)
