@@ -1,0 +1,188 @@
+"""What every workload shares: result rows, paired ratios, timing and process-level measurements."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._supervisord import Supervisord
+
+MiB = 2**20
+GiB = 2**30
+
+
+@dataclass
+class Row:
+    """One line of the results table: a variant of a workload, measured next to its baseline.
+
+    ``values`` are absolute samples (context only). ``ratios`` are paired samples of
+    ``variant / baseline``, each taken from the same repeat (or block of interleaved rounds), so the
+    machine's speed and load cancel out; the baseline row itself has none.
+    """
+
+    workload: str
+    variant: str
+    unit: str
+    values: list[float]
+    baseline: str | None = None
+    ratios: list[float] = field(default_factory=list)
+    target: str = ""
+    met: bool | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "workload": self.workload,
+            "variant": self.variant,
+            "unit": self.unit,
+            "values": self.values,
+            "baseline": self.baseline,
+            "ratios": self.ratios,
+            "target": self.target,
+            "met": self.met,
+            "note": self.note,
+        }
+
+
+@dataclass
+class Context:
+    """Options and shared resources of one benchmark run."""
+
+    quick: bool
+    log_bytes: int
+    tmp: str
+    supervisord: Supervisord | None
+    notes: list[str] = field(default_factory=list)
+
+    def scratch(self, name: str) -> str:
+        path = tempfile.mkdtemp(prefix=f"{name}-", dir=self.tmp)
+        return path
+
+
+def pct(samples: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation between order statistics."""
+    ordered = sorted(samples)
+    if not ordered:
+        return float("nan")
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def spread(samples: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, p10, p90)``."""
+    if not samples:
+        return float("nan"), float("nan"), float("nan")
+    return statistics.median(samples), pct(samples, 0.1), pct(samples, 0.9)
+
+
+def block_ratios(variant: Sequence[float], baseline: Sequence[float], blocks: int) -> list[float]:
+    """Ratios of medians over consecutive blocks of interleaved rounds (one ratio per block)."""
+    n = min(len(variant), len(baseline))
+    blocks = max(1, min(blocks, n))
+    size = n // blocks
+    out = []
+    for b in range(blocks):
+        lo, hi = b * size, (b + 1) * size if b < blocks - 1 else n
+        out.append(statistics.median(variant[lo:hi]) / statistics.median(baseline[lo:hi]))
+    return out
+
+
+def paired(variant: Sequence[float], baseline: Sequence[float]) -> list[float]:
+    """Per-repeat ratios of samples taken in the same repeat."""
+    return [v / b for v, b in zip(variant, baseline, strict=True) if b > 0]
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process so far (children excluded)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def rss_bytes() -> int:
+    """This process's resident set size, from ``/proc/self/status``."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@contextmanager
+def stopwatch() -> Iterator[list[float]]:
+    """``with stopwatch() as t: ...`` then ``t[0]`` is the elapsed wall time in seconds."""
+    box: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box.append(time.perf_counter() - t0)
+
+
+def loadavg() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return "not installed"
+
+
+def machine(tmp: str) -> dict[str, str]:
+    """What the numbers were measured on."""
+    fs = subprocess.run(["df", "-T", tmp], capture_output=True, text=True, check=False).stdout.splitlines()
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": _cpu_model(),
+        "memory": _mem_total(),
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "trio": _version("trio"),
+        "supervisor": _version("supervisor"),
+        "scratch filesystem": fs[-1].split()[1] if len(fs) > 1 else "unknown",
+        "free disk": f"{shutil.disk_usage(tmp).free / GiB:.1f} GiB",
+    }

@@ -1,0 +1,261 @@
+"""Cron: the timer's decision core over 10,000 jobs, the exit watchers' ``reconcile`` (decision, and 100
+real arms), and timer lateness for jobs all due in the same second.
+
+The decision core is what the timer does synchronously at each wake (``is_due`` over the job list, sort
+the due ones, ``next_wake``); the baseline is a bare list comprehension over the same jobs, the floor of
+any Python scheduler. Lateness is measured with the real SQLite store and an injected wall clock that is
+moved to just before the due second; the baseline is as many bare trio tasks sleeping until one deadline.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import trio
+
+from engine import EngineConfig, open_engine
+from engine.cron import At, CronJob, Every, FiredEvent, OnExit, SystemEvent
+from engine.cron._plan import is_due, next_wake
+
+from ._common import Context, Row, paired, spread
+
+
+def _jobs(total: int, on_exit: int, now: datetime) -> list[CronJob]:
+    jobs = []
+    for i in range(total):
+        watch = i < on_exit
+        schedule: Any = OnExit(command="sleep 600") if watch else Every(every_seconds=60.0 + i % 3600)
+        nxt = None if watch else now + timedelta(seconds=(i * 7919) % 7200 - 60)
+        jobs.append(
+            CronJob(
+                id=uuid.uuid4().hex,
+                name=f"job {i}",
+                enabled=True,
+                schedule=schedule,
+                payload=SystemEvent(text=f"job {i} fired"),
+                delete_after_run=False,
+                created_at=now,
+                updated_at=now,
+                next_run_at=nxt,
+            )
+        )
+    return jobs
+
+
+def _decide(jobs: list[CronJob], now: datetime) -> tuple[int, datetime | None]:
+    due = sorted((j for j in jobs if is_due(j, now)), key=lambda j: (j.next_run_at, j.created_at))
+    return len(due), next_wake(jobs)
+
+
+def _plain(jobs: list[CronJob], now: datetime) -> tuple[int, datetime | None]:
+    due = [j for j in jobs if j.enabled and j.next_run_at is not None and j.next_run_at <= now]
+    return len(due), min((j.next_run_at for j in jobs if j.next_run_at is not None), default=None)
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def decision_rows(ctx: Context) -> list[Row]:
+    total = 2000 if ctx.quick else 10_000
+    repeats = 10 if ctx.quick else 30
+    now = datetime.now(UTC)
+    jobs = _jobs(total, 100, now)
+    assert _decide(jobs, now)[0] == _plain(jobs, now)[0]
+    core, plain = [], []
+    for i in range(repeats):
+        pair = [(core, _decide), (plain, _plain)]
+        for out, fn in pair if i % 2 == 0 else pair[::-1]:
+            out.append(_timed(fn, jobs, now) * 1e3)
+    workload = f"cron timer decision, {total} jobs"
+    return [
+        Row(
+            workload,
+            "decision core (is_due, sort, next_wake)",
+            "ms",
+            core,
+            "plain list comprehension",
+            paired(core, plain),
+        ),
+        Row(workload, "plain list comprehension", "ms", plain),
+    ]
+
+
+async def reconcile_rows(ctx: Context) -> list[Row]:
+    total = 2000 if ctx.quick else 10_000
+    arms = 10 if ctx.quick else 100
+    repeats = 2 if ctx.quick else 3
+    decisions = 10 if ctx.quick else 30
+    config = EngineConfig(state_dir=ctx.scratch("reconcile-state"), max_processes=arms + 50)
+    workload = f"cron reconcile, {total} jobs ({arms} on-exit)"
+    arm_t, arm_base, dec_t, dec_base = [], [], [], []
+    async with open_engine(config) as engine:
+        watchers = getattr(engine, "watchers", None)
+        if watchers is None:
+            msg = "cron reconcile skipped: this engine has no `engine.watchers` yet"
+            print(f"  NOTE: {msg}", flush=True)
+            ctx.notes.append(msg)
+            return []
+        now = datetime.now(UTC)
+        shell = tuple(config.exit_watch_shell or ("bash", "-lc", "--"))
+        for rep in range(repeats):
+            jobs = _jobs(total, arms, now)
+            for job in jobs[:arms]:
+                await engine.cron.store.insert_job(job)
+            ids = [j.id for j in jobs[:arms]]
+
+            async def bare() -> float:
+                t0 = time.perf_counter()
+                procs = [await trio.lowlevel.open_process([*shell, "sleep 600"]) for _ in range(arms)]
+                elapsed = time.perf_counter() - t0
+                for p in procs:
+                    p.kill()
+                    await p.wait()
+                return elapsed
+
+            async def armed(jobs: list[CronJob], ids: list[str]) -> float:
+                t0 = time.perf_counter()
+                await watchers.reconcile(jobs)
+                # the watchers have no "armed" event to wait for: look every millisecond
+                while any(watchers.watched_pid(i) is None for i in ids):  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+                return time.perf_counter() - t0
+
+            if rep % 2:
+                arm_base.append(await bare() * 1e3)
+                arm_t.append(await armed(jobs, ids) * 1e3)
+            else:
+                arm_t.append(await armed(jobs, ids) * 1e3)
+                arm_base.append(await bare() * 1e3)
+            for _ in range(decisions):  # unchanged set: decisions only, every watcher kept
+                t0 = time.perf_counter()
+                await watchers.reconcile(jobs)
+                dec_t.append((time.perf_counter() - t0) * 1e3)
+                t0 = time.perf_counter()
+                want = {j.id for j in jobs if j.enabled and isinstance(j.schedule, OnExit)}
+                assert want - set(watchers.active_job_ids()) == set()
+                dec_base.append((time.perf_counter() - t0) * 1e3)
+            await watchers.cancel_all()
+            for job_id in ids:
+                await engine.cron.store.delete_job(job_id)
+    return [
+        Row(
+            workload,
+            "reconcile, unchanged set (decision)",
+            "ms",
+            dec_t,
+            "plain set difference",
+            paired(dec_t, dec_base),
+        ),
+        Row(workload, "plain set difference", "ms", dec_base),
+        Row(
+            workload,
+            f"reconcile, {arms} real arms (until every command runs)",
+            "ms",
+            arm_t,
+            f"bare trio: {arms} x open_process of the shell",
+            paired(arm_t, arm_base),
+        ),
+        Row(workload, f"bare trio: {arms} x open_process of the shell", "ms", arm_base),
+    ]
+
+
+async def _lateness_engine(ctx: Context, n: int) -> list[float]:
+    offset = [0.0]
+
+    def wall() -> datetime:
+        return datetime.now(UTC) + timedelta(seconds=offset[0])
+
+    fired: list[float] = []
+    due = (datetime.now(UTC) + timedelta(hours=1)).replace(microsecond=0)
+    done = trio.Event()
+
+    async def on_fire(event: FiredEvent) -> None:
+        fired.append((wall() - due).total_seconds())
+        if len(fired) == n:
+            done.set()
+
+    config = EngineConfig(state_dir=ctx.scratch("lateness-state"), wall_clock=wall)
+    async with open_engine(config, on_fire=on_fire) as engine:
+        now = wall()
+        for i in range(n):
+            job = CronJob(
+                id=uuid.uuid4().hex,
+                name=f"tick {i}",
+                enabled=True,
+                schedule=At(at=due),
+                payload=SystemEvent(text=f"tick {i}"),
+                delete_after_run=False,
+                created_at=now,
+                updated_at=now,
+                next_run_at=due,
+            )
+            await engine.cron.store.insert_job(job)
+        offset[0] = (due - datetime.now(UTC)).total_seconds() - 0.5  # the wall clock: half a second before
+        await engine.cron.notify_jobs_changed()
+        with trio.fail_after(120):
+            await done.wait()
+    return fired
+
+
+async def _lateness_trio(n: int) -> list[float]:
+    late: list[float] = []
+    deadline = trio.current_time() + 0.5
+
+    async def one() -> None:
+        await trio.sleep_until(deadline)
+        late.append(trio.current_time() - deadline)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(one)
+    return late
+
+
+async def lateness_rows(ctx: Context) -> list[Row]:
+    n = 100 if ctx.quick else 1000
+    repeats = 1 if ctx.quick else 3
+    eng_p50, eng_max, base_p50, base_max = [], [], [], []
+    for _ in range(repeats):
+        e = await _lateness_engine(ctx, n)
+        b = await _lateness_trio(n)
+        eng_p50.append(spread(e)[0] * 1e3)
+        eng_max.append(max(e) * 1e3)
+        base_p50.append(spread(b)[0] * 1e3)
+        base_max.append(max(b) * 1e3)
+    workload = f"cron timer lateness, {n} jobs due in the same second"
+    base = "bare trio sleep_until"
+    note = "each fire is claimed, committed and delivered through SQLite (WAL, synchronous=FULL)"
+    return [
+        Row(
+            workload,
+            "CronService, median job",
+            "ms late",
+            eng_p50,
+            f"{base}, median",
+            paired(eng_p50, base_p50),
+            note=note,
+        ),
+        Row(
+            workload, "CronService, last job", "ms late", eng_max, f"{base}, last", paired(eng_max, base_max)
+        ),
+        Row(workload, f"{base}, median", "ms late", base_p50),
+        Row(workload, f"{base}, last", "ms late", base_max),
+    ]
+
+
+async def run(ctx: Context) -> list[Row]:
+    rows = decision_rows(ctx)
+    try:
+        rows += await reconcile_rows(ctx)
+    except Exception as exc:  # the watchers are new: report, and let the other workloads run
+        msg = f"cron reconcile FAILED: {exc!r}"
+        print(f"  NOTE: {msg}", flush=True)
+        ctx.notes.append(msg)
+    rows += await lateness_rows(ctx)
+    return rows

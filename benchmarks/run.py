@@ -1,0 +1,139 @@
+"""Run every benchmark workload and write ``docs/benchmarks/results.md``, ``.json`` and ``.png``.
+
+Usage (from the repository root, after ``.venv/bin/pip install -e '.[bench]'``)::
+
+    .venv/bin/python -m benchmarks.run                 # the full run (about 10 minutes on 2 cores)
+    .venv/bin/python -m benchmarks.run --quick         # a smoke run (well under a minute)
+    .venv/bin/python -m benchmarks.run --only spawn,terminate --log-bytes 256MiB
+
+The run fails when supervisord cannot be started, unless ``--no-supervisord`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from . import cron, logs, report, scale, spawn, terminate, tool_log
+from ._common import Context, GiB, MiB, Row, loadavg, machine
+from ._supervisord import Supervisord
+
+WORKLOADS: dict[str, Callable[[Context], Awaitable[list[Row]]]] = {
+    "spawn": spawn.run,
+    "terminate": terminate.run,
+    "logs": logs.run,
+    "scale": scale.run,
+    "cron": cron.run,
+    "tool-log": tool_log.run,
+}
+
+_SUFFIXES = {"k": 2**10, "kib": 2**10, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB, "": 1, "b": 1}
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"``, ``"256M"``, ``"1048576"`` -> bytes."""
+    t = text.strip().lower()
+    digits = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    suffix = t[len(digits) :]
+    if suffix not in _SUFFIXES or not digits:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 256MiB, 1048576)")
+    return int(float(digits) * _SUFFIXES[suffix])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="few rounds and small sizes: a smoke run")
+    p.add_argument(
+        "--only",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated workloads (default: all of {', '.join(WORKLOADS)})",
+    )
+    p.add_argument(
+        "--log-bytes",
+        type=parse_size,
+        default=None,
+        help="bytes the log-throughput child writes (default 1GiB, 32MiB with --quick)",
+    )
+    p.add_argument("--no-supervisord", action="store_true", help="skip the supervisord rows")
+    p.add_argument("--no-plot", action="store_true", help="do not draw results.png (no matplotlib needed)")
+    p.add_argument("--out", default=os.path.join("docs", "benchmarks"), help="output directory")
+    p.add_argument("--tmp", default=None, help="scratch directory (default: a new one under $TMPDIR)")
+    return p
+
+
+async def _main(ctx: Context, names: list[str]) -> list[Row]:
+    rows: list[Row] = []
+    for name in names:
+        t0 = time.perf_counter()
+        print(f"[{name}] running ...", flush=True)
+        rows += await WORKLOADS[name](ctx)
+        print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        print(
+            f"unknown workload(s): {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}", file=sys.stderr
+        )
+        return 2
+    log_bytes = args.log_bytes if args.log_bytes is not None else (32 * MiB if args.quick else GiB)
+    tmp = tempfile.mkdtemp(prefix="gadget-bench-", dir=args.tmp)
+    started = datetime.datetime.now(datetime.UTC)
+    load_start = loadavg()
+    t0 = time.perf_counter()
+    sd: Supervisord | None = None
+    notes: list[str] = []
+    try:
+        if "logs" in names:
+            logs.check_disk(tmp, log_bytes)
+        if not args.no_supervisord:
+            sd = Supervisord(tempfile.mkdtemp(prefix="supervisord-", dir=tmp), min(log_bytes, logs.SD_MAX))
+            sd.start()  # raises: the run fails when supervisord cannot start
+        else:
+            notes.append("supervisord rows skipped (--no-supervisord)")
+        ctx = Context(quick=args.quick, log_bytes=log_bytes, tmp=tmp, supervisord=sd, notes=notes)
+        rows = trio.run(_main, ctx, names)
+        meta: dict[str, object] = {
+            "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
+            "mode": "quick" if args.quick else "full",
+            "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+            "duration": f"{time.perf_counter() - t0:.0f} s",
+            "machine": machine(tmp),
+            "load_start": load_start,
+            "load_end": loadavg(),
+            "notes": notes,
+        }
+        for path in report.write_all(rows, meta, args.out, with_plot=not args.no_plot):
+            print(f"wrote {path}")
+        for n in notes:
+            print(f"note: {n}")
+        return 0
+    except Exception:
+        traceback.print_exc()
+        print("benchmark run FAILED", file=sys.stderr)
+        return 1
+    finally:
+        if sd is not None:
+            sd.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The benchmark suite stays runnable: its quick mode on the cheap workloads, without the bench extra."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_benchmarks_quick_run_writes_results(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--quick",
+            "--only",
+            "spawn,cron",
+            "--no-supervisord",
+            "--no-plot",
+            "--out",
+            str(out),
+            "--tmp",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = (out / "results.md").read_text()
+    assert "| spawn-to-exit of `true` | SubProcessService.create + wait |" in table
+    assert "cron timer decision" in table
+    data = json.loads((out / "results.json").read_text())
+    ratios = [row["ratios"] for row in data["rows"] if row["baseline"]]
+    assert ratios and all(r and all(x > 0 for x in r) for r in ratios)
+
+
+def test_benchmarks_log_bytes_flag_parses_sizes() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from benchmarks.run import parse_size as p; print(p('1GiB'), p('256M'), p('4096'))",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert proc.stdout.split() == [str(2**30), str(256 * 2**20), "4096"]
