@@ -1,0 +1,162 @@
+"""The socket server of ``gadget-engine serve``: location, modes, peer check, stale sockets, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.server._location import SOCKET_POINTER_NAME, SUN_PATH_MAX
+
+from .serve_support import answers, start_serve, wait_until
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A directory under /tmp that another user may traverse (mode 0711)."""
+    path = Path(tempfile.mkdtemp(prefix="gadget-peer-", dir="/tmp"))
+    path.chmod(0o711)
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def _as_nobody(socket_path: str) -> str:
+    """Connect to ``socket_path`` as uid 65534 and send ``status``: EACCES, EOF or ANSWERED."""
+    code = (
+        "import os, socket, sys\n"
+        f"os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "try:\n"
+        f"    s.connect({socket_path!r})\n"
+        "except PermissionError:\n"
+        "    print('EACCES'); sys.exit(0)\n"
+        "try:\n"
+        '    s.sendall(b\'{"jsonrpc":"2.0","method":"status","id":1}\\n\')\n'
+        "    data = s.recv(1000)\n"
+        "except OSError:\n"
+        "    data = b''\n"
+        "print('EOF' if not data else 'ANSWERED')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True)
+    return out.stdout.strip()
+
+
+def test_server_socket_is_0600_in_a_0700_state_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    engine = start_serve(state)
+    try:
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        info = os.lstat(state / "engine.sock")
+        assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+        assert not (state / SOCKET_POINTER_NAME).exists()
+    finally:
+        assert engine.stop() == 0
+
+
+def test_server_refuses_a_peer_of_another_uid(open_tmp: Path) -> None:
+    engine = start_serve(open_tmp / "state")
+    try:
+        assert _as_nobody(engine.socket_path) == "EACCES"  # the modes alone keep it out
+        (open_tmp / "state").chmod(0o711)
+        os.chmod(engine.socket_path, 0o666)  # opened on purpose: the SO_PEERCRED check must hold alone
+        assert _as_nobody(engine.socket_path) == "EOF"
+        assert "event=peer_refused" in engine.log() and f"peer_uid={NOBODY}" in engine.log()
+        with engine.client() as client:
+            assert client.call("status")["pid"] == engine.proc.pid
+    finally:
+        assert engine.stop() == 0
+
+
+def test_server_replaces_the_socket_of_a_killed_engine(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = start_serve(state)
+    first.kill_hard()
+    assert (state / "engine.sock").exists() and not answers(str(state / "engine.sock"))
+    second = start_serve(state)
+    try:
+        assert "event=stale_socket_replaced" in second.log()
+        assert second.cli("list").returncode == 0
+    finally:
+        assert second.stop() == 0
+
+
+def test_server_long_state_dir_uses_a_runtime_socket(tmp_path: Path) -> None:
+    state = tmp_path / ("deep-" + "x" * 100) / "state"
+    state.parent.mkdir()
+    assert len(os.fsencode(str(state / "engine.sock"))) > SUN_PATH_MAX
+    engine = start_serve(state)
+    try:
+        named = (state / SOCKET_POINTER_NAME).read_text().strip()
+        assert named == engine.socket_path and not named.startswith(str(state))
+        assert stat.S_IMODE(os.lstat(named).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(named)).st_mode) == 0o700
+        assert engine.cli("list").returncode == 0
+    finally:
+        assert engine.stop() == 0
+    assert not os.path.exists(named) and not (state / SOCKET_POINTER_NAME).exists()
+
+
+def test_server_events_fired_unwatched_survive_a_restart_once_each(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    engine = start_serve(state)
+    try:
+        with engine.client() as client:
+            for code in (1, 2, 3):
+                client.call(
+                    "cron.add",
+                    schedule={
+                        "kind": "on_exit",
+                        "command": f"sleep {0.3 * code}; echo run {code}; exit {code}",
+                    },
+                    payload={"kind": "system_event", "text": f"tests done {code}"},
+                    name=f"tests-{code}",
+                )
+        # no client is connected while they run and fire
+        assert wait_until(lambda: engine.log().count("event=fired") >= 3, seconds=20)
+        first = [
+            json.loads(line) for line in engine.cli("events", "--since", "0", "--json").stdout.splitlines()
+        ]
+    finally:
+        assert engine.stop() == 0
+    assert [e["job_name"] for e in first] == ["tests-1", "tests-2", "tests-3"]
+    assert [e["exit_code"] for e in first] == [1, 2, 3]
+    assert [e["stdout_tail"] for e in first] == [f"run {code}\n" for code in (1, 2, 3)]
+    assert len({e["fire_id"] for e in first}) == 3
+    assert [e["cursor"] for e in first] == sorted(e["cursor"] for e in first)
+
+    again = start_serve(state)
+    try:
+        after = [
+            json.loads(line) for line in again.cli("events", "--since", "0", "--json").stdout.splitlines()
+        ]
+    finally:
+        assert again.stop() == 0
+    assert after == first
+
+
+def test_server_logs_what_the_engine_does(tmp_path: Path) -> None:
+    engine = start_serve(tmp_path / "state")
+    project = tmp_path / "p"
+    project.mkdir()
+    with engine.client() as client:
+        pid = client.call("subprocess.create", project=str(project), command="sh", args=["-c", "exit 7"])[
+            "pid"
+        ]
+        assert wait_until(lambda: client.call("subprocess.summarize", pid=pid)["exit_code"] == 7)
+    assert engine.stop() == 0
+    lines = engine.log().splitlines()
+    spawned = [line for line in lines if "event=spawned" in line and f"pid={pid}" in line]
+    exited = [line for line in lines if "event=exited" in line and f"pid={pid}" in line]
+    assert len(spawned) == 1 and "argv=\"sh -c 'exit 7'\"" in spawned[0]
+    assert len(exited) == 1 and "exit_code=7" in exited[0] and "reason=exit" in exited[0]
+    assert all(line.startswith("ts=") and " level=" in line for line in lines)
