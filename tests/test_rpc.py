@@ -1,0 +1,306 @@
+"""The JSON-RPC protocol and method table, over the socket of a real ``gadget-engine serve``."""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import engine
+from engine import InvalidScheduleError, JobNotFoundError, SpawnError, SubProcessNotFoundError
+from engine.server import _client, _location, _protocol
+from engine.server._client import EngineClient, EngineNotRunningError
+from engine.server._protocol import (
+    APPLICATION_CODES,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    MAX_LINE_BYTES,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    ProtocolError,
+    RpcError,
+    encode_error,
+    exception_from_error,
+    parse_request,
+)
+
+from .serve_support import Served, alive, start_serve, wait_until
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    engine = start_serve(tmp_path_factory.mktemp("rpc") / "state")
+    yield engine
+    assert engine.stop() == 0
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    directory = tmp_path / "proj"
+    directory.mkdir()
+    return directory
+
+
+class Raw:
+    """A bare socket connection speaking lines."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(20)
+        self.sock.connect(path)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def line(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buffer:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        value = json.loads(line)
+        assert isinstance(value, dict)
+        return value
+
+    def ask(self, data: bytes) -> dict[str, Any]:
+        self.send(data)
+        answer = self.line()
+        assert answer is not None
+        return answer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _request(method: str, params: object = None, request_id: object = 1) -> bytes:
+    body: dict[str, object] = {"jsonrpc": "2.0", "method": method, "id": request_id}
+    if params is not None:
+        body["params"] = params
+    return json.dumps(body).encode() + b"\n"
+
+
+# ---- the protocol alone --------------------------------------------------------------------------------
+
+
+def test_protocol_parse_request_refuses_what_is_not_a_request() -> None:
+    cases = {
+        b"{nope": PARSE_ERROR,
+        b"NaN": PARSE_ERROR,
+        b"\xff\xfe": PARSE_ERROR,
+        b"[1]": INVALID_REQUEST,
+        b"42": INVALID_REQUEST,
+        b'{"jsonrpc": "1.0", "method": "status", "id": 1}': INVALID_REQUEST,
+        b'{"jsonrpc": "2.0", "id": 1}': INVALID_REQUEST,
+        b'{"jsonrpc": "2.0", "method": "status", "params": [1], "id": 1}': INVALID_REQUEST,
+        b'{"jsonrpc": "2.0", "method": "status", "id": 1.5}': INVALID_REQUEST,
+        b'{"jsonrpc": "2.0", "method": "status", "id": 1, "extra": 1}': INVALID_REQUEST,
+    }
+    for line, code in cases.items():
+        with pytest.raises(ProtocolError) as info:
+            parse_request(line)
+        assert info.value.code == code, line
+    request = parse_request(b'{"jsonrpc": "2.0", "method": "status"}')
+    assert request.notification and request.params == {}
+
+
+def test_protocol_error_codes_map_back_to_the_engine_classes() -> None:
+    codes = [code for _cls, code in APPLICATION_CODES]
+    assert len(codes) == len(set(codes)) and all(-32099 <= code <= -32000 for code in codes)
+    for cls, code in APPLICATION_CODES:
+        assert type(exception_from_error(code, "m", {"type": cls.__name__})) is cls
+    spawn = exception_from_error(
+        -32002, "boom", {"type": "SpawnError", "errno": 2, "path": "/x", "reason": "r"}
+    )
+    assert isinstance(spawn, SpawnError) and (spawn.errno, spawn.filename, spawn.reason) == (2, "/x", "r")
+    other = exception_from_error(INVALID_PARAMS, "bad", None)
+    assert isinstance(other, RpcError) and other.code == INVALID_PARAMS
+    assert json.loads(encode_error({"not": "an id"}, INVALID_REQUEST, "x"))["id"] is None
+
+
+def test_client_modules_import_no_trio() -> None:
+    for module in (_client, _protocol, _location):
+        tree = ast.parse(Path(module.__file__ or "").read_text())
+        imported = {
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        }
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any(name.split(".")[0] in ("trio", "trio_util", "attrs") for name in imported), module
+
+
+def test_client_without_engine_raises_not_running(tmp_path: Path) -> None:
+    with pytest.raises(EngineNotRunningError, match="no engine is running"):
+        EngineClient(str(tmp_path)).call("status")
+
+
+# ---- bad requests against a live engine -----------------------------------------------------------------
+
+
+def test_rpc_bad_requests_get_errors_and_the_connection_goes_on(served: Served) -> None:
+    raw = Raw(served.socket_path)
+    try:
+        assert raw.ask(b"{not json\n")["error"]["code"] == PARSE_ERROR
+        assert raw.ask(b'{"jsonrpc": "2.0", "method": 7, "id": 2}\n')["error"]["code"] == INVALID_REQUEST
+        unknown = raw.ask(_request("subprocess.explode", {}, 3))
+        assert unknown["id"] == 3 and unknown["error"]["code"] == METHOD_NOT_FOUND
+        wrong = raw.ask(_request("subprocess.kill", {"pid": "twelve"}, 4))
+        assert (
+            wrong["error"]["code"] == INVALID_PARAMS
+            and "pid must be a whole number" in wrong["error"]["message"]
+        )
+        extra = raw.ask(_request("status", {"verbose": True}, 5))
+        assert extra["error"]["code"] == INVALID_PARAMS and "verbose" in extra["error"]["message"]
+        missing = raw.ask(_request("cron.add", {"payload": {"kind": "system_event", "text": "x"}}, 6))
+        assert "missing parameter schedule" in missing["error"]["message"]
+        nested = raw.ask(_request("cron.add", {"schedule": {"kind": "every"}, "payload": {}}, 7))
+        assert "schedule.every_seconds" in nested["error"]["message"]
+        raw.send(b'{"jsonrpc": "2.0", "method": "status"}\n\n')  # a notification and a blank line: no answer
+        status = raw.ask(_request("status", None, "after"))
+        assert status["id"] == "after" and status["result"]["pid"] == served.proc.pid
+    finally:
+        raw.close()
+
+
+def test_rpc_oversized_request_drops_only_that_connection(served: Served) -> None:
+    other = Raw(served.socket_path)
+    big = Raw(served.socket_path)
+    try:
+        big.send(b'{"jsonrpc": "2.0", "method": "status", "params": {"x": "' + b"a" * MAX_LINE_BYTES)
+        answer = big.line()
+        assert answer is not None and answer["error"]["code"] == INVALID_REQUEST
+        assert "larger than" in answer["error"]["message"]
+        assert big.line() is None  # closed
+        assert other.ask(_request("status"))["result"]["pid"] == served.proc.pid
+    finally:
+        other.close()
+        big.close()
+
+
+def test_rpc_client_leaving_mid_request_affects_nobody(served: Served, project: Path) -> None:
+    half = Raw(served.socket_path)
+    half.send(b'{"jsonrpc": "2.0", "method": "sta')
+    half.close()
+    ignoring = "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    with served.client() as client:
+        pid = client.call(
+            "subprocess.create", project=str(project), command=sys.executable, args=["-c", ignoring]
+        )["pid"]
+        leaver = Raw(served.socket_path)
+        leaver.send(_request("subprocess.kill", {"pid": pid}))  # takes the 0.5 s grace, then SIGKILL
+        leaver.close()
+        assert client.call("status")["pid"] == served.proc.pid  # served meanwhile
+        assert wait_until(lambda: not alive(pid), seconds=10)  # the kill still completed
+        assert wait_until(lambda: all(r["pid"] != pid for r in client.call("subprocess.list")))
+
+
+# ---- the methods -----------------------------------------------------------------------------------------
+
+
+def test_rpc_errors_come_back_as_the_engine_classes(served: Served, project: Path) -> None:
+    with served.client() as client:
+        with pytest.raises(SubProcessNotFoundError):
+            client.call("subprocess.summarize", pid=999999)
+        with pytest.raises(SpawnError) as spawn:
+            client.call("subprocess.create", project=str(project), command="no-such-program-xyz")
+        assert spawn.value.reason and "no-such-program-xyz" in str(spawn.value)
+        with pytest.raises(JobNotFoundError):
+            client.call("cron.get", job_id="nope")
+        with pytest.raises(InvalidScheduleError):
+            client.call(
+                "cron.add",
+                schedule={"kind": "cron", "expr": "61 * * * *"},
+                payload={"kind": "system_event", "text": "x"},
+            )
+        with pytest.raises(RpcError) as invalid:
+            client.call("subprocess.create", project="relative/dir", command="true")
+        assert invalid.value.code == INVALID_PARAMS and "project" in str(invalid.value)
+        assert client.call("status")["version"] == engine.__version__  # the connection is still good
+
+
+def test_rpc_status_lists_every_method(served: Served) -> None:
+    with served.client() as client:
+        status = client.call("status")
+    assert status["state_dir"] == str(served.state_dir) and status["socket"] == served.socket_path
+    assert status["uptime_seconds"] >= 0 and set(status["subprocesses"]) == {"total", "running"}
+    assert {
+        "subprocess.create",
+        "subprocess.list",
+        "subprocess.summarize",
+        "subprocess.kill",
+        "subprocess.kill_project",
+        "subprocess.kill_all",
+        "subprocess.halt",
+        "subprocess.read_log",
+        "tool.execute",
+        "tool.definition",
+        "cron.add",
+        "cron.update",
+        "cron.list",
+        "cron.get",
+        "cron.remove",
+        "cron.enable",
+        "cron.disable",
+        "cron.run_now",
+        "events",
+        "status",
+    } <= set(status["methods"])
+
+
+def test_rpc_read_log_follows_from_an_offset(served: Served, project: Path) -> None:
+    code = "import time\nfor i in range(5):\n    print(f'n{i}', flush=True); time.sleep(0.1)"
+    with served.client() as client:
+        pid = client.call(
+            "subprocess.create", project=str(project), command=sys.executable, args=["-c", code]
+        )["pid"]
+        text, offset = "", 0
+        while True:
+            piece = client.call("subprocess.read_log", pid=pid, offset=offset, limit=2)
+            text += piece["text"]
+            offset = piece["next_offset"]
+            if not piece["running"] and offset >= piece["total_bytes"]:
+                break
+        assert text == "".join(f"n{i}\n" for i in range(5))
+        tail = client.call("subprocess.read_log", pid=pid, tail=2, stream="stdout")
+        assert tail["text"] == "n3\nn4\n" and tail["pid"] == pid and tail["truncated"] is True
+        with pytest.raises(RpcError, match="tail alone"):
+            client.call("subprocess.read_log", pid=pid, tail=2, offset=0)
+        client.call("subprocess.kill", pid=pid)
+
+
+def test_rpc_kill_project_tool_and_cron_methods(served: Served, project: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    with served.client() as client:
+        mine = client.call("subprocess.create", project=str(project), command="sleep", args=["60"])["pid"]
+        theirs = client.call("subprocess.create", project=str(other), command="sleep", args=["60"])["pid"]
+        assert [r["pid"] for r in client.call("subprocess.list", project=str(project))] == [mine]
+        client.call("subprocess.kill_project", project=str(project))
+        assert not alive(mine) and alive(theirs)
+        assert client.call("subprocess.kill_all") == {"verified": True}
+
+        assert client.call("tool.definition")["name"] == "subprocess"
+        listed = client.call("tool.execute", params={"cmd": "list"}, project=str(project))
+        assert listed["text"].startswith("SUBPROCESS LIST") and listed["is_error"] is False
+        refused = client.call("tool.execute", params={"cmd": "kill", "pid": theirs}, project=str(project))
+        assert refused["is_error"] is True
+
+        job = client.call(
+            "cron.add",
+            schedule={"kind": "every", "every_seconds": 3600},
+            payload={"kind": "system_event", "text": "a"},
+        )
+        before = client.call("events", since=0)
+        client.call("cron.run_now", job_id=job["id"])
+        fired = client.call("events", since=before[-1]["cursor"] if before else 0)
+        assert [e["job_id"] for e in fired] == [job["id"]] and fired[0]["text"] == "a"
+        renamed = client.call("cron.update", job_id=job["id"], name="renamed", enabled=False)
+        assert (renamed["name"], renamed["enabled"], renamed["next_run_at"]) == ("renamed", False, None)
+        assert client.call("cron.remove", job_id=job["id"]) == {"job_id": job["id"], "removed": True}
+        assert client.call("events", since=0, limit=1) == client.call("events", since=0)[:1]
