@@ -9,326 +9,15 @@ the subcommand. Exit codes: 0 ok, 1 the operation failed (one line on stderr), 2
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
-from typing import Any, Final
+from collections.abc import Sequence
 
+from . import _cli_commands as commands
+from ._cli_commands import EXIT_FAILED, EXIT_NO_ENGINE, CommandFailedError
 from ._errors import EngineError
 from .server._client import EngineClient, EngineNotRunningError
-from .server._location import resolve_state_dir
 
 __all__ = ["main"]
-
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_NO_ENGINE: Final = 3
-
-#: How often ``log --follow`` asks for more output, in seconds.
-LOG_FOLLOW_SECONDS: Final = 0.25
-#: How often ``events --follow`` asks for new events, in seconds.
-EVENTS_FOLLOW_SECONDS: Final = 0.5
-_PAGE_BYTES: Final = 1024 * 1024
-
-
-class _CommandFailedError(Exception):
-    """A failure the CLI reports on one line with exit code 1."""
-
-
-# ---- output ------------------------------------------------------------------------------------------
-
-
-def _emit_json(values: Iterable[object]) -> None:
-    for value in values:
-        sys.stdout.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n")
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    for row in (headers, *rows):
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
-        sys.stdout.write("  ".join(cells).rstrip() + "\n")
-
-
-def _short_time(value: object) -> str:
-    if not isinstance(value, str):
-        return "-"
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return value
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _describe_schedule(schedule: dict[str, Any]) -> str:
-    kind = schedule.get("kind")
-    if kind == "at":
-        return f"at {_short_time(schedule.get('at'))}"
-    if kind == "every":
-        return f"every {schedule.get('every_seconds'):g}s"
-    if kind == "cron":
-        return f"cron {schedule.get('expr')!r} {schedule.get('tz')}"
-    return f"on-exit {schedule.get('command')!r}"
-
-
-def _describe_payload(payload: dict[str, Any]) -> str:
-    if payload.get("kind") == "system_event":
-        return f"text {payload.get('text')!r}"
-    return "command " + " ".join(str(a) for a in payload.get("argv", []))
-
-
-# ---- subcommands ---------------------------------------------------------------------------------------
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import trio  # only `serve` needs it
-
-    from ._config import EngineConfig
-    from ._errors import EngineLockedError
-    from .server._eventlog import configure_logging, log_event
-    from .server._server import serve
-
-    configure_logging(sys.stderr)
-    try:
-        config = EngineConfig(state_dir=resolve_state_dir(args.state_dir), grace_seconds=args.grace_seconds)
-    except ValueError as exc:
-        raise _CommandFailedError(str(exc)) from None
-    try:
-        trio.run(serve, config)
-    except EngineLockedError as exc:
-        raise _CommandFailedError(str(exc)) from None
-    except OSError as exc:
-        log_event("failed", error=str(exc))
-        raise _CommandFailedError(f"the engine could not start: {exc}") from None
-    return EXIT_OK
-
-
-def _create(client: EngineClient, args: argparse.Namespace) -> int:
-    env: dict[str, str] = {}
-    for item in args.env or ():
-        key, _, value = item.partition("=")
-        env[key] = value
-    summary = client.call(
-        "subprocess.create",
-        project=os.path.abspath(args.project),
-        command=args.argv[0],
-        args=args.argv[1:],
-        env=env,
-    )
-    if args.json:
-        _emit_json([summary])
-    else:
-        print(summary["pid"])
-    return EXIT_OK
-
-
-def _list(client: EngineClient, args: argparse.Namespace) -> int:
-    records = client.call("subprocess.list")
-    if args.json:
-        _emit_json(records)
-        return EXIT_OK
-    rows = [
-        [
-            str(r["pid"]),
-            r["project_slug"],
-            r["status"],
-            _short_time(r["created_at"]),
-            " ".join([r["command"], *r["args"]]),
-        ]
-        for r in records
-    ]
-    _table(["PID", "PROJECT", "STATUS", "CREATED", "COMMAND"], rows)
-    return EXIT_OK
-
-
-def _stop(method: str, verb: str) -> Callable[[EngineClient, argparse.Namespace], int]:
-    def run(client: EngineClient, args: argparse.Namespace) -> int:
-        result = client.call(method, pid=args.pid)
-        if args.json:
-            _emit_json([result])
-        elif result["stopped"]:
-            print(f"{verb} {args.pid}")
-        else:
-            kept = "its logs were deleted" if method == "subprocess.kill" else "its logs are kept"
-            print(f"{args.pid} had already exited; {kept}")
-        return EXIT_OK
-
-    return run
-
-
-def _kill_all(client: EngineClient, args: argparse.Namespace) -> int:
-    result = client.call("subprocess.kill_all")
-    if args.json:
-        _emit_json([result])
-    if not result["verified"]:
-        raise _CommandFailedError("some process survived SIGKILL; see `gadget-engine serve`'s log")
-    if not args.json:
-        print("killed every subprocess")
-    return EXIT_OK
-
-
-def _write_slice(piece: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        _emit_json([piece])
-    else:
-        sys.stdout.write(piece["text"])
-    sys.stdout.flush()
-
-
-def _log(client: EngineClient, args: argparse.Namespace) -> int:
-    common = {"pid": args.pid, "stream": args.stream, "max_bytes": _PAGE_BYTES}
-    if args.tail is not None:
-        piece = client.call("subprocess.read_log", tail=args.tail, **common)
-        _write_slice(piece, args.json)
-    else:
-        piece = client.call("subprocess.read_log", **common)
-        _write_slice(piece, args.json)
-        while piece["next_offset"] < piece["total_bytes"]:
-            piece = client.call("subprocess.read_log", offset=piece["next_offset"], **common)
-            _write_slice(piece, args.json)
-    if not args.follow:
-        return EXIT_OK
-    offset = piece["next_offset"]
-    try:
-        while True:
-            drained = not piece["running"] and piece["next_offset"] >= piece["total_bytes"]
-            if drained:
-                return EXIT_OK
-            time.sleep(LOG_FOLLOW_SECONDS)
-            piece = client.call("subprocess.read_log", offset=offset, **common)
-            if piece["text"]:
-                _write_slice(piece, args.json)
-            offset = piece["next_offset"]
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
-def _schedule_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, object]:
-    if args.cwd is not None and args.on_exit is None:
-        parser.error("--cwd goes with --on-exit")
-    if args.tz is not None and args.cron is None:
-        parser.error("--tz goes with --cron")
-    if args.on_exit is not None:
-        cwd = os.path.abspath(args.cwd) if args.cwd is not None else os.getcwd()
-        return {"kind": "on_exit", "command": args.on_exit, "cwd": cwd}
-    if args.cron is not None:
-        return {"kind": "cron", "expr": args.cron, "tz": args.tz or "UTC"}
-    if args.every is not None:
-        return {"kind": "every", "every_seconds": args.every}
-    try:
-        moment = datetime.fromisoformat(args.at)
-    except ValueError:
-        parser.error(f"--at must be an ISO 8601 date and time, got {args.at!r}")
-    if moment.tzinfo is None:
-        moment = moment.astimezone()  # a local time, as `at` takes it
-    return {"kind": "at", "at": moment.isoformat()}
-
-
-def _cron_add(client: EngineClient, args: argparse.Namespace) -> int:
-    schedule = _schedule_from(args, args.parser)
-    if args.text is not None:
-        payload: dict[str, object] = {"kind": "system_event", "text": args.text}
-    else:
-        if not args.command:
-            args.parser.error("--command needs the program to run, e.g. --command make test")
-        payload = {"kind": "command", "argv": args.command, "cwd": os.getcwd()}
-    params: dict[str, object] = {"schedule": schedule, "payload": payload}
-    if args.name is not None:
-        params["name"] = args.name
-    job = client.call("cron.add", **params)
-    if args.json:
-        _emit_json([job])
-    else:
-        print(job["id"])
-    return EXIT_OK
-
-
-def _cron_list(client: EngineClient, args: argparse.Namespace) -> int:
-    jobs = client.call("cron.list")
-    if args.json:
-        _emit_json(jobs)
-        return EXIT_OK
-    rows = [
-        [
-            job["id"],
-            job["name"],
-            "yes" if job["enabled"] else "no",
-            _describe_schedule(job["schedule"]),
-            _describe_payload(job["payload"]),
-            _short_time(job["next_run_at"]),
-            job["last_status"] or "-",
-        ]
-        for job in jobs
-    ]
-    _table(["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST"], rows)
-    return EXIT_OK
-
-
-def _cron_change(method: str, verb: str) -> Callable[[EngineClient, argparse.Namespace], int]:
-    def run(client: EngineClient, args: argparse.Namespace) -> int:
-        result = client.call(method, job_id=args.job_id)
-        if args.json:
-            _emit_json([result])
-        else:
-            print(f"{verb} {args.job_id}")
-        return EXIT_OK
-
-    return run
-
-
-def _print_events(events: list[dict[str, Any]], as_json: bool) -> None:
-    if as_json:
-        _emit_json(events)
-    else:
-        for event in events:
-            sys.stdout.write(
-                f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---\n"
-            )
-            sys.stdout.write(event["text"].rstrip("\n") + "\n")
-    sys.stdout.flush()
-
-
-def _events(client: EngineClient, args: argparse.Namespace) -> int:
-    since = args.since
-    try:
-        while True:
-            events = client.call("events", since=since)
-            _print_events(events, args.json)
-            if events:
-                since = events[-1]["cursor"]
-            if not args.follow:
-                return EXIT_OK
-            time.sleep(EVENTS_FOLLOW_SECONDS)
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
-def _tool(client: EngineClient, args: argparse.Namespace) -> int:
-    try:
-        params = json.loads(args.params)
-    except ValueError as exc:
-        args.parser.error(f"JSON must be a JSON object of tool parameters: {exc}")
-    if not isinstance(params, dict):
-        args.parser.error('JSON must be a JSON object of tool parameters, e.g. \'{"cmd": "list"}\'')
-    result = client.call("tool.execute", params=params, project=os.path.abspath(args.project))
-    if args.json:
-        _emit_json([result])
-    elif result["is_error"]:
-        raise _CommandFailedError(result["text"])
-    else:
-        print(result["text"])
-    return EXIT_FAILED if result["is_error"] else EXIT_OK
-
-
-def _mcp(args: argparse.Namespace) -> int:
-    raise _CommandFailedError(
-        "mcp is not available yet in this version; use the socket (docs/rpc.md) or the CLI"
-    )
-
 
 # ---- parsing -----------------------------------------------------------------------------------------
 
@@ -365,19 +54,21 @@ def _build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler, parser=p)
         return p
 
-    p = add("serve", _serve, "run the engine in the foreground until SIGINT or SIGTERM")
+    p = add("serve", commands.serve, "run the engine in the foreground until SIGINT or SIGTERM")
     p.add_argument("--grace-seconds", type=float, default=5.0, metavar="S", help="SIGINT -> SIGKILL delay")
-    p = add("create", _create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]")
+    p = add(
+        "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
+    )
     p.add_argument("--project", required=True, metavar="DIR")
     p.add_argument("-e", "--env", action="append", type=_env_item, metavar="KEY=VALUE")
     p.add_argument("argv", nargs="+", metavar="CMD")
-    add("list", _list, "list the subprocesses")
-    p = add("kill", _stop("subprocess.kill", "killed"), "kill a subprocess and delete its logs")
+    add("list", commands.list_subprocesses, "list the subprocesses")
+    p = add("kill", commands.stop("subprocess.kill", "killed"), "kill a subprocess and delete its logs")
     p.add_argument("pid", type=_positive_int)
-    add("kill-all", _kill_all, "kill every subprocess and delete their logs")
-    p = add("halt", _stop("subprocess.halt", "halted"), "stop a subprocess and keep its logs")
+    add("kill-all", commands.kill_all, "kill every subprocess and delete their logs")
+    p = add("halt", commands.stop("subprocess.halt", "halted"), "stop a subprocess and keep its logs")
     p.add_argument("pid", type=_positive_int)
-    p = add("log", _log, "print a subprocess's log")
+    p = add("log", commands.log, "print a subprocess's log")
     p.add_argument("pid", type=_positive_int)
     p.add_argument("--stream", choices=("stdout", "stderr"), default="stdout")
     p.add_argument("--tail", type=_positive_int, metavar="N", help="only the last N lines")
@@ -391,7 +82,7 @@ def _build_parser() -> argparse.ArgumentParser:
         p.set_defaults(handler=handler, parser=p)
         return p
 
-    p = add_cron("add", _cron_add, "add a job and print its id")
+    p = add_cron("add", commands.cron_add, "add a job and print its id")
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--on-exit", metavar="CMD", help="run CMD now and fire when it exits")
     when.add_argument("--cron", metavar="EXPR", help="a cron expression")
@@ -405,21 +96,21 @@ def _build_parser() -> argparse.ArgumentParser:
     what.add_argument(
         "--command", nargs=argparse.REMAINDER, metavar="CMD", help="run CMD... (the rest of the line)"
     )
-    add_cron("list", _cron_list, "list the jobs")
+    add_cron("list", commands.cron_list, "list the jobs")
     for name, method, verb, help_text in (
         ("rm", "cron.remove", "removed", "remove a job"),
         ("enable", "cron.enable", "enabled", "enable a job"),
         ("disable", "cron.disable", "disabled", "disable a job"),
     ):
-        add_cron(name, _cron_change(method, verb), help_text).add_argument("job_id", metavar="JOB_ID")
+        add_cron(name, commands.cron_change(method, verb), help_text).add_argument("job_id", metavar="JOB_ID")
 
-    p = add("events", _events, "print fired events")
+    p = add("events", commands.events, "print fired events")
     p.add_argument("--since", type=int, default=0, metavar="CURSOR", help="only events after CURSOR")
     p.add_argument("--follow", action="store_true", help="wait for new events until Ctrl-C")
-    p = add("tool", _tool, "call the subprocess tool: tool JSON --project DIR")
+    p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
     p.add_argument("--project", default=".", metavar="DIR")
-    p = add("mcp", _mcp, "serve the tools over MCP on stdio")
+    p = add("mcp", commands.mcp, "serve the tools over MCP on stdio")
     p.add_argument("--project", default=".", metavar="DIR")
     return parser
 
@@ -447,14 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.handler is None:
         args.parser.error("a subcommand is required")
     try:
-        if args.handler in (_serve, _mcp):
+        if args.handler in (commands.serve, commands.mcp):
             return int(args.handler(args))
         with EngineClient(args.state_dir) as client:
             return int(args.handler(client, args))
     except EngineNotRunningError as exc:
         print(f"gadget-engine: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_NO_ENGINE
-    except (_CommandFailedError, EngineError, OSError) as exc:
+    except (CommandFailedError, EngineError, OSError) as exc:
         print(f"gadget-engine: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
