@@ -239,7 +239,7 @@ class ProcessTree:
                 if await self.wait_gone(honour_force=True):
                     return False, ()
         self.snapshot()  # children forked while handling SIGINT
-        if not self.remaining():
+        if not self._any_remaining():
             return False, ()
         self.send(signal.SIGKILL)
         with trio.move_on_after(kill_wait_seconds):
