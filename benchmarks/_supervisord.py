@@ -130,8 +130,12 @@ class Supervisord:
                 raise SupervisordError(f"{name} went {info['statename']}")
 
     def run_to_exit(self, name: str) -> dict[str, Any]:
-        """``startProcess`` then poll until it has EXITED."""
-        self.rpc.supervisor.startProcess(name, True)
+        """``startProcess`` then poll until it has EXITED.
+
+        Without ``wait``: supervisord spawns inside the call, and a child that exits before supervisord
+        has marked it RUNNING would make a waiting call fail with ABNORMAL_TERMINATION.
+        """
+        self.rpc.supervisor.startProcess(name, False)
         return self.wait_state(name, ("EXITED",))
 
     def stop(self) -> None:
