@@ -56,6 +56,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = add("serve", commands.serve, "run the engine in the foreground until SIGINT or SIGTERM")
     p.add_argument("--grace-seconds", type=float, default=5.0, metavar="S", help="SIGINT -> SIGKILL delay")
+    p.add_argument(
+        "--exit-watch-shell",
+        metavar="ARGV",
+        help="the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
+    )
     p = add(
         "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
     )

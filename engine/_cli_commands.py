@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -90,7 +91,11 @@ def serve(args: argparse.Namespace) -> int:
 
     configure_logging(sys.stderr)
     try:
-        config = EngineConfig(state_dir=resolve_state_dir(args.state_dir), grace_seconds=args.grace_seconds)
+        config = EngineConfig(
+            state_dir=resolve_state_dir(args.state_dir),
+            grace_seconds=args.grace_seconds,
+            exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
+        )
     except ValueError as exc:
         raise CommandFailedError(str(exc)) from None
     try:

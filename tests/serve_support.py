@@ -17,6 +17,8 @@ from engine.server._location import find_socket_path
 
 #: The grace period of every test engine.
 GRACE = "0.5"
+#: Watchers of test engines use a plain shell (design section 7: a login shell only where it is the point).
+SHELL = ("--exit-watch-shell", "bash -c --")
 #: Start-up and shutdown bound of a test engine, in seconds.
 START_SECONDS = 20.0
 
@@ -120,6 +122,7 @@ def start_serve(state_dir: Path, *extra: str, wait: bool = True) -> Served:
                 "serve",
                 "--grace-seconds",
                 GRACE,
+                *SHELL,
                 *extra,
             ],
             stdin=subprocess.DEVNULL,
