@@ -146,8 +146,9 @@ def spawn_process(
     """Start ``argv`` as the leader of a new session and return its pid.
 
     The child gets: stdin from ``/dev/null`` (or ``stdin_fd``); stdout and stderr on the given
-    descriptors (``None`` means ``/dev/null``); every catchable signal at its default disposition and an empty signal mask; no other
-    open descriptor; ``cwd`` as its working directory; exactly ``env`` as its environment.
+    descriptors (``None`` means ``/dev/null``); every catchable signal at its default disposition and an
+    empty signal mask; no other open descriptor; ``cwd`` as its working directory; exactly ``env`` as its
+    environment.
 
     Args:
         argv: the program and its arguments; ``argv[0]`` is resolved as :func:`resolve_executable` does.

@@ -292,7 +292,9 @@ async def test_exit_watcher_cr03_store_failure_fails_closed(
     store = FlakyStore(str(tmp_path / "s" / "cron.sqlite3"))
     caplog.set_level(logging.ERROR, logger="engine.cron")
     async with engine_with(tmp_path / "s", store=store, watch_retry_seconds=(0.5,)) as engine:
-        job = await engine.cron.add(OnExit(command="echo run >> runs.txt; echo done", cwd=str(d)), SystemEvent("J"))
+        job = await engine.cron.add(
+            OnExit(command="echo run >> runs.txt; echo done", cwd=str(d)), SystemEvent("J")
+        )
         store.failing.add(job.id)
         other = await engine.cron.add(OnExit(command="echo other", cwd=str(d)), SystemEvent("other"))
         (other_event,) = await wait_events(engine, 1)  # other jobs keep firing
@@ -323,7 +325,9 @@ async def test_exit_watcher_store_failure_then_rearm_drops_old_exit(tmp_path: Pa
         await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
         store.failing.clear()
         current = await engine.cron.get(job.id)
-        await engine.watchers.reconcile([attrs.evolve(current, schedule=OnExit(command="echo gen-2; exit 2"))])
+        await engine.watchers.reconcile(
+            [attrs.evolve(current, schedule=OnExit(command="echo gen-2; exit 2"))]
+        )
         events = await wait_events(engine, 1)
         await trio.sleep(0.8)
         events = await engine.cron.events()

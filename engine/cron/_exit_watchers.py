@@ -404,7 +404,9 @@ class CronExitWatchers:
                 return
             try:
                 await self.store.set_watch_state(job.id, state)
-            except (OSError, JobNotFoundError) as exc:  # only adoption after a crash needs it
+            except JobNotFoundError:  # removed meanwhile: reconcile is ending this watcher
+                logger.debug("on-exit job %s: removed before its watch state was saved", job.id)
+            except OSError as exc:  # only adoption after a crash needs it
                 logger.error("on-exit job %s: saving the watch state failed (%s)", job.id, exc)
 
     async def _forget(self, watch: _Watch, paths: _Paths, *, keep_logs: bool = False) -> None:

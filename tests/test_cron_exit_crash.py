@@ -1,0 +1,116 @@
+"""Exactly once across crashes: a real engine process SIGKILLed at named points, then restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import FiredEvent
+
+from .children import pgrep
+from .watch_support import engine_with, wait_events, wait_until
+
+ROOT = Path(__file__).parent.parent
+POINTS = ["after_spawn", "after_exit", "before_persist", "after_persist", "before_fire"]
+
+
+def crash_engine(state: Path, point: str, command: str) -> None:
+    """Run the crash engine until it kills itself at ``point``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.crash_watch_engine", str(state), point, command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == -9, proc.stderr
+    assert f"at {point}" in proc.stdout
+
+
+def shim_pids(state: Path) -> list[int]:
+    return pgrep(f"_shim.py {state}/")
+
+
+async def one_trial(tmp: Path, point: str, *, late: bool, n: int) -> None:
+    state = tmp / f"{point}-{late}-{n}"
+    runs = tmp / f"runs-{point}-{late}-{n}"
+    command = f"echo run >> {runs}; sleep 0.3; echo done-{n}; exit 5"
+    await trio.to_thread.run_sync(crash_engine, state, point, command)
+    if late:  # the command ends while no engine runs: its exit is read from the shim's file
+        with trio.fail_after(10):
+            while pgrep(f"done-{n}"):
+                await trio.sleep(0.02)
+    async with engine_with(state) as engine:
+        (event,) = await wait_events(engine, 1)
+        await trio.sleep(0.4)
+        assert len(await engine.cron.events()) == 1
+        assert engine.watchers.active_job_ids() == []
+    assert (event.exit_code, event.stdout_tail) == (5, f"done-{n}\n")
+    assert runs.read_text() == "run\n"  # never re-run
+    async with engine_with(state) as engine:  # and a further restart fires nothing again
+        await trio.sleep(0.2)
+        assert len(await engine.cron.events()) == 1
+
+
+@pytest.mark.parametrize("late", [False, True])
+@pytest.mark.parametrize("point", POINTS)
+async def test_exit_crash_at_point_fires_exactly_once(tmp_path: Path, point: str, late: bool) -> None:
+    # 5 points x 2 timings x 3 trials = 30 trials in CI; more under HYPOTHESIS_PROFILE=dev style runs.
+    with trio.fail_after(90):
+        for n in range(3):
+            await one_trial(tmp_path, point, late=late, n=n)
+
+
+async def test_exit_crash_adopts_live_command_with_same_pid(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", "sleep 0.8; echo adopted")
+    (shim,) = shim_pids(state)
+    async with engine_with(state) as engine:
+        (job_id,) = engine.watchers.active_job_ids()
+        assert engine.watchers.watched_pid(job_id) == shim  # adopted, not started again
+        (event,) = await wait_events(engine, 1)
+    assert event.stdout_tail == "adopted\n"
+    assert not pgrep(r"^sleep 0\.8")
+    assert not shim_pids(state)
+
+
+async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", "sleep 30.5")
+    (shim,) = shim_pids(state)
+    os.killpg(shim, signal.SIGKILL)  # the shim dies with its command: neither alive nor recorded
+    with trio.fail_after(5):
+        while pgrep(r"^sleep 30\.5") or shim_pids(state):
+            await trio.sleep(0.02)
+    async with engine_with(state) as engine:
+        await trio.sleep(0.3)
+        (job,) = await engine.cron.list()
+        assert not job.enabled
+        assert job.last_error is not None and "watch lost across restart" in job.last_error
+        assert await engine.cron.events() == []
+        assert not pgrep(r"sleep 30\.5")
+
+
+async def test_exit_crash_in_on_fire_delivers_same_fire_id_again(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    await trio.to_thread.run_sync(crash_engine, state, "on_fire", "echo embedded")
+    received: list[FiredEvent] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        received.append(event)
+
+    async with engine_with(state, on_fire=on_fire):
+        await wait_until(lambda: bool(received))
+        await trio.sleep(0.3)
+    first = (state / "received").read_text().split()
+    assert [e.fire_id for e in received] == first  # at least once, deduplicated by fire_id
+    async with engine_with(state, on_fire=on_fire):
+        await trio.sleep(0.3)
+    assert len(received) == 1
