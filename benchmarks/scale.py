@@ -1,14 +1,16 @@
 """Scale: N concurrent ``sleep`` children through the service, the supervisor and bare trio.
 
 Per child: the engine's resident memory and open descriptors (deltas over the idle process, divided by
-N). While they sleep: the engine's own CPU time over a few idle seconds (no polling: about zero; the
-service's log-cap task looks at the logs once a second, as the design allows).
+N; the Python heap through ``tracemalloc``). While they sleep: the engine's own CPU time over a few idle
+seconds (no polling: about zero; the service's log-cap task looks at the logs once a second, as the
+design allows).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -29,6 +31,7 @@ async def run(ctx: Context) -> list[Row]:
     )
     project = Project.from_directory(ctx.scratch("scale-project"))
     per_rss: dict[str, list[float]] = {}
+    per_heap: dict[str, list[float]] = {}
     per_fd: dict[str, list[float]] = {}
     idle_cpu: dict[str, list[float]] = {}
     async with open_engine(config) as engine:
@@ -69,15 +72,19 @@ async def run(ctx: Context) -> list[Row]:
         }
         names = list(variants)
         for name in names:
-            per_rss[name], per_fd[name], idle_cpu[name] = [], [], []
+            per_rss[name], per_heap[name], per_fd[name], idle_cpu[name] = [], [], [], []
         for i in range(repeats):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 gc.collect()
                 await trio.sleep(0.2)
                 rss0, fds0 = rss_bytes(), open_fds()
+                tracemalloc.start()
                 end = await variants[name]()
                 await trio.sleep(1.0)  # let start-up work (first log-cap pass) settle
                 gc.collect()
+                heap = tracemalloc.get_traced_memory()[0]
+                tracemalloc.stop()
+                per_heap[name].append(heap / n / 1024)
                 per_rss[name].append((rss_bytes() - rss0) / n / 1024)
                 per_fd[name].append((open_fds() - fds0) / n)
                 c0, t0 = cpu_seconds(), time.perf_counter()
@@ -87,6 +94,7 @@ async def run(ctx: Context) -> list[Row]:
     base = "bare trio open_process"
     rows: list[Row] = []
     for metric, unit, data in (
+        ("Python heap per child", "KiB (tracemalloc)", per_heap),
         ("memory per child", "KiB RSS", per_rss),
         ("descriptors per child", "fds", per_fd),
         ("CPU while idle", "ms CPU per s", idle_cpu),
@@ -99,6 +107,8 @@ async def run(ctx: Context) -> list[Row]:
             elif name != base:
                 row.baseline = base
                 row.note = "no ratio: the baseline is zero"
+            if metric == "memory per child":
+                row.note = "RSS grows little: earlier workloads left the heap with free arenas to reuse"
             if metric == "CPU while idle" and name == "SubProcessService":
                 row.target = "~0 (no polling)"
                 row.met = sorted(data[name])[len(data[name]) // 2] < 10.0
