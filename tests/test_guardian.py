@@ -131,3 +131,44 @@ async def test_guardian_skips_runs_that_outlive_engine_crash(tmp_path: Path, out
         recorded = [p.name for p in (state / "groups").iterdir()]
         assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
     assert not pgrep(r"^sleep 334\.1")  # a graceful exit ends it either way
+
+
+async def test_guardian_serve_sigkill_ends_project_children_keeps_watched_command(tmp_path: Path) -> None:
+    from .serve_support import start_serve
+
+    projects = [tmp_path / "p1", tmp_path / "p2"]
+    for p in projects:
+        p.mkdir()
+    state = tmp_path / "state"
+    served = start_serve(state, "--grace-seconds", "5")  # the default grace: `trap '' INT` needs SIGKILL
+    try:
+        for project, command in ((projects[0], STUBBORN), (projects[1], "sleep 331.4")):
+            result = served.cli("create", "--project", str(project), "--", "bash", "-c", command)
+            assert result.returncode == 0, result.stderr
+        armed = served.cli("cron", "add", "--on-exit", "sleep 4.5; echo survived", "--text", "watched")
+        assert armed.returncode == 0, armed.stderr
+        with trio.fail_after(5):
+            while len(pgrep(r"^sleep 331\.[1-4]")) < 4 or not pgrep(r"^sleep 4\.5"):
+                await trio.sleep(0.05)
+        (watched,) = pgrep(r"^sleep 4\.5")
+        t0 = time.monotonic()
+        served.kill_hard()
+        await trio.sleep(0.5)
+        assert pgrep(r"^sleep 4\.5") == [watched]  # SIGINT went out; the watched command was skipped
+        served = start_serve(state)  # adopts the live watched command
+        with trio.fail_after(8):
+            while pgrep(r"^sleep 331\.[1-4]"):
+                await trio.sleep(0.05)
+        assert time.monotonic() - t0 <= 8.0
+        with trio.fail_after(10):
+            while '"survived' not in (events := served.cli("events", "--since", "0", "--json")).stdout:
+                assert events.returncode == 0, events.stderr
+                await trio.sleep(0.1)
+        await trio.sleep(0.3)
+        lines = served.cli("events", "--since", "0", "--json").stdout.splitlines()
+        assert len(lines) == 1  # adopted and fired once
+        assert served.stop() == 0
+    finally:
+        if served.proc.poll() is None:
+            served.kill_hard()
+        kill_leftovers(r"sleep 331\.[1-4]|sleep 4\.5")
