@@ -12,8 +12,11 @@ $(STAMP): pyproject.toml
 .PHONY: setup demo test lint
 setup: $(STAMP)
 
+# The main job: the supervisor, the service and its agent tool, then the standalone engine, on real input.
 demo: $(STAMP)
 	$(PY) docs/examples/demo.py
+	$(PY) docs/examples/service_demo.py
+	$(PY) docs/examples/standalone_demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check engine tests benchmarks docs/examples
