@@ -72,7 +72,9 @@ async def test_store_round_trips_every_kind_of_job(tmp_path: Path, store: Sqlite
     jobs = [
         job("a"),
         job("b", schedule=At(T0 + timedelta(days=1)), payload=Command(("echo", "x y"), cwd="/tmp")),
-        job("c", schedule=Cron("30 1 * * *", "America/New_York"), last_status=JobStatus.ERROR, last_error="e"),
+        job(
+            "c", schedule=Cron("30 1 * * *", "America/New_York"), last_status=JobStatus.ERROR, last_error="e"
+        ),
         job("d", schedule=OnExit("make test", cwd="/srv"), next_run_at=None, consecutive_errors=3),
     ]
     for j in jobs:
@@ -123,7 +125,7 @@ async def test_store_unreadable_row_is_skipped(
 ) -> None:
     await store.insert_job(job("good"))
     conn = sqlite3.connect(tmp_path / "cron.sqlite3")
-    conn.execute("INSERT INTO jobs (id, data) VALUES ('bad', '{\"id\": \"bad\", \"schedule\": 7}')")
+    conn.execute('INSERT INTO jobs (id, data) VALUES (\'bad\', \'{"id": "bad", "schedule": 7}\')')
     conn.execute("INSERT INTO jobs (id, data) VALUES ('junk', 'not json at all')")
     conn.commit()
     conn.close()
