@@ -1,4 +1,4 @@
-"""A synchronous client of a running ``gadget-engine serve``, on the standard library only.
+"""Clients of a running ``gadget-engine serve``, synchronous and asyncio, on the standard library only.
 
 ::
 
@@ -6,13 +6,19 @@
         pid = client.call("subprocess.create", project="/my/app", command="npm", args=["run", "dev"])["pid"]
         print(client.call("subprocess.read_log", pid=pid, tail=20)["text"])
 
+    async with AsyncEngineClient("/path/to/state") as client:
+        print(await client.call("subprocess.list"))
+
 Errors come back as the engine's own exception classes (``SubProcessNotFoundError``, ``SpawnError``...),
 mapped from the JSON-RPC error code; the standard JSON-RPC errors raise :class:`RpcError`. A client never
 starts an engine: with none running, :class:`EngineNotRunningError` is raised.
+
+Nothing here imports Trio (see ``docs/rpc.md`` for importing the clients where Trio is not installed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from types import TracebackType
 from typing import Any
@@ -21,7 +27,7 @@ from .._errors import EngineError
 from ._location import find_socket_path, resolve_state_dir
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
-__all__ = ["EngineClient", "EngineConnectionError", "EngineNotRunningError", "RpcError"]
+__all__ = ["AsyncEngineClient", "EngineClient", "EngineConnectionError", "EngineNotRunningError", "RpcError"]
 
 #: The longest response line the client accepts, in bytes.
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
@@ -37,6 +43,45 @@ class EngineConnectionError(EngineError, ConnectionError):
     The engine closes the connection of a client of another user at once, and every connection when it
     stops.
     """
+
+
+def _not_running(state_dir: str, path: str) -> EngineNotRunningError:
+    return EngineNotRunningError(
+        f"no engine is running on {state_dir} (nothing answers on {path}); "
+        f"start one with: gadget-engine --state-dir {state_dir} serve"
+    )
+
+
+def _broken(state_dir: str, method: str) -> EngineConnectionError:
+    return EngineConnectionError(
+        f"the engine on {state_dir} closed the connection before answering ({method}); "
+        "it refuses clients of another user, or it is stopping"
+    )
+
+
+class _UnusableResponseError(EngineConnectionError):
+    """A response that is not JSON or answers another request: the connection must be dropped."""
+
+
+def _result(line: bytes, request_id: int) -> Any:
+    """The result of the response ``line`` to ``request_id``, or the error it carries, raised.
+
+    Raises:
+        _UnusableResponseError: the line is not JSON or not the answer to ``request_id``.
+        EngineError: the engine's error (see :func:`exception_from_error`).
+    """
+    try:
+        response = decode_line(line)
+    except ValueError as exc:
+        raise _UnusableResponseError(f"the engine sent a response that is not JSON: {exc}") from None
+    if not isinstance(response, dict) or response.get("id") != request_id:
+        raise _UnusableResponseError(f"the engine sent an unexpected response: {line[:200]!r}")
+    if "error" in response:
+        error = response["error"]
+        if not isinstance(error, dict):
+            raise RpcError(f"malformed error response: {error!r}", code=-32603)
+        raise exception_from_error(error.get("code"), error.get("message"), error.get("data"))
+    return response.get("result")
 
 
 class EngineClient:
@@ -84,10 +129,7 @@ class EngineClient:
             sock.connect(path)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
             sock.close()
-            raise EngineNotRunningError(
-                f"no engine is running on {self.state_dir} (nothing answers on {path}); "
-                f"start one with: gadget-engine --state-dir {self.state_dir} serve"
-            ) from None
+            raise _not_running(self.state_dir, path) from None
         except BaseException:
             sock.close()
             raise
@@ -127,27 +169,15 @@ class EngineClient:
             line = self._read_line()
         except (BrokenPipeError, ConnectionResetError, EngineConnectionError) as exc:
             self.close()
-            raise EngineConnectionError(
-                f"the engine on {self.state_dir} closed the connection before answering ({method}); "
-                "it refuses clients of another user, or it is stopping"
-            ) from exc
+            raise _broken(self.state_dir, method) from exc
         except BaseException:
             self.close()
             raise
         try:
-            response = decode_line(line)
-        except ValueError as exc:
+            return _result(line, request_id)
+        except _UnusableResponseError:
             self.close()
-            raise EngineConnectionError(f"the engine sent a response that is not JSON: {exc}") from None
-        if not isinstance(response, dict) or response.get("id") != request_id:
-            self.close()
-            raise EngineConnectionError(f"the engine sent an unexpected response: {line[:200]!r}")
-        if "error" in response:
-            error = response["error"]
-            if not isinstance(error, dict):
-                raise RpcError(f"malformed error response: {error!r}", code=-32603)
-            raise exception_from_error(error.get("code"), error.get("message"), error.get("data"))
-        return response.get("result")
+            raise
 
     def _read_line(self) -> bytes:
         assert self._sock is not None
@@ -163,3 +193,112 @@ class EngineClient:
             if not chunk:
                 raise EngineConnectionError("end of stream")
             self._buffer += chunk
+
+
+class AsyncEngineClient:
+    """The asyncio twin of :class:`EngineClient`: one connection, calls answered one at a time.
+
+    Concurrent calls on one client wait for each other (a lock keeps request and answer together); open
+    several clients for parallel calls. Use it on one event loop.
+
+    Args:
+        state_dir: the engine's state directory (``None``: ``$GADGET_ENGINE_STATE_DIR``, else the default
+            state directory).
+    """
+
+    def __init__(self, state_dir: str | None = None) -> None:
+        self.state_dir = resolve_state_dir(state_dir)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lock = asyncio.Lock()
+        self._next_id = 1
+
+    def __repr__(self) -> str:
+        state = "connected" if self._writer is not None else "not connected"
+        return f"<AsyncEngineClient {self.state_dir!r}: {state}>"
+
+    @property
+    def socket_path(self) -> str:
+        """The socket this client connects to (see :func:`find_socket_path`)."""
+        return find_socket_path(self.state_dir)
+
+    async def connect(self) -> None:
+        """Open the connection if it is not open yet.
+
+        Cancellation: nothing stays open.
+
+        Raises:
+            EngineNotRunningError: no socket, or nobody answers on it.
+            PermissionError: the socket belongs to another user.
+        """
+        if self._writer is not None:
+            return
+        path = self.socket_path
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=MAX_RESPONSE_BYTES)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            raise _not_running(self.state_dir, path) from None
+        self._reader, self._writer = reader, writer
+
+    async def aclose(self) -> None:
+        """Close the connection (a later call opens a new one).
+
+        Cancellation: the connection is closed at once; only the wait for the close is cut short.
+        """
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass  # closed it is, whatever the peer did meanwhile
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def call(self, method: str, /, **params: Any) -> Any:
+        """Call ``method`` with named ``params`` and return its result.
+
+        Cancellation: the connection is closed (the answer would come late, out of turn); a request the
+        engine already received completes there (``docs/rpc.md``). The next call reconnects.
+
+        Raises:
+            EngineNotRunningError: no engine is running on the state directory.
+            EngineConnectionError: the connection broke before the answer (the connection is closed).
+            EngineError: the engine's error, as its own class (``SpawnError``, ``JobNotFoundError``, ...)
+                or :class:`RpcError` for the standard JSON-RPC errors.
+        """
+        async with self._lock:
+            await self.connect()
+            assert self._reader is not None and self._writer is not None
+            request_id = self._next_id
+            self._next_id += 1
+            try:
+                self._writer.write(encode_request(method, params, request_id))
+                await self._writer.drain()
+                line = await self._reader.readuntil(b"\n")
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                await self.aclose()
+                raise _broken(self.state_dir, method) from exc
+            except asyncio.LimitOverrunError:
+                await self.aclose()
+                raise EngineConnectionError(f"a response is longer than {MAX_RESPONSE_BYTES} bytes") from None
+            except BaseException:
+                await self._abandon()
+                raise
+            try:
+                return _result(line[:-1], request_id)
+            except _UnusableResponseError:
+                await self.aclose()
+                raise
+
+    async def _abandon(self) -> None:
+        """Drop the connection without waiting (a cancelled call): its answer would come out of turn."""
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()

@@ -5,7 +5,8 @@ The socket is ``<state_dir>/engine.sock``. A Unix socket path holds at most 107 
 (``$XDG_RUNTIME_DIR/gadget-engine``, else ``/tmp/gadget-engine-<uid>``, mode 0700) under a name derived
 from the state directory, and ``<state_dir>/engine.sock.path`` names it. Clients read that file first.
 
-Standard library and ``platformdirs`` only: the client imports this module.
+Standard library only (``platformdirs`` is imported when the default state directory is asked for): the
+clients import this module.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import hashlib
 import os
 import stat
 from typing import Final
-
-import platformdirs
 
 __all__ = [
     "SOCKET_NAME",
@@ -37,6 +36,8 @@ SUN_PATH_MAX: Final = 107
 
 def default_state_dir() -> str:
     """The state directory when none is given: the one ``EngineConfig().resolved_state_dir()`` names."""
+    import platformdirs  # only here: a client given its state directory needs the standard library alone
+
     return platformdirs.user_state_dir("gadget-engine")
 
 
