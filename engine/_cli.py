@@ -115,8 +115,12 @@ def _build_parser() -> argparse.ArgumentParser:
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
     p.add_argument("--project", default=".", metavar="DIR")
-    p = add("mcp", commands.mcp, "serve the tools over MCP on stdio")
-    p.add_argument("--project", default=".", metavar="DIR")
+    p = add("mcp", commands.mcp, "serve the tools over MCP on stdio (embeds an engine if none runs)")
+    p.add_argument("--project", default=".", metavar="DIR", help="the tool's project (default: here)")
+    p.add_argument(
+        "--grace-seconds", type=float, default=5.0, metavar="S", help="embedded: SIGINT -> SIGKILL delay"
+    )
+    p.add_argument("--exit-watch-shell", metavar="ARGV", help="embedded: the argv prefix of on-exit commands")
     return parser
 
 

@@ -326,6 +326,26 @@ def tool(client: EngineClient, args: argparse.Namespace) -> int:
 
 
 def mcp(args: argparse.Namespace) -> int:
-    raise CommandFailedError(
-        "mcp is not available yet in this version; use the socket (docs/rpc.md) or the CLI"
-    )
+    try:
+        from .server import _mcp  # the SDK loads only in this mode (~0.4 s)
+    except ImportError as exc:
+        raise CommandFailedError(
+            f"mcp needs the MCP SDK ({exc}); install it with: pip install 'gadget-engine[mcp]'"
+        ) from None
+    from ._config import EngineConfig
+    from .server._eventlog import configure_logging
+
+    project = os.path.abspath(args.project)
+    if not os.path.isdir(project):
+        raise CommandFailedError(f"--project {args.project!r} is not a directory")
+    configure_logging(sys.stderr)  # stdout is the protocol's
+    try:
+        config = EngineConfig(
+            state_dir=resolve_state_dir(args.state_dir),
+            grace_seconds=args.grace_seconds,
+            exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
+        )
+    except ValueError as exc:
+        raise CommandFailedError(str(exc)) from None
+    _mcp.main(config, project)
+    return EXIT_OK

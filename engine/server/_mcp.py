@@ -1,0 +1,175 @@
+"""``gadget-engine mcp``: the engine's tools over MCP on stdio, for agent clients.
+
+Built on the official ``mcp`` SDK (the ``mcp`` extra), which is anyio-based: it runs here under Trio, the
+engine's own loop (``trio.run``; anyio picks its Trio backend). Only this mode imports the SDK.
+
+Two ways to reach an engine, chosen at start-up:
+
+- **forward**: a ``serve`` (or another ``mcp``) answers on the state directory's socket; every tool call
+  goes there (:class:`~._mcp_tools.SocketBackend`).
+- **embedded**: nobody answers, so this process opens the engine itself and also serves the RPC socket,
+  so the CLI and a second ``mcp`` on the same state directory reach it. An MCP client ends a stdio server
+  by closing its stdin, waiting 2 s, then SIGTERM (and SIGKILL 2 s later): when stdin closes, the engine
+  stops in a short budget (:data:`SHUTDOWN_GRACE_SECONDS` of SIGINT, then SIGKILL for what is left),
+  well inside that window. A kill requested by the agent keeps the configured grace.
+
+The protocol owns stdin and stdout. Every child the engine starts gets ``/dev/null`` as its stdin and its
+own log files (the guardian a pipe and its log file); the SDK also points fds 0 and 1 at ``/dev/null`` and
+stderr while it serves. The engine's own log lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Final
+
+import attrs
+import mcp_types as types
+import trio
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+
+from .. import __version__
+from .._config import EngineConfig
+from .._engine import Engine, open_engine
+from .._errors import EngineLockedError
+from ._eventlog import LoggingJobStore, log_event
+from ._location import find_socket_path
+from ._mcp_tools import EmbeddedBackend, McpTools, RpcBackend, SocketBackend
+from ._methods import Methods
+from ._server import RpcServer, _answers, _remove_socket, bind_socket
+
+__all__ = ["SHUTDOWN_GRACE_SECONDS", "serve_mcp"]
+
+#: At shutdown (stdin closed): how long the engine's children get after SIGINT before SIGKILL, in seconds.
+SHUTDOWN_GRACE_SECONDS: Final = 0.5
+#: How long a start-up that lost the state directory's lock waits for the winner's socket, in seconds.
+_LOCK_WAIT_SECONDS: Final = 5.0
+_SERVER_NAME: Final = "gadget-engine"
+_INSTRUCTIONS: Final = (
+    "Process management for this project: start dev servers, watchers and test runs with the subprocess "
+    "tool and read their logs; schedule follow-ups with cron_add (an on-exit job fires when a command "
+    "ends) and read them with cron_events."
+)
+
+
+def _server(tools: McpTools) -> Server[Any]:
+    async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+        definitions = await tools.definitions()
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(name=d["name"], description=d["description"], input_schema=d["inputSchema"])
+                for d in definitions
+            ]
+        )
+
+    async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+        text, is_error = await tools.call(params.name, params.arguments)
+        return types.CallToolResult(content=[types.TextContent(text=text)], is_error=is_error)
+
+    return Server(
+        _SERVER_NAME,
+        version=__version__,
+        instructions=_INSTRUCTIONS,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+async def _serve_stdio(backend: RpcBackend, project_dir: str) -> None:
+    server = _server(McpTools(backend=backend, project_dir=project_dir))
+    async with stdio_server() as (read_stream, write_stream):
+        await server.run(read_stream, write_stream, server.create_initialization_options())
+
+
+async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> None:
+    """End every child of ``engine`` within about ``grace_seconds`` plus a reap, without firing watchers.
+
+    On-exit watchers are cancelled (their jobs stay enabled, re-armed at the next start) and every
+    subprocess is killed, both by the usual escalation; whatever still runs after ``grace_seconds`` gets
+    SIGKILL at once (``Supervisor.cancel(force=True)``). ``open_engine`` then has nothing left to wait for.
+
+    Cancellation: shielded; the children are ended and reaped either way.
+    """
+    with trio.CancelScope(shield=True):
+        async with trio.open_nursery() as nursery:
+
+            async def force_after_grace() -> None:
+                await trio.sleep(grace_seconds)
+                for run in engine.supervisor.runs():
+                    nursery.start_soon(functools.partial(engine.supervisor.cancel, run, force=True))
+
+            nursery.start_soon(force_after_grace)
+            async with trio.open_nursery() as stopping:
+                stopping.start_soon(engine.watchers.cancel_all)
+                stopping.start_soon(engine.service.kill_all)
+            nursery.cancel_scope.cancel()
+
+
+async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
+    state_dir = config.resolved_state_dir()
+    async with open_engine(config) as engine:
+        try:
+            listener, path = await bind_socket(state_dir)
+            try:
+                async with trio.open_nursery() as nursery:
+                    server = RpcServer(Methods(engine, path, __version__))
+                    await nursery.start(trio.serve_listeners, server.handle_connection, [listener])
+                    log_event("ready", pid=os.getpid(), mode="embedded", state_dir=state_dir, socket=path)
+                    backend = EmbeddedBackend(Methods(engine, path, __version__))
+                    await _serve_stdio(backend, project_dir)
+                    log_event("stopping", reason="stdin closed")
+                    nursery.cancel_scope.cancel()
+            finally:
+                _remove_socket(state_dir, path)
+        finally:
+            await stop_quickly(engine)
+
+
+async def _wait_for_socket(path: str) -> bool:
+    with trio.move_on_after(_LOCK_WAIT_SECONDS):
+        # Another process's socket gives no event to wait on: a bounded start-up poll.
+        while not await _answers(path):  # noqa: ASYNC110
+            await trio.sleep(0.05)
+        return True
+    return False
+
+
+async def serve_mcp(config: EngineConfig, project_dir: str) -> str:
+    """Serve MCP on stdio until stdin closes; return the mode used: ``"forward"`` or ``"embedded"``.
+
+    Args:
+        config: the embedded engine's settings (its ``state_dir`` also locates a running engine).
+        project_dir: the absolute project directory of the ``subprocess`` tool.
+
+    Cancellation: the embedded engine stops as at the end of stdin.
+
+    Raises:
+        EngineLockedError: an engine holds the state directory but never answered on its socket.
+    """
+    state_dir = config.resolved_state_dir()
+    socket_path = find_socket_path(state_dir)
+    if not await _answers(socket_path):
+        if config.store_factory is None:
+            config = attrs.evolve(config, store_factory=LoggingJobStore.in_state_dir)
+        try:
+            await _serve_embedded(config, project_dir)
+        except EngineLockedError:
+            # Another engine won the lock (a second client starting at the same moment): use its socket.
+            if not await _wait_for_socket(find_socket_path(state_dir)):
+                raise
+        else:
+            log_event("stopped", pid=os.getpid(), mode="embedded")
+            return "embedded"
+    log_event("ready", pid=os.getpid(), mode="forward", state_dir=state_dir, socket=socket_path)
+    await _serve_stdio(SocketBackend(state_dir), project_dir)
+    log_event("stopped", pid=os.getpid(), mode="forward")
+    return "forward"
+
+
+def main(config: EngineConfig, project_dir: str) -> str:
+    """Run :func:`serve_mcp` in a new Trio run (the ``mcp`` subcommand); the mode it used."""
+    sys.stdout.flush()
+    return trio.run(serve_mcp, config, project_dir)
