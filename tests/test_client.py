@@ -1,0 +1,170 @@
+"""The stdlib clients, sync and asyncio, in a process where Trio cannot be imported, against a real serve.
+
+The client modules (``engine.server._client`` with ``_protocol``, ``_location`` and ``engine._errors``)
+import only the standard library. ``engine/__init__.py`` imports Trio, so the script loads them the way
+the guardian loads ``engine._guardian`` (``engine._guardian.BOOTSTRAP``): under a bare ``engine`` package
+module, without running the package's ``__init__`` (``docs/rpc.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import engine
+
+from .children import kill_leftovers
+from .serve_support import start_serve
+
+#: What the script refuses to import: Trio and every third-party package the engine itself uses.
+BLOCKED = ("trio", "trio_util", "outcome", "sniffio", "attrs", "platformdirs", "cronsim")
+
+SCRIPT = r"""
+import asyncio, json, sys, types
+for name in sys.argv[4].split(","):
+    sys.modules[name] = None
+package = types.ModuleType("engine")
+package.__path__ = [sys.argv[1]]
+sys.modules["engine"] = package
+
+from engine._errors import EngineError, InvalidScheduleError, SubProcessNotFoundError
+from engine.server._client import (
+    AsyncEngineClient, EngineClient, EngineConnectionError, EngineNotRunningError, RpcError,
+)
+
+state, project, marker = sys.argv[2], sys.argv[3], sys.argv[5]
+report = {}
+
+
+def expect(error_type, call):
+    try:
+        call()
+    except error_type as exc:
+        return type(exc).__name__
+    raise AssertionError(f"expected {error_type.__name__}")
+
+
+async def aexpect(error_type, awaitable):
+    try:
+        await awaitable
+    except error_type as exc:
+        return type(exc).__name__
+    raise AssertionError(f"expected {error_type.__name__}")
+
+
+with EngineClient(state, timeout_seconds=30) as client:
+    report["sync_status_pid"] = client.call("status")["pid"]
+    sp = client.call("subprocess.create", project=project, command="sleep", args=[marker])
+    report["sync_listed"] = [r["pid"] for r in client.call("subprocess.list")] == [sp["pid"]]
+    report["sync_kill"] = client.call("subprocess.kill", pid=sp["pid"])["stopped"]
+    kill = lambda: client.call("subprocess.kill", pid=sp["pid"])
+    report["sync_not_found"] = expect(SubProcessNotFoundError, kill)
+    report["sync_lookup"] = expect(LookupError, lambda: client.call("subprocess.halt", pid=sp["pid"]))
+    bad = {"kind": "cron", "expr": "not cron"}
+    payload = {"kind": "system_event", "text": "x"}
+    report["sync_schedule"] = expect(
+        InvalidScheduleError, lambda: client.call("cron.add", schedule=bad, payload=payload)
+    )
+    report["sync_rpc_code"] = expect(RpcError, lambda: client.call("no.such.method"))
+nobody = EngineClient(state + "-none")
+report["sync_not_running"] = expect(EngineNotRunningError, lambda: nobody.call("status"))
+
+
+async def main():
+    async with AsyncEngineClient(state) as client:
+        report["async_status_pid"] = (await client.call("status"))["pid"]
+        sp = await client.call("subprocess.create", project=project, command="sleep", args=[marker])
+        log = await client.call("subprocess.read_log", pid=sp["pid"])
+        report["async_log_running"] = log["running"]
+        # Calls from several tasks share the connection, one at a time.
+        many = await asyncio.gather(*(client.call("subprocess.summarize", pid=sp["pid"]) for _ in range(5)))
+        report["async_gather"] = [m["pid"] for m in many] == [sp["pid"]] * 5
+        # A cancelled call drops the connection; the next call reconnects.
+        call = asyncio.ensure_future(client.call("subprocess.halt", pid=sp["pid"]))
+        await asyncio.sleep(0)
+        call.cancel()
+        report["async_cancelled"] = await aexpect(asyncio.CancelledError, call)
+        report["async_repr_after_cancel"] = repr(client)
+        summary = await client.call("subprocess.summarize", pid=sp["pid"])
+        report["async_after_cancel"] = summary["pid"] == sp["pid"]
+        report["async_kill"] = (await client.call("subprocess.kill", pid=sp["pid"]))["pid"] == sp["pid"]
+        report["async_not_found"] = await aexpect(
+            SubProcessNotFoundError, client.call("subprocess.kill", pid=sp["pid"])
+        )
+        report["async_engine_error"] = await aexpect(EngineError, client.call("cron.remove", job_id="nope"))
+        report["async_rpc_code"] = await aexpect(RpcError, client.call("subprocess.kill", pid="x"))
+    report["async_not_running"] = await aexpect(
+        EngineNotRunningError, AsyncEngineClient(state + "-none").call("status")
+    )
+
+
+asyncio.run(main())
+report["blocked_stayed_out"] = all(sys.modules.get(name) is None for name in sys.argv[4].split(","))
+print(json.dumps(report))
+"""
+
+
+def test_clients_work_without_trio_against_a_real_serve(tmp_path: Path) -> None:
+    state, project = tmp_path / "state", tmp_path / "app"
+    project.mkdir()
+    marker = str(6000 + (time.time_ns() % 10**6) / 10**6)
+    served = start_serve(state)
+    try:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                SCRIPT,
+                str(Path(engine.__file__).parent),
+                str(state),
+                str(project),
+                ",".join(BLOCKED),
+                marker,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report == {
+            "sync_status_pid": served.proc.pid,
+            "sync_listed": True,
+            "sync_kill": True,
+            "sync_not_found": "SubProcessNotFoundError",
+            "sync_lookup": "SubProcessNotFoundError",
+            "sync_schedule": "InvalidScheduleError",
+            "sync_rpc_code": "RpcError",
+            "sync_not_running": "EngineNotRunningError",
+            "async_status_pid": served.proc.pid,
+            "async_log_running": True,
+            "async_gather": True,
+            "async_cancelled": "CancelledError",
+            "async_repr_after_cancel": f"<AsyncEngineClient {str(state)!r}: not connected>",
+            "async_after_cancel": True,
+            "async_kill": True,
+            "async_not_found": "SubProcessNotFoundError",
+            "async_engine_error": "JobNotFoundError",
+            "async_rpc_code": "RpcError",
+            "async_not_running": "EngineNotRunningError",
+            "blocked_stayed_out": True,
+        }
+        with served.client() as client:
+            assert client.call("subprocess.list") == []
+    finally:
+        served.stop()
+        kill_leftovers(marker)
+
+
+def test_client_modules_import_only_the_standard_library() -> None:
+    """The source of every module on the clients' import path names no third-party package."""
+    root = Path(engine.__file__).parent
+    for module in ("server/_client.py", "server/_protocol.py", "server/_location.py", "_errors.py"):
+        source = (root / module).read_text()
+        top_level = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+        for line in top_level:
+            assert not any(f" {name}" in line for name in BLOCKED), (module, line)

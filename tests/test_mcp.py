@@ -1,0 +1,263 @@
+"""``gadget-engine mcp`` driven by the MCP SDK's own stdio client, as an agent platform runs it.
+
+The client starts ``python -m engine mcp`` with pipes, lists the tools, calls them, and on leaving closes
+the server's stdin, waits up to 2 s, then SIGTERM: the embedded engine must be gone before that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev extra
+import mcp_types as types
+import pytest
+import trio
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
+
+from engine import EngineConfig, open_engine
+from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
+from engine.server._mcp_tools import CRON_TOOLS
+
+from .children import ignoring_sigint, kill_leftovers, pgrep
+from .serve_support import GRACE, SHELL, alive, cli, start_serve
+
+TOOL_NAMES = ["subprocess", "cron_add", "cron_list", "cron_remove", "cron_events"]
+#: MCP clients wait this long after closing stdin before SIGTERM (the SDK's stdio client does).
+CLIENT_WINDOW_SECONDS = 2.0
+
+
+def server_params(state_dir: Path, cwd: Path, *project: str) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable,
+        args=[
+            "-m",
+            "engine",
+            "mcp",
+            "--state-dir",
+            str(state_dir),
+            *project,
+            "--grace-seconds",
+            GRACE,
+            *SHELL,
+        ],
+        cwd=str(cwd),
+    )
+
+
+@asynccontextmanager
+async def mcp_client(params: StdioServerParameters, errlog: Path) -> AsyncIterator[ClientSession]:
+    with open(errlog, "w") as err:
+        async with stdio_client(params, errlog=err) as (read, write), ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+
+async def call(session: ClientSession, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+    result = await session.call_tool(name, arguments)
+    [block] = result.content
+    assert isinstance(block, types.TextContent)
+    return block.text, result.is_error
+
+
+async def wait_for_event(session: ClientSession, job_id: str) -> str:
+    with trio.fail_after(10):
+        while True:
+            text, is_error = await call(session, "cron_events", {})
+            assert not is_error, text
+            if f"(job {job_id})" in text:
+                return text
+            await trio.sleep(0.05)
+
+
+async def reference_parameters(tmp_path: Path) -> object:
+    config = EngineConfig(state_dir=str(tmp_path / "reference-state"), guardian=False, subreaper=False)
+    async with open_engine(config) as engine:
+        return engine.tool.definition["parameters"]
+
+
+async def check_tools(session: ClientSession, tmp_path: Path) -> None:
+    tools = (await session.list_tools()).tools
+    assert [tool.name for tool in tools] == TOOL_NAMES
+    by_name = {tool.name: tool for tool in tools}
+    assert by_name["subprocess"].input_schema == await reference_parameters(tmp_path)
+    for definition in CRON_TOOLS:
+        schema = by_name[definition["name"]].input_schema
+        assert schema == definition["inputSchema"]
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert "$schema" not in schema and "oneOf" not in schema
+    for tool in tools:
+        assert tool.description
+
+
+def log_paths(project: Path, pid: int) -> tuple[str, str]:
+    folder = project / ".gadget" / "subprocess-logs"
+    return str(folder / f"subproc-{pid}.stdout.log"), str(folder / f"subproc-{pid}.stderr.log")
+
+
+async def run_subprocess_tool(session: ClientSession, project: Path, marker: str) -> int:
+    """create / list / log / halt / kill through MCP; returns the pid of a SIGINT-ignoring child left live."""
+    text, is_error = await call(
+        session,
+        "subprocess",
+        {"cmd": "create", "command": "bash", "args": ["-c", f"echo out-{marker}; sleep {marker}"]},
+    )
+    assert not is_error, text
+    pid = int(re.fullmatch(r"SUBPROCESS CREATED\npid: (\d+)\nstdout: .*\nstderr: .*", text)[1])  # type: ignore[index]
+    stdout, stderr = log_paths(project, pid)
+    assert text == f"SUBPROCESS CREATED\npid: {pid}\nstdout: {stdout}\nstderr: {stderr}"
+
+    text, is_error = await call(session, "subprocess", {"cmd": "list"})
+    assert not is_error
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"
+    line = (
+        rf"pid: {pid} \| project: {project.name} \| created: {stamp} \| updated: {stamp} \| status: running"
+    )
+    assert re.fullmatch(rf"SUBPROCESS LIST\n{line}", text), text
+
+    with trio.fail_after(10):
+        while f"out-{marker}" not in Path(stdout).read_text():
+            await trio.sleep(0.02)
+    text, is_error = await call(session, "subprocess", {"cmd": "log", "pid": pid, "which": "stdout"})
+    assert (text, is_error) == (f"SUBPROCESS LOG (stdout)\npid: {pid}\n---\nout-{marker}\n", False)
+
+    text, is_error = await call(session, "subprocess", {"cmd": "halt", "pid": pid})
+    halted = (
+        f"SUBPROCESS HALTED\npid: {pid}\nThe process has been stopped. Log files are retained for inspection."
+    )
+    assert (text, is_error) == (halted, False)
+    assert os.path.exists(stdout)
+    text, is_error = await call(session, "subprocess", {"cmd": "kill", "pid": pid})
+    assert (text, is_error) == (f"SUBPROCESS KILLED\npid: {pid}", False)
+    assert not os.path.exists(stdout)
+
+    # Errors: the tool's own text, flagged.
+    text, is_error = await call(session, "subprocess", {"cmd": "kill", "pid": pid})
+    assert is_error and text.startswith("SUBPROCESS ERROR: no subprocess with pid"), text
+    text, is_error = await call(session, "subprocess", {"cmd": "create", "command": f"no-such-{marker}"})
+    assert is_error and text.startswith("SUBPROCESS ERROR: "), text
+    text, is_error = await call(session, "subprocess", {"cmd": "bogus"})
+    assert is_error and text.startswith("SUBPROCESS ERROR: cmd must be one of"), text
+
+    # A child that reads stdin gets /dev/null, one that writes stdout writes its log: the protocol is intact.
+    text, is_error = await call(session, "subprocess", {"cmd": "create", "command": "cat"})
+    assert not is_error
+    argv = ignoring_sigint(marker)
+    text, is_error = await call(
+        session, "subprocess", {"cmd": "create", "command": argv[0], "args": list(argv[1:])}
+    )
+    assert not is_error, text
+    return int(text.split("\n")[1].removeprefix("pid: "))
+
+
+async def run_cron_tools(session: ClientSession, project: Path, marker: str) -> None:
+    text, is_error = await call(
+        session, "cron_add", {"command": f"echo done-{marker}; exit 3", "text": "tests ran"}
+    )
+    assert not is_error, text
+    job_id = re.fullmatch(r"CRON ADDED\nid: (\w+)\nname: tests ran\nschedule: on-exit .*\nnext run: -", text)[
+        1
+    ]  # type: ignore[index]
+    assert f"in {project}" in text
+    event = await wait_for_event(session, job_id)
+    assert "exited with code 3" in event and f"done-{marker}" in event, event
+
+    text, is_error = await call(
+        session, "cron_add", {"every_seconds": 3600, "text": "hourly", "name": "tick"}
+    )
+    assert not is_error, text
+    tick = text.split("\n")[1].removeprefix("id: ")
+    text, is_error = await call(session, "cron_list", {})
+    assert not is_error and text.startswith("CRON LIST\n")
+    assert f"id: {job_id} | name: tests ran | enabled: no" in text and f"id: {tick} | name: tick" in text
+    assert (await call(session, "cron_remove", {"id": tick})) == (f"CRON REMOVED\nid: {tick}", False)
+
+    text, is_error = await call(session, "cron_add", {"text": "x", "cron": "0 9 * * *", "every_seconds": 5})
+    assert (
+        is_error
+        and text
+        == "CRON ERROR: give exactly one of command, at, every_seconds, cron; got every_seconds, cron"
+    )
+    text, is_error = await call(session, "cron_add", {"text": "x", "cron": "not a cron"})
+    assert is_error and text.startswith("CRON ERROR: "), text
+    text, is_error = await call(session, "cron_remove", {"id": "nope"})
+    assert is_error and text.startswith("CRON ERROR: "), text
+    text, is_error = await call(session, "no_such_tool", {})
+    assert is_error and text.startswith("ERROR: unknown tool 'no_such_tool'")
+
+
+@pytest.fixture
+def marker() -> float:
+    return 4000 + (time.time_ns() % 10**6) / 10**6
+
+
+async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
+    tmp_path: Path, marker: float
+) -> None:
+    state, project = tmp_path / "state", tmp_path / "app"
+    project.mkdir()
+    errlog = tmp_path / "mcp.log"
+    try:
+        async with mcp_client(server_params(state, project), errlog) as session:  # --project: the cwd
+            await check_tools(session, tmp_path)
+            live = await run_subprocess_tool(session, project, str(marker))
+            await run_cron_tools(session, project, str(marker))
+            # The embedded engine serves the socket too: the CLI reaches it.
+            listed = await trio.to_thread.run_sync(lambda: cli("list", "--state-dir", str(state)))
+            assert listed.returncode == 0 and str(live) in listed.stdout, listed
+            server_pid = int((state / "lock").read_text())
+            assert pgrep(str(marker))
+            closed_at = time.monotonic()
+        stopped_seconds = time.monotonic() - closed_at
+        assert "mode=embedded" in errlog.read_text()
+        assert "event=stopped" in errlog.read_text(), errlog.read_text()
+        print(f"embedded mcp: stdin closed -> exited in {stopped_seconds:.3f} s")
+        assert stopped_seconds < CLIENT_WINDOW_SECONDS - 0.3, errlog.read_text()
+        assert stopped_seconds > SHUTDOWN_GRACE_SECONDS  # the SIGINT-ignoring child had its grace
+        assert not alive(server_pid)
+        assert pgrep(str(marker)) == [] and pgrep(str(state)) == []
+    finally:
+        kill_leftovers(str(marker))
+
+
+async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: float) -> None:
+    state, project = tmp_path / "state", tmp_path / "app"
+    project.mkdir()
+    served = await trio.to_thread.run_sync(start_serve, state)
+    try:
+        with served.client() as client:
+            async with mcp_client(
+                server_params(state, tmp_path, "--project", str(project)), tmp_path / "mcp.log"
+            ) as session:
+                await check_tools(session, tmp_path)
+                live = await run_subprocess_tool(session, project, str(marker))
+                # The calls went to serve: its own list and tool give the same texts, byte for byte.
+                assert [r["pid"] for r in client.call("subprocess.list")][-1] == live
+                for params in ({"cmd": "list"}, {"cmd": "log", "pid": live, "which": "stderr"}):
+                    direct = client.call("tool.execute", params=params, project=str(project))["text"]
+                    assert await call(session, "subprocess", dict(params)) == (direct, False)
+                await run_cron_tools(session, project, str(marker))
+                assert any(e["job_name"] == "tests ran" for e in client.call("events"))
+                closed_at = time.monotonic()
+            assert time.monotonic() - closed_at < 1.0  # nothing to stop: the engine is serve's
+            assert "mode=forward" in (tmp_path / "mcp.log").read_text()
+            assert live in [r["pid"] for r in client.call("subprocess.list")]  # serve's, still running
+            assert served.stop() == 0
+            assert pgrep(str(marker)) == []
+    finally:
+        if served.proc.poll() is None:
+            served.kill_hard()
+        kill_leftovers(str(marker))
+
+
+def test_mcp_refuses_a_missing_project(tmp_path: Path) -> None:
+    result = cli("mcp", "--state-dir", str(tmp_path / "state"), "--project", str(tmp_path / "nope"))
+    assert result.returncode == 1 and result.stdout == ""
+    assert "is not a directory" in result.stderr
