@@ -3,7 +3,7 @@
 The client modules (``engine.server._client`` with ``_protocol``, ``_location`` and ``engine._errors``)
 import only the standard library. ``engine/__init__.py`` imports Trio, so the script loads them the way
 the guardian loads ``engine._guardian`` (``engine._guardian.BOOTSTRAP``): under a bare ``engine`` package
-module, without running the package's ``__init__`` (``docs/rpc.md``).
+module, without running the package's ``__init__``, with the recipe of ``docs/rpc.md``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from .serve_support import start_serve
 BLOCKED = ("trio", "trio_util", "outcome", "sniffio", "attrs", "platformdirs", "cronsim")
 
 SCRIPT = r"""
-import asyncio, json, sys, types
+import asyncio, importlib.util, json, sys, types
 for name in sys.argv[4].split(","):
     sys.modules[name] = None
+# The recipe of docs/rpc.md.
+spec = importlib.util.find_spec("engine")
 package = types.ModuleType("engine")
-package.__path__ = [sys.argv[1]]
+package.__path__ = list(spec.submodule_search_locations)
 sys.modules["engine"] = package
+report = {"package": package.__path__ == [sys.argv[1]]}
 
 from engine._errors import EngineError, InvalidScheduleError, SubProcessNotFoundError
 from engine.server._client import (
@@ -36,7 +39,6 @@ from engine.server._client import (
 )
 
 state, project, marker = sys.argv[2], sys.argv[3], sys.argv[5]
-report = {}
 
 
 def expect(error_type, call):
@@ -132,6 +134,7 @@ def test_clients_work_without_trio_against_a_real_serve(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         report = json.loads(result.stdout)
         assert report == {
+            "package": True,
             "sync_status_pid": served.proc.pid,
             "sync_listed": True,
             "sync_kill": True,
