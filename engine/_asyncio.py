@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar, final
@@ -205,7 +206,7 @@ class AsyncioEngine:
 
     async def create(
         self,
-        project: Project | str,
+        project: Project | str | os.PathLike[str],
         command: str,
         args: Sequence[str] = (),
         *,
@@ -219,7 +220,7 @@ class AsyncioEngine:
             SpawnError, LimitExceededError: as ``SubProcessService.create``.
             ValueError: ``project`` is not an absolute directory path.
         """
-        chosen = project if isinstance(project, Project) else Project.from_directory(project)
+        chosen = _project(project)
 
         async def create(engine: Engine) -> SubProcessSummary:
             sp = await engine.service.create(chosen, command, tuple(args), env=env)
@@ -248,7 +249,10 @@ class AsyncioEngine:
         return await self.run(lambda engine: engine.service.halt_pid(pid))
 
     async def kill_all(self) -> bool:
-        """``SubProcessService.kill_all``; ``True`` when every group was verified empty."""
+        """``SubProcessService.kill_all``; ``True`` when every group was verified empty.
+
+        Cancellation: as :meth:`run` (every tree is still ended and reaped).
+        """
         return await self.run(lambda engine: engine.service.kill_all())
 
     async def read_log(
@@ -268,9 +272,12 @@ class AsyncioEngine:
             )
         )
 
-    async def tool(self, params: Mapping[str, object], project: Project | str) -> str:
-        """The ``subprocess`` agent tool's :meth:`~engine.SubprocessTool.execute`, for ``project``."""
-        chosen = project if isinstance(project, Project) else Project.from_directory(project)
+    async def tool(self, params: Mapping[str, object], project: Project | str | os.PathLike[str]) -> str:
+        """The ``subprocess`` agent tool's :meth:`~engine.SubprocessTool.execute`, for ``project``.
+
+        Cancellation: as :meth:`run`.
+        """
+        chosen = _project(project)
         return await self.run(lambda engine: engine.tool.execute(params, chosen))
 
     # ---- cron --------------------------------------------------------------------------------------
@@ -295,11 +302,14 @@ class AsyncioEngine:
         return await self.run(lambda engine: engine.cron.list(include_disabled=include_disabled))
 
     async def cron_remove(self, job_id: str) -> None:
-        """``CronService.remove`` (an on-exit job's command ends without firing)."""
+        """``CronService.remove`` (an on-exit job's command ends without firing).
+
+        Cancellation: as :meth:`run`.
+        """
         await self.run(lambda engine: engine.cron.remove(job_id))
 
     async def cron_events(self, since: int = 0) -> list[FiredEvent]:
-        """``CronService.events``: the logged events after cursor ``since``."""
+        """``CronService.events``: the logged events after cursor ``since``. Cancellation: as :meth:`run`."""
         return await self.run(lambda engine: engine.cron.events(since))
 
     async def events(self) -> AsyncIterator[FiredEvent]:
@@ -307,6 +317,8 @@ class AsyncioEngine:
 
         Every event is delivered once, to whichever iterator takes it first; events fired before the
         first iteration wait in a queue. After a crash an event can come again (same ``fire_id``).
+
+        Cancellation: safe; an event not yet taken stays queued.
         """
         while True:
             event = await self._events.get()
@@ -314,6 +326,10 @@ class AsyncioEngine:
                 self._events.put_nowait(_CLOSED)  # for any other iterator
                 return
             yield event
+
+
+def _project(project: Project | str | os.PathLike[str]) -> Project:
+    return project if isinstance(project, Project) else Project.from_directory(os.fspath(project))
 
 
 async def _read_log(

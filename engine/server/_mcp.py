@@ -35,7 +35,7 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineLockedError
-from ._eventlog import LoggingJobStore, log_event
+from ._eventlog import LoggingJobStore, RunLogger, log_event
 from ._location import find_socket_path
 from ._mcp_tools import EmbeddedBackend, McpTools, RpcBackend, SocketBackend
 from ._methods import Methods
@@ -111,6 +111,7 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
 async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
     state_dir = config.resolved_state_dir()
     async with open_engine(config) as engine:
+        engine.supervisor.add_observer(RunLogger())  # spawned / exited lines on stderr, as serve logs them
         try:
             listener, path = await bind_socket(state_dir)
             try:
