@@ -11,12 +11,14 @@ import ctypes
 import ctypes.util
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 __all__ = [
     "RUN_MARKER_VAR",
     "ProcInfo",
+    "children_of",
     "engine_children",
     "is_alive",
     "read_marker",
@@ -30,6 +32,7 @@ __all__ = [
 #: left the process group (``setsid``) and was re-parented to the engine.
 RUN_MARKER_VAR = "GADGET_ENGINE_RUN"
 
+_PF_KTHREAD = 0x00200000
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -44,6 +47,7 @@ class ProcInfo(NamedTuple):
         sid: session id.
         state: the one-letter state of ``/proc/<pid>/stat`` (``R``, ``S``, ``T``, ``Z``, ...).
         start_time: start time in clock ticks since boot; with ``pid`` it names a process uniquely.
+        flags: the kernel's ``PF_*`` flags of the process.
     """
 
     pid: int
@@ -52,6 +56,12 @@ class ProcInfo(NamedTuple):
     sid: int
     state: str
     start_time: int
+    flags: int = 0
+
+    @property
+    def kernel_thread(self) -> bool:
+        """Whether this is a kernel thread (``PF_KTHREAD``): no environment, never one of ours."""
+        return bool(self.flags & _PF_KTHREAD)
 
     @property
     def zombie(self) -> bool:
@@ -73,6 +83,7 @@ def _parse_stat(pid: int, data: bytes) -> ProcInfo | None:
             sid=int(fields[3]),
             state=fields[0].decode("ascii", "replace"),
             start_time=int(fields[19]),
+            flags=int(fields[6]),
         )
     except (IndexError, ValueError):
         return None
@@ -117,35 +128,72 @@ def is_alive(pid: int, start_time: int) -> bool:
     return info is not None and info.start_time == start_time and not info.zombie
 
 
+def children_of(pid: int) -> list[int] | None:
+    """The children of ``pid`` (of any of its threads), from ``/proc/<pid>/task/<tid>/children``.
+
+    ``[]`` when the process is gone; ``None`` when the kernel has no such files (built without
+    ``CONFIG_PROC_CHILDREN``), and callers fall back to a full scan.
+    """
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    pids: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                pids.extend(int(p) for p in f.read().split())
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue  # the thread ended meanwhile
+            return None
+        except ProcessLookupError:
+            continue
+    return pids
+
+
 def engine_children() -> set[int]:
     """The pids whose parent is this process (any of its threads), adopted orphans included.
 
     Uses ``/proc/self/task/<tid>/children`` where the kernel has it, else one full scan.
     """
     me = os.getpid()
-    pids: set[int] = set()
-    try:
-        tids = os.listdir(f"/proc/{me}/task")
-        for tid in tids:
-            with open(f"/proc/{me}/task/{tid}/children", "rb") as f:
-                pids.update(int(p) for p in f.read().split())
-        return pids
-    except FileNotFoundError:
+    pids = children_of(me)
+    if pids is None:
         return {p.pid for p in scan_processes() if p.ppid == me}
+    return set(pids)
 
 
 def read_marker(pid: int) -> str | None:
-    """The value of :data:`RUN_MARKER_VAR` in a live process's environment, or ``None``."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read()
-    except OSError:
+    """The value of :data:`RUN_MARKER_VAR` in a live process's environment, or ``None``.
+
+    While a process is in the middle of ``exec`` the kernel shows its environment as empty for a moment
+    (the new memory map is in place, its environment bounds not yet); an empty read of a live, non-zombie
+    process is therefore retried for up to ~10 ms instead of being taken as "not ours".
+    """
+    for _ in range(_MARKER_READ_TRIES):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        if data:
+            break
+        info = read_proc(pid)
+        if info is None or info.zombie or info.kernel_thread:
+            return None
+        time.sleep(_MARKER_RETRY_SECONDS)
+    else:
         return None
     prefix = RUN_MARKER_VAR.encode() + b"="
     for entry in data.split(b"\0"):
         if entry.startswith(prefix):
             return entry[len(prefix) :].decode("utf-8", "replace")
     return None
+
+
+_MARKER_READ_TRIES = 40
+_MARKER_RETRY_SECONDS = 0.00025
 
 
 def children_map(procs: Iterable[ProcInfo]) -> dict[int, list[ProcInfo]]:

@@ -21,6 +21,7 @@ import trio
 from ._procfs import (
     ProcInfo,
     children_map,
+    children_of,
     engine_children,
     read_marker,
     read_proc,
@@ -45,7 +46,8 @@ class ProcessTree:
         marker: the value of the run marker in this run's environment.
         subreaper: whether the engine is a child subreaper (orphans come to us).
         status: the leader's wait status once reaped, else ``None``.
-        escapees: descendants outside the group, ``{pid: start_time}``.
+        tracked: every descendant seen so far, group members included, ``{pid: start_time}``: a member
+            that calls ``setsid`` after it was seen is still ours (and is signalled by pid).
         force: set to skip the rest of the grace period and send SIGKILL now.
     """
 
@@ -56,7 +58,7 @@ class ProcessTree:
     subreaper: bool
     known_leaders: Iterable[int]
     status: int | None = None
-    escapees: dict[int, int] = attrs.field(factory=dict)
+    tracked: dict[int, int] = attrs.field(factory=dict)
     force: bool = False
 
     # ---- the leader ------------------------------------------------------------------------------
@@ -96,11 +98,51 @@ class ProcessTree:
         return info.start_time >= self.start_time
 
     def snapshot(self) -> None:
-        """Add every live descendant outside the group to :attr:`escapees` (one ``/proc`` scan)."""
+        """Add every live descendant of the run (group members included) to :attr:`tracked`.
+
+        With the subreaper on, every descendant is reachable through parent links from the leader or
+        from an orphan re-parented to the engine, so the walk follows ``/proc/<pid>/task/*/children``
+        and costs what the tree costs, not what the machine runs (1000 concurrent escalations would
+        otherwise scan all of ``/proc`` 1000 times). Without it, one full ``/proc`` scan.
+        """
+        if self.subreaper and self._snapshot_by_children():
+            return
+        self._snapshot_by_scan()
+
+    def _snapshot_by_children(self) -> bool:
+        roots = [self.pid]
+        for pid, start in self.tracked.items():  # walk only from processes that are still ours
+            info = read_proc(pid)
+            if info is not None and info.start_time == start:
+                roots.append(pid)
+        for pid in engine_children() - set(self.known_leaders):
+            info = read_proc(pid)
+            if info is None or info.zombie or not self._ours(info):
+                continue
+            if info.pgid == self.pid or read_marker(pid) == self.marker:
+                roots.append(pid)
+        seen: set[int] = set()
+        while roots:
+            pid = roots.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            kids = children_of(pid)
+            if kids is None:
+                return False
+            roots.extend(kids)
+        seen.discard(self.pid)
+        for pid in seen:
+            info = read_proc(pid)
+            if info is not None and not info.zombie and self._ours(info):
+                self.tracked.setdefault(pid, info.start_time)
+        return True
+
+    def _snapshot_by_scan(self) -> None:
         procs = [p for p in scan_processes() if not p.zombie]
         roots = {p.pid for p in procs if p.pgid == self.pid and self._ours(p)}
         roots.add(self.pid)
-        roots.update(self.escapees)
+        roots.update(self.tracked)
         by_pid = {p.pid: p for p in procs}
         if self.subreaper:
             candidates: Iterable[int] = engine_children() - set(self.known_leaders)
@@ -120,8 +162,8 @@ class ProcessTree:
                     stack.append(child.pid)
         for pid in seen:
             info = by_pid.get(pid)
-            if info is not None and info.pgid != self.pid and pid not in self.escapees:
-                self.escapees[pid] = info.start_time
+            if info is not None and pid != self.pid and pid not in self.tracked:
+                self.tracked[pid] = info.start_time
 
     def adopted_strays(self) -> bool:
         """After the leader exited: whether anything of the tree may be left (cheap checks first)."""
@@ -132,26 +174,29 @@ class ProcessTree:
             pass
         except PermissionError:
             return True
-        if self.escapees:
+        if self.tracked:
             return True
         strays = engine_children() - set(self.known_leaders)
         return any(read_marker(pid) == self.marker for pid in strays)
 
     def send(self, sig: int) -> None:
-        """Send ``sig`` to the group and to every escapee still holding its pid (start time checked)."""
+        """Send ``sig`` to the group, and by pid to every tracked process that is no longer in the group
+        (start time checked); a member gets it once, through the group."""
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-        for pid, start in list(self.escapees.items()):
+        for pid, start in list(self.tracked.items()):
             info = read_proc(pid)
             if info is None or info.start_time != start:
-                del self.escapees[pid]
+                del self.tracked[pid]
+                continue
+            if info.pgid == self.pid:
                 continue
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
-                del self.escapees[pid]
+                del self.tracked[pid]
 
     def _reap_adopted(self, info: ProcInfo) -> None:
         # Only processes we attributed to this run, by their own pid: never waitpid(-1).
@@ -163,9 +208,9 @@ class ProcessTree:
 
     def remaining(self) -> list[int]:
         """Pids of the tree still alive (zombies are reaped when they are ours, and count as gone)."""
-        alive: list[int] = []
+        alive: set[int] = set()
         if not self.poll_leader():
-            alive.append(self.pid)
+            alive.add(self.pid)
         group_exists = True
         try:
             os.killpg(self.pid, 0)
@@ -179,17 +224,17 @@ class ProcessTree:
                     if info.zombie:
                         self._reap_adopted(info)
                     else:
-                        alive.append(info.pid)
-        for pid, start in list(self.escapees.items()):
+                        alive.add(info.pid)
+        for pid, start in list(self.tracked.items()):
             found = read_proc(pid)
             if found is None or found.start_time != start:
-                del self.escapees[pid]
+                del self.tracked[pid]
             elif found.zombie:
                 self._reap_adopted(found)
-                del self.escapees[pid]
-            elif found.pgid != self.pid:
-                alive.append(pid)
-        return alive
+                del self.tracked[pid]
+            else:
+                alive.add(pid)
+        return sorted(alive)
 
     def _any_remaining(self) -> bool:
         """Whether anything of the tree is alive: :meth:`remaining` as a yes/no.
@@ -220,6 +265,17 @@ class ProcessTree:
             step = min(step * 2, _MAX_STEP_SECONDS)
         return True
 
+    async def _wait_tree_gone(self, sig: int, *, honour_force: bool) -> bool:
+        """:meth:`wait_gone`, then one more look for processes that left the group or were forked since
+        the last snapshot; those get ``sig`` too and are waited for in turn."""
+        while True:
+            if not await self.wait_gone(honour_force=honour_force):
+                return False
+            self.snapshot()
+            if not self.remaining():
+                return True
+            self.send(sig)
+
     async def terminate(
         self, *, grace_seconds: float, kill_wait_seconds: float
     ) -> tuple[bool, tuple[int, ...]]:
@@ -236,14 +292,14 @@ class ProcessTree:
             self.send(signal.SIGINT)
             self.send(signal.SIGCONT)  # a stopped process acts on SIGINT only once continued
             with trio.move_on_after(grace_seconds):
-                if await self.wait_gone(honour_force=True):
+                if await self._wait_tree_gone(signal.SIGINT, honour_force=True):
                     return False, ()
         self.snapshot()  # children forked while handling SIGINT
         if not self._any_remaining():
             return False, ()
         self.send(signal.SIGKILL)
         with trio.move_on_after(kill_wait_seconds):
-            await self.wait_gone(honour_force=False)
+            await self._wait_tree_gone(signal.SIGKILL, honour_force=False)
         survivors = [pid for pid in self.remaining() if pid != self.pid]
         if self.status is None:
             await self.wait_leader()  # the final reap after SIGKILL

@@ -159,3 +159,18 @@ async def test_cancel_double_forked_daemon_found_by_marker(subreaper: bool) -> N
         assert not pgrep(r"sleep 321\.[45]")
     finally:
         kill_leftovers(r"sleep 321\.[45]")
+
+
+async def test_leader_exit_racing_setsid_child_leaves_nothing(supervisor: Supervisor) -> None:
+    # The child may call setsid() after it was seen as a group member: it is still tracked by pid.
+    runs = [
+        await supervisor.spawn(SpawnSpec(argv=("bash", "-c", f"setsid sleep 338.{n} & exit 0")))
+        for n in range(1, 21)
+    ]
+    try:
+        with trio.fail_after(20):
+            for run in runs:
+                await run.wait()
+        assert not pgrep(r"^sleep 338\.")
+    finally:
+        kill_leftovers(r"sleep 338\.")
