@@ -1,50 +1,138 @@
-"""gadget-engine: a Trio engine that supervises child processes for AI coding agents and async hosts."""
+"""gadget-engine: a Trio engine that supervises child processes for AI coding agents and async hosts.
+
+The public names are loaded on first use (PEP 562), so ``import engine`` is cheap and the standard-library
+clients (``engine.EngineClient``, ``engine.AsyncEngineClient``) work in a process without Trio; the CLI's
+client commands start in ~0.1 s.
+"""
 
 from __future__ import annotations
 
-from ._config import EngineConfig as EngineConfig
-from ._engine import Engine as Engine
-from ._engine import open_engine as open_engine
-from ._errors import EngineError as EngineError
-from ._errors import EngineLockedError as EngineLockedError
-from ._errors import InvalidScheduleError as InvalidScheduleError
-from ._errors import JobNotFoundError as JobNotFoundError
-from ._errors import LimitExceededError as LimitExceededError
-from ._errors import SpawnError as SpawnError
-from ._errors import StoreError as StoreError
-from ._errors import SubProcessNotFoundError as SubProcessNotFoundError
-from ._logs import LogSlice as LogSlice
-from ._project import Project as Project
-from ._prompts import TOOL_MODES as TOOL_MODES
-from ._prompts import process_management_block as process_management_block
-from ._prompts import render_mode_prompt as render_mode_prompt
-from ._prompts import tools_for_mode as tools_for_mode
-from ._subprocesses import SubProcess as SubProcess
-from ._subprocesses import SubProcessService as SubProcessService
-from ._subprocesses import SubProcessSummary as SubProcessSummary
-from ._subprocesses import open_subprocess_service as open_subprocess_service
-from ._supervisor import ManagedRun as ManagedRun
-from ._supervisor import RunExit as RunExit
-from ._supervisor import RunState as RunState
-from ._supervisor import SpawnSpec as SpawnSpec
-from ._supervisor import Supervisor as Supervisor
-from ._supervisor import TerminationReason as TerminationReason
-from ._supervisor import open_supervisor as open_supervisor
-from ._tool import SubprocessTool as SubprocessTool
-from .cron import At as At
-from .cron import Command as Command
-from .cron import Cron as Cron
-from .cron import CronExitWatchers as CronExitWatchers
-from .cron import CronJob as CronJob
-from .cron import CronService as CronService
-from .cron import Every as Every
-from .cron import FiredEvent as FiredEvent
-from .cron import JobStatus as JobStatus
-from .cron import JobStore as JobStore
-from .cron import OnExit as OnExit
-from .cron import SqliteJobStore as SqliteJobStore
-from .cron import SystemEvent as SystemEvent
-from .cron import compute_next_run_at as compute_next_run_at
-from .cron import resolve_exit_watch_shell as resolve_exit_watch_shell
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._asyncio import AsyncioEngine as AsyncioEngine
+    from ._asyncio import EngineClosedError as EngineClosedError
+    from ._asyncio import open_asyncio_engine as open_asyncio_engine
+    from ._config import EngineConfig as EngineConfig
+    from ._engine import Engine as Engine
+    from ._engine import open_engine as open_engine
+    from ._errors import EngineError as EngineError
+    from ._errors import EngineLockedError as EngineLockedError
+    from ._errors import InvalidScheduleError as InvalidScheduleError
+    from ._errors import JobNotFoundError as JobNotFoundError
+    from ._errors import LimitExceededError as LimitExceededError
+    from ._errors import SpawnError as SpawnError
+    from ._errors import StoreError as StoreError
+    from ._errors import SubProcessNotFoundError as SubProcessNotFoundError
+    from ._logs import LogSlice as LogSlice
+    from ._project import Project as Project
+    from ._prompts import TOOL_MODES as TOOL_MODES
+    from ._prompts import process_management_block as process_management_block
+    from ._prompts import render_mode_prompt as render_mode_prompt
+    from ._prompts import tools_for_mode as tools_for_mode
+    from ._subprocesses import SubProcess as SubProcess
+    from ._subprocesses import SubProcessService as SubProcessService
+    from ._subprocesses import SubProcessSummary as SubProcessSummary
+    from ._subprocesses import open_subprocess_service as open_subprocess_service
+    from ._supervisor import ManagedRun as ManagedRun
+    from ._supervisor import RunExit as RunExit
+    from ._supervisor import RunState as RunState
+    from ._supervisor import SpawnSpec as SpawnSpec
+    from ._supervisor import Supervisor as Supervisor
+    from ._supervisor import TerminationReason as TerminationReason
+    from ._supervisor import open_supervisor as open_supervisor
+    from ._tool import SubprocessTool as SubprocessTool
+    from .cron import At as At
+    from .cron import Command as Command
+    from .cron import Cron as Cron
+    from .cron import CronExitWatchers as CronExitWatchers
+    from .cron import CronJob as CronJob
+    from .cron import CronService as CronService
+    from .cron import Every as Every
+    from .cron import FiredEvent as FiredEvent
+    from .cron import JobStatus as JobStatus
+    from .cron import JobStore as JobStore
+    from .cron import OnExit as OnExit
+    from .cron import SqliteJobStore as SqliteJobStore
+    from .cron import SystemEvent as SystemEvent
+    from .cron import compute_next_run_at as compute_next_run_at
+    from .cron import resolve_exit_watch_shell as resolve_exit_watch_shell
+    from .server._client import AsyncEngineClient as AsyncEngineClient
+    from .server._client import EngineClient as EngineClient
+    from .server._client import EngineConnectionError as EngineConnectionError
+    from .server._client import EngineNotRunningError as EngineNotRunningError
+    from .server._protocol import RpcError as RpcError
 
 __version__ = "0.1.0"
+
+#: Every public name and the private module that defines it.
+_EXPORTS: dict[str, str] = {
+    "AsyncEngineClient": ".server._client",
+    "AsyncioEngine": "._asyncio",
+    "At": ".cron",
+    "Command": ".cron",
+    "Cron": ".cron",
+    "CronExitWatchers": ".cron",
+    "CronJob": ".cron",
+    "CronService": ".cron",
+    "Engine": "._engine",
+    "EngineClient": ".server._client",
+    "EngineClosedError": "._asyncio",
+    "EngineConfig": "._config",
+    "EngineConnectionError": ".server._client",
+    "EngineError": "._errors",
+    "EngineLockedError": "._errors",
+    "EngineNotRunningError": ".server._client",
+    "Every": ".cron",
+    "FiredEvent": ".cron",
+    "InvalidScheduleError": "._errors",
+    "JobNotFoundError": "._errors",
+    "JobStatus": ".cron",
+    "JobStore": ".cron",
+    "LimitExceededError": "._errors",
+    "LogSlice": "._logs",
+    "ManagedRun": "._supervisor",
+    "OnExit": ".cron",
+    "Project": "._project",
+    "RpcError": ".server._protocol",
+    "RunExit": "._supervisor",
+    "RunState": "._supervisor",
+    "SpawnError": "._errors",
+    "SpawnSpec": "._supervisor",
+    "SqliteJobStore": ".cron",
+    "StoreError": "._errors",
+    "SubProcess": "._subprocesses",
+    "SubProcessNotFoundError": "._errors",
+    "SubProcessService": "._subprocesses",
+    "SubProcessSummary": "._subprocesses",
+    "SubprocessTool": "._tool",
+    "Supervisor": "._supervisor",
+    "SystemEvent": ".cron",
+    "TOOL_MODES": "._prompts",
+    "TerminationReason": "._supervisor",
+    "compute_next_run_at": ".cron",
+    "open_asyncio_engine": "._asyncio",
+    "open_engine": "._engine",
+    "open_subprocess_service": "._subprocesses",
+    "open_supervisor": "._supervisor",
+    "process_management_block": "._prompts",
+    "render_mode_prompt": "._prompts",
+    "resolve_exit_watch_shell": ".cron",
+    "tools_for_mode": "._prompts",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

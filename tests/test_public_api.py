@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import engine
@@ -88,16 +90,39 @@ def test_public_api_resolve_exit_watch_shell_per_platform() -> None:
     assert engine.resolve_exit_watch_shell("win32", r"C:\cmd.exe")[0] == r"C:\cmd.exe"
 
 
-def test_public_api_each_name_exported_once() -> None:
+def _type_checking_imports() -> dict[str, str]:
+    """``{name: module}`` of the ``if TYPE_CHECKING:`` block of engine/__init__.py (what mypy sees)."""
     tree = ast.parse(Path(engine.__file__).read_text())
-    names = [
-        alias.asname or alias.name
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    ]
-    names = [n for n in names if n != "annotations"]
-    assert len(names) == len(set(names))
+    block = next(node for node in tree.body if isinstance(node, ast.If))
+    out: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom)
+        for alias in node.names:
+            name = alias.asname or alias.name
+            assert name not in out, f"{name} exported twice"
+            out[name] = "." * node.level + (node.module or "")
+    return out
+
+
+def test_public_api_each_name_exported_once() -> None:
+    imports = _type_checking_imports()
+    assert imports == engine._EXPORTS  # the lazy table and the typed imports name the same things
+    assert engine.__all__ == sorted(imports)
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None
+    assert set(engine.__all__) <= set(dir(engine))
+
+
+def test_public_api_clients_import_without_trio() -> None:
+    code = (
+        "import sys; sys.modules['trio'] = None; import engine; "
+        "print(engine.EngineClient.__name__, engine.AsyncEngineClient.__name__, engine.SpawnError.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["EngineClient", "AsyncEngineClient", "SpawnError"]
 
 
 def test_public_api_errors_subclass_stdlib_types() -> None:

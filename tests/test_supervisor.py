@@ -174,7 +174,9 @@ async def test_max_runtime_ends_the_run(supervisor: Supervisor) -> None:
 
 
 async def test_leader_exit_cleans_group_left_behind(supervisor: Supervisor) -> None:
-    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "sleep 322.1 & setsid sleep 322.2 & sleep 0.2; exit 4")))
+    run = await supervisor.spawn(
+        SpawnSpec(argv=("bash", "-c", "sleep 322.1 & setsid sleep 322.2 & sleep 0.2; exit 4"))
+    )
     with trio.fail_after(10):
         result = await run.wait()
     assert result.exit_code == 4
