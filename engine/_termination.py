@@ -117,9 +117,11 @@ class ProcessTree:
                 roots.append(pid)
         for pid in engine_children() - set(self.known_leaders):
             info = read_proc(pid)
-            if info is None or info.zombie or not self._ours(info):
+            if info is None or not self._ours(info):
                 continue
-            if info.pgid == self.pid or read_marker(pid) == self.marker:
+            if info.zombie:
+                self._reap_orphan_zombie(info)
+            elif info.pgid == self.pid or read_marker(pid) == self.marker:
                 roots.append(pid)
         seen: set[int] = set()
         while roots:
@@ -166,18 +168,41 @@ class ProcessTree:
                 self.tracked[pid] = info.start_time
 
     def adopted_strays(self) -> bool:
-        """After the leader exited: whether anything of the tree may be left (cheap checks first)."""
+        """After the leader exited: whether anything of the tree may be left.
+
+        On the way it reaps the zombies the leader's exit handed to the engine (see
+        :meth:`_reap_orphan_zombie`).
+        """
+        group = True
         try:
             os.killpg(self.pid, 0)
-            return True
         except ProcessLookupError:
-            pass
+            group = False
         except PermissionError:
-            return True
-        if self.tracked:
-            return True
-        strays = engine_children() - set(self.known_leaders)
-        return any(read_marker(pid) == self.marker for pid in strays)
+            pass
+        strays = False
+        for pid in engine_children() - set(self.known_leaders):
+            info = read_proc(pid)
+            if info is None or not self._ours(info):
+                continue
+            if info.zombie:
+                self._reap_orphan_zombie(info)
+            elif not strays and (info.pgid == self.pid or read_marker(pid) == self.marker):
+                strays = True
+        return group or bool(self.tracked) or strays
+
+    def _reap_orphan_zombie(self, info: ProcInfo) -> None:
+        """Reap a zombie re-parented to the engine (a subreaper) that came from this run's tree.
+
+        A zombie has no environment to carry the run marker, so it is attributed by what it keeps: it
+        started after this run's leader and it is in the run's session or group, or leads a session of
+        its own (a daemon that double-forked: ``fork, setsid, fork, exit``, whose middle process dies at
+        once). Without this it would stay a zombie for the engine's lifetime. It is reaped by its own pid,
+        never with ``waitpid(-1)``; a host that starts its own ``start_new_session`` children while
+        embedding the engine and needs their exit codes can turn the subreaper off.
+        """
+        if self.subreaper and (info.sid in (self.pid, info.pid) or info.pgid == self.pid):
+            self._reap_adopted(info)
 
     def send(self, sig: int) -> None:
         """Send ``sig`` to the group, and by pid to every tracked process that is no longer in the group

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from engine import ManagedRun, RunExit, SpawnSpec, Supervisor, open_supervisor
+from engine._procfs import scan_processes
 
 from .children import ignoring_sigint, kill_leftovers, pgrep, proc_exists, py, wait_for_state, wait_for_text
 
@@ -174,3 +175,35 @@ async def test_leader_exit_racing_setsid_child_leaves_nothing(supervisor: Superv
         assert not pgrep(r"^sleep 338\.")
     finally:
         kill_leftovers(r"sleep 338\.")
+
+
+DOUBLE_FORK = (
+    "import os,time\n"
+    "if os.fork()==0:\n"
+    "    os.setsid()\n"
+    "    if os.fork()==0: time.sleep(339.1); os._exit(0)\n"
+    "    os._exit(0)\n"
+    "time.sleep(0.3)"
+)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        py(DOUBLE_FORK),
+        ("bash", "-c", "(setsid bash -c 'sleep 339.2 & exit' &) ; sleep 0.3"),
+    ],
+)
+async def test_leader_exit_reaps_adopted_zombies_of_double_fork(
+    supervisor: Supervisor, argv: tuple[str, ...]
+) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=argv))
+    try:
+        with trio.fail_after(10):
+            await run.wait()
+        me = os.getpid()
+        zombies = [p for p in scan_processes() if p.ppid == me and p.zombie]
+        assert zombies == []  # the middle process of the double fork was reaped, not left defunct
+        assert not pgrep(r"^sleep 339\.")
+    finally:
+        kill_leftovers(r"sleep 339\.")
