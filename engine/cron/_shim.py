@@ -62,7 +62,8 @@ def main(argv: list[str]) -> int:
     write_atomically(exit_file, json.dumps(record).encode())
     if os.WIFSIGNALED(status):
         number = os.WTERMSIG(status)
-        signal.signal(number, signal.SIG_DFL)
+        if number not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be caught, nor reset
+            signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
         return 128 + number  # a signal that does not end a process by default
     return os.waitstatus_to_exitcode(status)
