@@ -9,11 +9,12 @@ the subcommand. Exit codes: 0 ok, 1 the operation failed (one line on stderr), 2
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
 from . import _cli_commands as commands
-from ._cli_commands import EXIT_FAILED, EXIT_NO_ENGINE, CommandFailedError
+from ._cli_commands import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError
 from ._errors import EngineError
 from .server._client import EngineClient, EngineNotRunningError
 
@@ -55,7 +56,9 @@ def _build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("serve", commands.serve, "run the engine in the foreground until SIGINT or SIGTERM")
-    p.add_argument("--grace-seconds", type=float, default=5.0, metavar="S", help="SIGINT -> SIGKILL delay")
+    p.add_argument(
+        "--grace-seconds", type=_finite_seconds, default=5.0, metavar="S", help="SIGINT -> SIGKILL delay"
+    )
     p.add_argument(
         "--exit-watch-shell",
         metavar="ARGV",
@@ -91,7 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--on-exit", metavar="CMD", help="run CMD now and fire when it exits")
     when.add_argument("--cron", metavar="EXPR", help="a cron expression")
-    when.add_argument("--every", type=float, metavar="SECONDS")
+    when.add_argument("--every", type=_finite_seconds, metavar="SECONDS")
     when.add_argument("--at", metavar="ISO", help="once, at this time (local time unless it has an offset)")
     p.add_argument("--cwd", metavar="DIR", help="the on-exit command's directory (default: here)")
     p.add_argument("--tz", metavar="TZ", help="the cron expression's time zone (default: UTC)")
@@ -118,7 +121,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p = add("mcp", commands.mcp, "serve the tools over MCP on stdio (embeds an engine if none runs)")
     p.add_argument("--project", default=".", metavar="DIR", help="the tool's project (default: here)")
     p.add_argument(
-        "--grace-seconds", type=float, default=5.0, metavar="S", help="embedded: SIGINT -> SIGKILL delay"
+        "--grace-seconds",
+        type=_finite_seconds,
+        default=5.0,
+        metavar="S",
+        help="embedded: SIGINT -> SIGKILL delay",
     )
     p.add_argument("--exit-watch-shell", metavar="ARGV", help="embedded: the argv prefix of on-exit commands")
     return parser
@@ -135,6 +142,17 @@ def _normalise(argv: list[str]) -> list[str]:
 
 def _one_line(message: str) -> str:
     return " ".join(message.split())
+
+
+def _finite_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (``nan`` and ``inf`` are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CommandFailedError, EngineError, OSError) as exc:
         print(f"gadget-engine: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return EXIT_FAILED
+    except ValueError as exc:  # a value that cannot travel as JSON (e.g. a non-finite number)
+        print(f"gadget-engine: invalid input: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     finally:

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from .server._client import EngineClient
 from .server._location import resolve_state_dir
+from .server._protocol import decode_line
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -310,7 +311,7 @@ def events(client: EngineClient, args: argparse.Namespace) -> int:
 
 def tool(client: EngineClient, args: argparse.Namespace) -> int:
     try:
-        params = json.loads(args.params)
+        params = decode_line(args.params.encode())
     except ValueError as exc:
         args.parser.error(f"JSON must be a JSON object of tool parameters: {exc}")
     if not isinstance(params, dict):

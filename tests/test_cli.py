@@ -288,3 +288,19 @@ def test_cli_serve_stops_on_signal_leaving_no_child(tmp_path: Path, project: Pat
     assert "event=escalated" in log  # the one ignoring SIGINT needed SIGKILL
     assert not os.path.exists(engine.state_dir / "engine.sock")
     assert cli("--state-dir", str(engine.state_dir), "list").returncode == 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("tool", '{"cmd": "kill", "pid": 1e400}', "--project", "."),
+        ("tool", '{"cmd": "kill", "pid": NaN}', "--project", "."),
+        ("cron", "add", "--every", "nan", "--text", "x"),
+        ("cron", "add", "--every", "inf", "--text", "x"),
+    ],
+)
+def test_cli_non_finite_numbers_are_usage_errors(served: Served, args: tuple[str, ...]) -> None:
+    result = served.cli(*args)
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("gadget-engine")

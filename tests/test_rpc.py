@@ -161,6 +161,12 @@ def test_rpc_bad_requests_get_errors_and_the_connection_goes_on(served: Served) 
         assert "missing parameter schedule" in missing["error"]["message"]
         nested = raw.ask(_request("cron.add", {"schedule": {"kind": "every"}, "payload": {}}, 7))
         assert "schedule.every_seconds" in nested["error"]["message"]
+        deep = raw.ask(b"[" * 100_000 + b"\n")  # nests past the parser's recursion limit
+        assert deep["error"]["code"] == PARSE_ERROR and "nests too deeply" in deep["error"]["message"]
+        huge = raw.ask(
+            b'{"jsonrpc": "2.0", "method": "subprocess.kill", "params": {"pid": 1e400}, "id": 8}\n'
+        )
+        assert huge["error"]["code"] == PARSE_ERROR and "out of range" in huge["error"]["message"]
         raw.send(b'{"jsonrpc": "2.0", "method": "status"}\n\n')  # a notification and a blank line: no answer
         status = raw.ask(_request("status", None, "after"))
         assert status["id"] == "after" and status["result"]["pid"] == served.proc.pid

@@ -13,6 +13,7 @@ implementations (``-32000`` ... ``-32099``), one code per engine exception type,
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -125,13 +126,24 @@ def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a JSON number here")
+    return value
+
+
 def decode_line(line: bytes) -> object:
     """The JSON value of one line.
 
     Raises:
-        ValueError: the line is not UTF-8 or not one JSON value (``NaN`` and ``Infinity`` included).
+        ValueError: the line is not UTF-8 or not one JSON value (``NaN`` and ``Infinity`` included, and
+            numbers too large for a float, such as ``1e400``), or it nests too deeply to be read.
     """
-    return json.loads(line.decode("utf-8"), parse_constant=_reject_constant)
+    try:
+        return json.loads(line.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply") from None
 
 
 def _valid_id(value: object) -> bool:
