@@ -31,7 +31,10 @@ def _env_item(value: str) -> str:
 
 
 def _positive_int(value: str) -> int:
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
     return number

@@ -393,7 +393,8 @@ class SubProcessService:
         matches = [] if isinstance(pid, bool) else [sp for sp in self._records if sp.pid == pid]
         if not matches:
             raise SubProcessNotFoundError(
-                f"no managed subprocess has pid {pid!r} (never created here, or killed); see ps()"
+                f"no managed subprocess has pid {pid!r} (never created here, or killed); "
+                "list the subprocesses to see which are managed"
             )
         live = [sp for sp in matches if sp.running]
         return (live or matches)[-1]

@@ -186,7 +186,9 @@ class SubprocessTool:
         assert isinstance(cmd, str)
         stray = [k for k in _PARAMETERS[1:] if params.get(k) is not None and k not in _USES[cmd]]
         if stray:
-            raise _RejectedError(f"cmd={cmd} does not take {', '.join(stray)}; leave them out")
+            raise _RejectedError(
+                f"cmd={cmd} does not take {', '.join(stray)}; leave {'them' if len(stray) > 1 else 'it'} out"
+            )
         if cmd == "create":
             return await self._create(params, project)
         if cmd == "list":
