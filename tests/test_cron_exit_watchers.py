@@ -271,8 +271,13 @@ async def test_exit_watcher_graceful_shutdown_keeps_job_and_rearms(tmp_path: Pat
 
 async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Path) -> None:
     missing = tmp_path / "later"
+    missing.mkdir()
     async with engine_with(tmp_path / "s") as engine:
-        job = await engine.cron.add(OnExit(command="echo made-it", cwd=str(missing)), SystemEvent("x"))
+        job = await engine.cron.add(
+            OnExit(command="echo made-it", cwd=str(missing)), SystemEvent("x"), enabled=False
+        )
+        missing.rmdir()  # the folder goes away after the job was added: the spawn fails, and is retried
+        await engine.cron.enable(job.id)
         await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
         error = engine.watchers.last_error(job.id)
         assert error is not None and "working directory" in error
