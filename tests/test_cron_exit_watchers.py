@@ -281,6 +281,8 @@ async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Pat
         await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
         error = engine.watchers.last_error(job.id)
         assert error is not None and "working directory" in error
+        stored = await engine.cron.get(job.id)  # visible to `cron list` too
+        assert stored.last_error == error and stored.enabled
         await trio.sleep(0.5)
         assert await engine.cron.events() == []
         missing.mkdir()

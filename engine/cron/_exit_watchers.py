@@ -251,7 +251,10 @@ class CronExitWatchers:
                 watch.run = await self.supervisor.spawn(spec)
                 break
             except SpawnError as exc:
-                self._failing(job.id, f"cannot start the watched command: {exc}")
+                message = f"cannot start the watched command: {exc}; retrying"
+                if self._errors.get(job.id) != message:  # shown in the job's last_error too, once
+                    self._failing(job.id, message)
+                    await self._store_error(job.id, message)
                 await trio.sleep(self.retry_seconds[min(attempt, len(self.retry_seconds) - 1)])
                 attempt += 1
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
@@ -361,6 +364,15 @@ class CronExitWatchers:
         await self._hook("after_persist", job.id)
         await self._hook("before_fire", job.id)
         await self.fire_pending(job.id, fire)
+
+    async def _store_error(self, job_id: str, message: str) -> None:
+        def change(job: CronJob) -> CronJob:
+            return attrs.evolve(
+                job, last_status=JobStatus.ERROR, last_error=message, updated_at=datetime.now(UTC)
+            )
+
+        with contextlib.suppress(OSError, JobNotFoundError):
+            await self.store.update_job(job_id, change)
 
     def _failing(self, job_id: str, message: str) -> None:
         self._errors[job_id] = message
