@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -14,7 +15,12 @@ from hypothesis import strategies as st
 from engine import At, Cron, CronJob, Every, InvalidScheduleError, OnExit, SystemEvent, compute_next_run_at
 from engine.cron._job import JobStatus
 from engine.cron._plan import BACKOFF_SECONDS, claim, finish, is_due, next_wake, should_delete
-from engine.cron._schedule import next_run_after
+from engine.cron._schedule import (
+    MAX_EVERY_SECONDS,
+    MIN_EVERY_SECONDS,
+    check_on_exit_cwd,
+    next_run_after,
+)
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
@@ -172,6 +178,14 @@ def test_cron_every_quarter_hour_once_per_wall_time_across_dst(
         (Every(0), "every_seconds"),
         (Every(-5), "every_seconds"),
         (Every(float("nan")), "every_seconds"),
+        (Every(float("inf")), "every_seconds"),
+        (Every(float("-inf")), "every_seconds"),
+        (Every(1e-9), "every_seconds"),  # was a ZeroDivisionError
+        (Every(0.999), "every_seconds"),  # below the 1 s minimum
+        (Every(1e308), "every_seconds"),  # was an OverflowError
+        (Every(MAX_EVERY_SECONDS + 1), "every_seconds"),
+        (Every(10**400), "every_seconds"),  # an int too large for a float
+        (Every("60"), "every_seconds"),  # type: ignore[arg-type]  # invalid on purpose
         (Every(10, anchor=datetime(2026, 1, 1)), "anchor"),
         (At(datetime(2026, 1, 1)), "at"),
         (OnExit(""), "command"),
@@ -182,6 +196,32 @@ def test_invalid_schedule_names_field(schedule: object, field: str) -> None:
     with pytest.raises(InvalidScheduleError, match=field) as info:
         compute_next_run_at(schedule, T0)  # type: ignore[arg-type]  # invalid on purpose
     assert isinstance(info.value, ValueError)
+
+
+def test_every_interval_bounds_are_inclusive() -> None:
+    assert compute_next_run_at(Every(MIN_EVERY_SECONDS), T0) == T0 + timedelta(seconds=1)
+    assert compute_next_run_at(Every(MAX_EVERY_SECONDS), T0) == T0 + timedelta(seconds=MAX_EVERY_SECONDS)
+
+
+@pytest.mark.parametrize("schedule", [Every(MAX_EVERY_SECONDS), Cron("0 0 * * *")])
+def test_next_run_past_year_9999_is_an_invalid_schedule(schedule: Every | Cron) -> None:
+    # a stored row with a last run far ahead must not raise OverflowError out of the timer or enable
+    last = datetime(9999, 12, 31, 12, 0, tzinfo=UTC)
+    with pytest.raises(InvalidScheduleError, match="beyond year 9999"):
+        next_run_after(schedule, T0, last_run_at=last, default_anchor=T0)
+
+
+def test_on_exit_cwd_must_be_an_existing_absolute_directory(tmp_path: Path) -> None:
+    check_on_exit_cwd(OnExit("true"))  # no cwd: the engine's default
+    check_on_exit_cwd(OnExit("true", cwd=str(tmp_path)))
+    check_on_exit_cwd(Every(60))  # other schedules have no cwd
+    with pytest.raises(InvalidScheduleError, match=r"cwd '/nonexistent' does not exist; create it"):
+        check_on_exit_cwd(OnExit("true", cwd="/nonexistent"))
+    with pytest.raises(InvalidScheduleError, match="cwd 'build' is relative"):
+        check_on_exit_cwd(OnExit("true", cwd="build"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidScheduleError, match="is not a directory"):
+        check_on_exit_cwd(OnExit("true", cwd=str(tmp_path / "file")))
 
 
 def test_compute_rejects_naive_now() -> None:
@@ -259,7 +299,7 @@ def test_next_wake_ignores_disabled_and_spent_jobs() -> None:
 schedules = st.one_of(
     st.builds(
         Every,
-        st.floats(min_value=0.5, max_value=7200, allow_nan=False),
+        st.floats(min_value=MIN_EVERY_SECONDS, max_value=7200, allow_nan=False),
         st.one_of(st.none(), st.integers(-86400, 86400).map(lambda s: T0 + timedelta(seconds=s))),
     ),
     st.builds(

@@ -14,6 +14,7 @@ way; we apply the same rule to every expression, so no expression runs twice or 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import TypeAlias
@@ -25,11 +26,14 @@ from cronsim import CronSim, CronSimError
 from .._errors import InvalidScheduleError
 
 __all__ = [
+    "MAX_EVERY_SECONDS",
+    "MIN_EVERY_SECONDS",
     "At",
     "Cron",
     "Every",
     "OnExit",
     "Schedule",
+    "check_on_exit_cwd",
     "compute_next_run_at",
     "next_run_after",
     "require_aware",
@@ -39,6 +43,13 @@ __all__ = [
 #: Candidates looked at before giving up on one computation (a repeated hour holds at most 60 for a
 #: five-field expression; a gap maps at most a day of wall times onto one instant).
 _MAX_CANDIDATES = 2000
+
+#: The shortest interval of an :class:`Every`, in seconds: the timer's granularity. Shorter intervals
+#: would only flood the event log (a fire is a store transaction and an event an agent must read).
+MIN_EVERY_SECONDS = 1.0
+#: The longest interval of an :class:`Every`, in seconds (ten years of 365.25 days). Longer ones run past
+#: the range of ``datetime`` and are surely a unit mistake; use :class:`At` for a far single run.
+MAX_EVERY_SECONDS = 10 * 365.25 * 86400
 
 
 def require_aware(value: datetime, field: str) -> datetime:
@@ -53,7 +64,10 @@ def require_aware(value: datetime, field: str) -> datetime:
         raise InvalidScheduleError(
             f"{field} must be an aware datetime (with a time zone), got naive {value.isoformat()}"
         )
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError as exc:  # 0001-01-01 east of UTC, 9999-12-31 west of it
+        raise InvalidScheduleError(f"{field} {value.isoformat()} is out of range in UTC") from exc
 
 
 @attrs.frozen
@@ -67,6 +81,7 @@ class At:
 class Every:
     """Run every ``every_seconds``, on the grid ``anchor + k * every_seconds``.
 
+    ``every_seconds`` is between :data:`MIN_EVERY_SECONDS` (1 s) and :data:`MAX_EVERY_SECONDS` (ten years).
     Without an anchor the grid starts at the job's creation time.
     """
 
@@ -84,7 +99,12 @@ class Cron:
 
 @attrs.frozen
 class OnExit:
-    """Run once when ``command`` (started in ``cwd``) exits; never fired by the timer."""
+    """Run once when ``command`` (started in ``cwd``) exits; never fired by the timer.
+
+    ``CronService.add`` (and ``update`` with a new schedule) requires ``cwd``, when given, to be an absolute
+    path to an existing directory (:func:`check_on_exit_cwd`); a directory that vanishes later makes the
+    watcher retry its spawn.
+    """
 
     command: str
     cwd: str | None = None
@@ -123,8 +143,12 @@ def validate_schedule(schedule: object) -> None:
         seconds = schedule.every_seconds
         if isinstance(seconds, bool) or not isinstance(seconds, int | float):
             raise InvalidScheduleError(f"every_seconds must be a number, got {seconds!r}")
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise InvalidScheduleError(f"every_seconds must be a finite number > 0, got {seconds!r}")
+        # Compared without float(): a huge int is out of range, not an OverflowError; NaN fails both.
+        if not MIN_EVERY_SECONDS <= seconds <= MAX_EVERY_SECONDS:
+            raise InvalidScheduleError(
+                f"every_seconds must be between {MIN_EVERY_SECONDS:g} and {MAX_EVERY_SECONDS:.0f} seconds "
+                f"(ten years), got {seconds!r}"
+            )
         if schedule.anchor is not None:
             require_aware(schedule.anchor, "anchor")
     elif isinstance(schedule, Cron):
@@ -142,6 +166,30 @@ def validate_schedule(schedule: object) -> None:
             raise InvalidScheduleError(f"cwd must be a directory path or None, got {schedule.cwd!r}")
     else:
         raise InvalidScheduleError(f"schedule must be At, Every, Cron or OnExit, got {schedule!r}")
+
+
+def check_on_exit_cwd(schedule: Schedule) -> None:
+    """Check that an :class:`OnExit` schedule's ``cwd`` can be used now (other schedules pass).
+
+    The engine runs the command, so a relative ``cwd`` would be read against the engine's directory, not
+    the caller's: it must be absolute, and name an existing directory. ``CronService`` calls this when a
+    schedule is added or replaced, not when a job is enabled or loaded (a directory may vanish later; the
+    watcher then retries).
+
+    Raises:
+        InvalidScheduleError: naming ``cwd``.
+    """
+    if not isinstance(schedule, OnExit) or schedule.cwd is None:
+        return
+    cwd = schedule.cwd
+    if not os.path.isabs(cwd):
+        raise InvalidScheduleError(
+            f"cwd {cwd!r} is relative; give an absolute directory path (the engine's cwd is not yours)"
+        )
+    if not os.path.isdir(cwd):
+        if os.path.exists(cwd):
+            raise InvalidScheduleError(f"cwd {cwd!r} is not a directory; give a directory or leave cwd out")
+        raise InvalidScheduleError(f"cwd {cwd!r} does not exist; create it or leave cwd out")
 
 
 def _exists(wall: datetime, zone: ZoneInfo) -> datetime | None:
@@ -205,27 +253,36 @@ def next_run_after(
     if isinstance(schedule, At):
         at = require_aware(schedule.at, "at")
         return at if at > floor else None
-    if isinstance(schedule, Every):
-        period = timedelta(seconds=schedule.every_seconds)
-        if schedule.anchor is not None:
-            anchor = require_aware(schedule.anchor, "anchor")
-        elif default_anchor is not None:
-            anchor = require_aware(default_anchor, "default_anchor")
-        else:
-            anchor = floor
-        if anchor > floor:
-            return anchor
-        steps = math.floor((floor - anchor) / period) + 1
-        result = anchor + steps * period
-        while result <= floor:  # float rounding of the division
-            result += period
-        return result
-    for count, instant in enumerate(_cron_candidates(schedule, floor)):
-        if instant > floor:
-            return instant
-        if count >= _MAX_CANDIDATES:
-            break
+    try:
+        if isinstance(schedule, Every):
+            return _next_every(schedule, floor, default_anchor)
+        for count, instant in enumerate(_cron_candidates(schedule, floor)):
+            if instant > floor:
+                return instant
+            if count >= _MAX_CANDIDATES:
+                break
+    except OverflowError as exc:  # past year 9999 (a stored last run far ahead, say)
+        raise InvalidScheduleError(
+            f"the next run after {floor.isoformat()} would fall beyond year 9999; check the schedule"
+        ) from exc
     return None
+
+
+def _next_every(schedule: Every, floor: datetime, default_anchor: datetime | None) -> datetime:
+    period = timedelta(seconds=schedule.every_seconds)
+    if schedule.anchor is not None:
+        anchor = require_aware(schedule.anchor, "anchor")
+    elif default_anchor is not None:
+        anchor = require_aware(default_anchor, "default_anchor")
+    else:
+        anchor = floor
+    if anchor > floor:
+        return anchor
+    steps = math.floor((floor - anchor) / period) + 1
+    result = anchor + steps * period
+    while result <= floor:  # float rounding of the division
+        result += period
+    return result
 
 
 def compute_next_run_at(schedule: Schedule, now: datetime) -> datetime | None:
