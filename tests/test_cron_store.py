@@ -94,9 +94,64 @@ async def test_store_uses_wal_full_sync_and_a_schema_version(tmp_path: Path, sto
     conn = sqlite3.connect(tmp_path / "cron.sqlite3")
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     finally:
         conn.close()
+
+
+#: The schema of version 1, as the engine before ``events.acked`` created it.
+SCHEMA_V1 = """
+CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, data TEXT NOT NULL,
+    pending_fire TEXT, watch_state TEXT);
+CREATE TABLE events (cursor INTEGER PRIMARY KEY AUTOINCREMENT, fire_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL, job_name TEXT NOT NULL, text TEXT NOT NULL, command TEXT, exit_code INTEGER,
+    signal INTEGER, reason TEXT, duration_seconds REAL, stdout_tail TEXT NOT NULL, stderr_tail TEXT NOT NULL,
+    truncated INTEGER NOT NULL);
+PRAGMA user_version=1;
+"""
+
+
+async def test_store_migrates_version_1_keeping_jobs_and_events(tmp_path: Path) -> None:
+    path = tmp_path / "cron.sqlite3"
+    delivered, interrupted = text_fire("a", "delivered"), text_fire("b", "on_fire never returned")
+    conn = sqlite3.connect(path)
+    conn.executescript(SCHEMA_V1)
+    for j, pending in ((job("a"), None), (job("b"), interrupted)):
+        conn.execute(
+            "INSERT INTO jobs (id, data, pending_fire) VALUES (?, ?, ?)",
+            (j.id, json.dumps(j.to_dict()), None if pending is None else json.dumps(pending)),
+        )
+    for job_id, fire in (("a", delivered), ("b", interrupted)):  # v1 embedded: logged, b not yet cleared
+        conn.execute(
+            "INSERT INTO events (job_id, fire_id, job_name, text, stdout_tail, stderr_tail, truncated) "
+            "VALUES (?, ?, ?, ?, '', '', 0)",
+            (job_id, fire["fire_id"], fire["job_name"], fire["text"]),
+        )
+    conn.commit()
+    conn.close()
+    s = SqliteJobStore(str(path))
+    await s.open()
+    try:
+        assert [j.id for j in await s.list_jobs()] == ["a", "b"]
+        events = await s.events()
+        assert [e.text for e in events] == ["delivered", "on_fire never returned"]
+        # events of v1 count as delivered, but for the one whose fire is still pending
+        assert [e.fire_id for e in await s.unacked_events()] == [interrupted["fire_id"]]
+        assert await s.record_event("b", interrupted) == events[1]  # recognised, not logged twice
+        assert await s.pending_fires() == []
+    finally:
+        await s.aclose()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    finally:
+        conn.close()
+    s = SqliteJobStore(str(path))
+    await s.open()  # a migrated file opens again as it is
+    try:
+        assert len(await s.events()) == 2
+    finally:
+        await s.aclose()
 
 
 async def test_store_refuses_newer_schema(tmp_path: Path) -> None:
@@ -127,10 +182,13 @@ async def test_store_unreadable_row_is_skipped(
     conn = sqlite3.connect(tmp_path / "cron.sqlite3")
     conn.execute('INSERT INTO jobs (id, data) VALUES (\'bad\', \'{"id": "bad", "schedule": 7}\')')
     conn.execute("INSERT INTO jobs (id, data) VALUES ('junk', 'not json at all')")
+    tiny = job("tiny").to_dict()
+    tiny["schedule"]["every_seconds"] = 1e-9  # written before intervals had a minimum
+    conn.execute("INSERT INTO jobs (id, data) VALUES ('tiny', ?)", (json.dumps(tiny),))
     conn.commit()
     conn.close()
     assert [j.id for j in await store.list_jobs()] == ["good"]
-    assert "bad" in caplog.text and "junk" in caplog.text
+    assert "bad" in caplog.text and "junk" in caplog.text and "tiny" in caplog.text
     with pytest.raises(JobNotFoundError, match="unreadable"):
         await store.get_job("bad")
     removed, pending = await store.delete_job("bad")  # a bad row can still be removed
@@ -189,17 +247,41 @@ async def test_store_commit_exit_then_deliver_fire(store: SqliteJobStore) -> Non
     assert await store.events() == [event]
 
 
-async def test_store_record_event_keeps_pending_until_cleared(store: SqliteJobStore) -> None:
+async def test_store_record_event_clears_pending_and_stays_unacked_until_acked(
+    store: SqliteJobStore,
+) -> None:
     await store.insert_job(job("e"))
-    fire = text_fire("e", "hi")
-    await store.commit_fire("e", lambda j: j, fire)
-    event = await store.record_event("e", fire)
-    assert len(await store.pending_fires()) == 1
-    await store.clear_pending_fire("e", "another-fire-id")  # not ours: kept
-    assert len(await store.pending_fires()) == 1
-    await store.clear_pending_fire("e", event.fire_id)
-    assert await store.pending_fires() == []
+    first, second = text_fire("e", "one"), text_fire("e", "two")
+    await store.commit_fire("e", lambda j: j, first)
+    a = await store.record_event("e", first)
+    assert await store.pending_fires() == []  # recorded: the job may commit its next fire
+    await store.commit_fire("e", lambda j: j, second)
+    b = await store.record_event("e", second)
+    assert await store.unacked_events() == [a, b]  # recorded is not delivered
+    assert await store.record_event("e", first) == a  # deduplicated by fire_id
+    await store.ack_events([a.cursor])
+    assert await store.unacked_events() == [b]
+    await store.deliver_fire("e", second)  # the standalone path acks a logged event
+    assert await store.unacked_events() == []
+    assert await store.events() == [a, b]
     await store.clear_pending_fire("gone", "x")  # a gone job is fine
+
+
+async def test_store_deliver_fire_acks_at_once(store: SqliteJobStore) -> None:
+    await store.insert_job(job("s"))
+    event = await store.deliver_fire("s", text_fire("s", "standalone"))
+    assert await store.events() == [event]
+    assert await store.unacked_events() == []
+
+
+@pytest.mark.parametrize("method", ["deliver_fire", "record_event"])
+async def test_store_fire_of_a_removed_job_is_not_logged(store: SqliteJobStore, method: str) -> None:
+    await store.insert_job(job("r"))
+    fire = text_fire("r", "late")
+    await store.delete_job("r")
+    with pytest.raises(JobNotFoundError, match="'r'"):
+        await getattr(store, method)("r", fire)
+    assert await store.events() == []
 
 
 async def test_store_events_since_cursor_in_order(store: SqliteJobStore, tmp_path: Path) -> None:
@@ -231,13 +313,18 @@ async def test_store_watch_state(store: SqliteJobStore) -> None:
         await store.set_watch_state("gone", state)
 
 
-async def test_store_delete_returns_undelivered_fire(store: SqliteJobStore) -> None:
+@pytest.mark.parametrize("acked", [True, False])
+async def test_store_delete_logs_the_undelivered_fire(store: SqliteJobStore, acked: bool) -> None:
     await store.insert_job(job("d"))
     fire = text_fire("d", "pending")
     await store.commit_fire("d", lambda j: j, fire)
-    removed, pending = await store.delete_job("d")
-    assert removed == job("d") and pending == fire
-    assert await store.list_jobs() == []
+    removed, event = await store.delete_job("d", acked=acked)
+    assert removed == job("d") and event is not None and event.fire_id == fire["fire_id"]
+    assert await store.list_jobs() == [] and await store.events() == [event]
+    assert await store.unacked_events() == ([] if acked else [event])
+    await store.insert_job(job("q"))
+    assert await store.delete_job("q") == (job("q"), None)  # nothing pending: nothing logged
+    assert len(await store.events()) == 1
 
 
 async def test_store_closed_raises_store_error(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from ._events import FiredEvent
@@ -46,8 +46,11 @@ class JobStore(Protocol):
         """Replace the job by ``change(job)`` in one transaction and return the new job."""
         ...
 
-    async def delete_job(self, job_id: str) -> tuple[CronJob | None, dict[str, Any] | None]:
-        """Delete the job; return it (``None`` if its row was unreadable) and its undelivered pending fire."""
+    async def delete_job(
+        self, job_id: str, *, acked: bool = True
+    ) -> tuple[CronJob | None, FiredEvent | None]:
+        """Delete the job and, in the same transaction, append its pending fire (if any) to the event log
+        with ``acked`` as given; return the job (``None`` if its row was unreadable) and that event."""
         ...
 
     async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
@@ -59,11 +62,20 @@ class JobStore(Protocol):
         ...
 
     async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """Append ``fire`` to the event log unless its ``fire_id`` is there; return the logged event."""
+        """In one transaction, append ``fire`` unacknowledged to the event log (unless its ``fire_id`` is
+        there) and clear the job's ``pending_fire`` if it is this fire; return the logged event. Raises
+        :class:`JobNotFoundError`, appending nothing, if the job is gone."""
         ...
 
     async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """:meth:`record_event` and :meth:`clear_pending_fire` in one transaction."""
+        """:meth:`record_event`, the event acknowledged at once (standalone: exactly once)."""
+        ...
+
+    async def ack_events(self, cursors: Iterable[int]) -> None:
+        """Mark the events at ``cursors`` as delivered (``on_fire`` returned)."""
+
+    async def unacked_events(self) -> list[FiredEvent]:
+        """The events not acknowledged yet, in cursor order."""
         ...
 
     async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:

@@ -5,8 +5,15 @@ threads one call at a time (``trio.to_thread.run_sync`` behind a ``CapacityLimit
 one transaction: it commits as a whole or, raising :class:`StoreError`, leaves nothing behind. A row
 that cannot be read is logged and skipped, so one bad record never hides the others.
 
-Two columns serve the exit watchers: ``pending_fire`` (a committed fire not yet delivered, see
-``_events``) and ``watch_state`` (whatever a watcher needs to find its command again after a restart).
+Two columns serve the exit watchers: ``pending_fire`` (a committed fire not yet recorded in the event log,
+see ``_events``) and ``watch_state`` (whatever a watcher needs to find its command again after a restart).
+
+Each event carries ``acked``: whether its delivery is acknowledged. A standalone engine's events are acked
+as they are appended (the log is the delivery); an embedded engine's once ``on_fire`` returned. An event
+is only appended for a job that still exists, in the transaction that clears the job's pending fire.
+
+Schema history: 1, the first; 2 adds ``events.acked`` (existing events count as acked, except one whose
+fire is still pending on its job: a version-1 engine stopped between logging it and ``on_fire``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
@@ -31,7 +38,7 @@ __all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]  # JobS
 logger = logging.getLogger("engine.cron")
 
 STORE_FILE_NAME = "cron.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 _T = TypeVar("_T")
@@ -57,9 +64,23 @@ CREATE TABLE events (
     duration_seconds REAL,
     stdout_tail TEXT NOT NULL,
     stderr_tail TEXT NOT NULL,
-    truncated INTEGER NOT NULL
+    truncated INTEGER NOT NULL,
+    acked INTEGER NOT NULL DEFAULT 1
 );
 """
+
+#: The columns of an event as :func:`_event_from_row` reads them.
+_EVENT_COLUMNS = "cursor, job_id, " + ", ".join(PENDING_FIRE_FIELDS)
+
+
+def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
+    conn.execute("ALTER TABLE events ADD COLUMN acked INTEGER NOT NULL DEFAULT 1")
+    for job_id, text in conn.execute(
+        "SELECT id, pending_fire FROM jobs WHERE pending_fire IS NOT NULL"
+    ).fetchall():
+        pending = _loads(text, "pending fire", job_id)
+        if pending is not None and isinstance(pending.get("fire_id"), str):
+            conn.execute("UPDATE events SET acked = 0 WHERE fire_id = ?", (pending["fire_id"],))
 
 
 def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
@@ -158,6 +179,16 @@ class SqliteJobStore:
                         if conn.in_transaction:
                             conn.rollback()
                         raise
+                elif version < SCHEMA_VERSION:
+                    conn.execute("BEGIN IMMEDIATE")
+                    try:
+                        _migrate_1_to_2(conn)
+                        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                        conn.execute("COMMIT")
+                    except BaseException:
+                        if conn.in_transaction:
+                            conn.rollback()
+                        raise
             except (sqlite3.Error, OSError) as exc:
                 conn.close()
                 if isinstance(exc, StoreError):
@@ -243,15 +274,32 @@ class SqliteJobStore:
 
         return await self._call(run, write=True)
 
-    async def delete_job(self, job_id: str) -> tuple[CronJob | None, dict[str, Any] | None]:
-        """Delete job ``job_id`` (an unreadable row too); return it and its undelivered pending fire."""
+    async def delete_job(
+        self, job_id: str, *, acked: bool = True
+    ) -> tuple[CronJob | None, FiredEvent | None]:
+        """Delete job ``job_id`` (an unreadable row too); return it and the event of its pending fire.
 
-        def run(conn: sqlite3.Connection) -> tuple[CronJob | None, dict[str, Any] | None]:
+        A fire the job committed but had not recorded yet is appended to the event log in the same
+        transaction (``acked`` as given: ``False`` when ``on_fire`` is still to see it), so removing a
+        job never loses a fire that happened before.
+
+        Raises:
+            JobNotFoundError: no such job.
+        """
+
+        def run(conn: sqlite3.Connection) -> tuple[CronJob | None, FiredEvent | None]:
             row = conn.execute("SELECT data, pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
+            pending = _loads(row[1], "pending fire", job_id)
+            event = None
+            if pending is not None:
+                if all(k in pending for k in PENDING_FIRE_FIELDS):
+                    event = self._append(conn, job_id, pending, acked=acked)
+                else:
+                    logger.error("cron store: the pending fire of job %s lacks fields; dropped", job_id)
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-            return _job_from_row(job_id, row[0]), _loads(row[1], "pending fire", job_id)
+            return _job_from_row(job_id, row[0]), event
 
         return await self._call(run, write=True)
 
@@ -277,21 +325,25 @@ class SqliteJobStore:
     # -- events -------------------------------------------------------------------------------------
 
     @staticmethod
-    def _append(conn: sqlite3.Connection, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        row = conn.execute("SELECT * FROM events WHERE fire_id = ?", (fire["fire_id"],)).fetchone()
+    def _append(conn: sqlite3.Connection, job_id: str, fire: dict[str, Any], *, acked: bool) -> FiredEvent:
+        row = conn.execute(
+            f"SELECT {_EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire["fire_id"],)
+        ).fetchone()
         if row is not None:
-            event = _event_from_row(row)
+            event = _event_from_row(row[:-1])
             if event is None:
                 raise StoreError(f"the logged event of fire {fire['fire_id']!r} is unreadable")
+            if acked and not row[-1]:
+                conn.execute("UPDATE events SET acked = 1 WHERE cursor = ?", (event.cursor,))
             return event
         values = [fire[k] for k in PENDING_FIRE_FIELDS]
         cur = conn.execute(
             "INSERT INTO events (job_id, "
             + ", ".join(PENDING_FIRE_FIELDS)
-            + ") VALUES (?"
+            + ", acked) VALUES (?"
             + ", ?" * len(values)
-            + ")",
-            (job_id, *values),
+            + ", ?)",
+            (job_id, *values, int(acked)),
         )
         assert cur.lastrowid is not None
         return FiredEvent.from_fields(cur.lastrowid, job_id, fire)
@@ -305,25 +357,66 @@ class SqliteJobStore:
         if pending is None or pending.get("fire_id") == fire_id:
             conn.execute("UPDATE jobs SET pending_fire = NULL WHERE id = ?", (job_id,))
 
-    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """Append ``fire`` to the event log, or return the event already logged with its ``fire_id``."""
-        _check_fire(fire)
-        return await self._call(lambda conn: self._append(conn, job_id, fire), write=True)
-
-    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """Append ``fire`` (deduplicated by ``fire_id``) and clear the pending fire, in one transaction."""
+    def _record(
+        self, job_id: str, fire: dict[str, Any], *, acked: bool
+    ) -> Callable[[sqlite3.Connection], FiredEvent]:
         _check_fire(fire)
 
         def run(conn: sqlite3.Connection) -> FiredEvent:
-            event = self._append(conn, job_id, fire)
+            if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+                raise JobNotFoundError(
+                    f"job_id {job_id!r} names no cron job; its fire {fire['fire_id']!r} is not logged"
+                )
+            event = self._append(conn, job_id, fire, acked=acked)
             self._clear(conn, job_id, event.fire_id)
             return event
 
-        return await self._call(run, write=True)
+        return run
+
+    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        """Append ``fire`` unacknowledged and clear the job's pending fire if it is this one, atomically.
+
+        An event already logged with this ``fire_id`` is returned as it is (acked or not). The embedded
+        delivery: :meth:`ack_events` once ``on_fire`` returned.
+
+        Raises:
+            JobNotFoundError: the job is gone; nothing is appended.
+        """
+        return await self._call(self._record(job_id, fire, acked=False), write=True)
+
+    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+        """Append ``fire`` acknowledged (deduplicated by ``fire_id``), clearing the pending fire, at once.
+
+        The standalone delivery: exactly once.
+
+        Raises:
+            JobNotFoundError: the job is gone; nothing is appended.
+        """
+        return await self._call(self._record(job_id, fire, acked=True), write=True)
 
     async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:
         """Clear the job's pending fire if it is ``fire_id``."""
         await self._call(lambda conn: self._clear(conn, job_id, fire_id), write=True)
+
+    async def ack_events(self, cursors: Iterable[int]) -> None:
+        """Mark the events at ``cursors`` delivered (unknown cursors are ignored)."""
+        rows = [(cursor,) for cursor in cursors]
+
+        def run(conn: sqlite3.Connection) -> None:
+            conn.executemany("UPDATE events SET acked = 1 WHERE cursor = ?", rows)
+
+        await self._call(run, write=True)
+
+    async def unacked_events(self) -> list[FiredEvent]:
+        """The events whose delivery is not acknowledged, in cursor order (unreadable ones skipped)."""
+
+        def run(conn: sqlite3.Connection) -> list[FiredEvent]:
+            rows = conn.execute(
+                f"SELECT {_EVENT_COLUMNS} FROM events WHERE acked = 0 ORDER BY cursor"
+            ).fetchall()
+            return [e for e in (_event_from_row(r) for r in rows) if e is not None]
+
+        return await self._call(run, write=False)
 
     async def pending_fires(self) -> list[tuple[CronJob, dict[str, Any]]]:
         """Every readable job with a committed, undelivered fire, and that fire, oldest job first."""
@@ -370,7 +463,9 @@ class SqliteJobStore:
         """The logged events with ``cursor > since``, oldest first (unreadable ones skipped)."""
 
         def run(conn: sqlite3.Connection) -> list[FiredEvent]:
-            rows = conn.execute("SELECT * FROM events WHERE cursor > ? ORDER BY cursor", (since,)).fetchall()
+            rows = conn.execute(
+                f"SELECT {_EVENT_COLUMNS} FROM events WHERE cursor > ? ORDER BY cursor", (since,)
+            ).fetchall()
             return [e for e in (_event_from_row(r) for r in rows) if e is not None]
 
         return await self._call(run, write=False)
@@ -395,8 +490,8 @@ def _job_from_row(job_id: str, data: str) -> CronJob | None:
 
 
 def _event_from_row(row: tuple[Any, ...]) -> FiredEvent | None:
-    cursor, fire_id, job_id, *rest = row
-    fields = dict(zip(PENDING_FIRE_FIELDS, (fire_id, *rest), strict=True))
+    cursor, job_id, *rest = row
+    fields = dict(zip(PENDING_FIRE_FIELDS, rest, strict=True))
     fields["truncated"] = bool(fields["truncated"])
     try:
         return FiredEvent.from_fields(cursor, job_id, fields)
