@@ -35,6 +35,7 @@ from engine import (
 from engine.cron import CronService, open_cron_service
 from engine.cron._events import text_fire
 
+from .children import pgrep
 from .test_cron_store import FullDiskConnection
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -187,6 +188,13 @@ async def test_service_bad_input_raises_typed_errors_and_writes_nothing(
             (Cron("0 9 * * *", "Nowhere/Town"), SystemEvent("x"), "tz"),
             (OnExit(""), SystemEvent("x"), "command"),
             (Every(-1), SystemEvent("x"), "every_seconds"),
+            (Every(1e-9), SystemEvent("x"), "every_seconds"),
+            (Every(0.01), SystemEvent("x"), "every_seconds"),
+            (Every(1e308), SystemEvent("x"), "every_seconds"),
+            (Every(float("nan")), SystemEvent("x"), "every_seconds"),
+            (Every(float("inf")), SystemEvent("x"), "every_seconds"),
+            (OnExit("true", cwd="/nonexistent"), SystemEvent("x"), "cwd '/nonexistent' does not exist"),
+            (OnExit("true", cwd="relative/dir"), SystemEvent("x"), "cwd 'relative/dir' is relative"),
             (Every(10), SystemEvent(""), "text"),
             (Every(10), Command(()), "argv"),
             ("daily", SystemEvent("x"), "schedule"),
@@ -202,6 +210,10 @@ async def test_service_bad_input_raises_typed_errors_and_writes_nothing(
             await cron.update(job.id, schedule=Cron("0 9 * * *", "Atlantis/Main"))
         with pytest.raises(InvalidScheduleError, match="at"):
             await cron.update(job.id, schedule=At(T0 - timedelta(days=1)))
+        with pytest.raises(InvalidScheduleError, match="every_seconds"):
+            await cron.update(job.id, schedule=Every(1e-9))
+        with pytest.raises(InvalidScheduleError, match="cwd"):
+            await cron.update(job.id, schedule=OnExit("true", cwd=str(tmp_path / "missing")))
         assert await cron.list() == [job]
         for call in (cron.get, cron.remove, cron.enable, cron.disable, cron.run_now):
             with pytest.raises(JobNotFoundError, match="nope"):
@@ -334,7 +346,8 @@ async def test_service_on_fire_error_keeps_the_fire_for_next_start(
     async with cron_service(tmp_path, supervisor, WallClock(), on_fire=broken) as cron:
         await cron.add(At(T0 + timedelta(seconds=5)), SystemEvent("hello"))
         await trio.sleep(10)
-        assert len(await cron.store.pending_fires()) == 1
+        assert await cron.store.pending_fires() == []  # recorded in the log ...
+        assert [e.text for e in await cron.store.unacked_events()] == ["hello"]  # ... not delivered
     got: list[FiredEvent] = []
 
     async def works(event: FiredEvent) -> None:
@@ -407,3 +420,165 @@ async def test_docs_example_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr.decode()
     out = result.stdout.decode()
     assert "stand up and stretch" in out and "build ok" in out
+
+
+# -- delivery when embedded: acknowledged per event -----------------------------------------------
+
+
+async def test_engine_on_fire_failures_are_all_delivered_after_restart(tmp_path: Path) -> None:
+    """The tester's scenario: on_fire raises for every fire of an every-second job for ~4.5 s."""
+    config = EngineConfig(state_dir=str(tmp_path), grace_seconds=0.4, kill_wait_seconds=1.0)
+    failed: list[str] = []
+
+    async def broken(event: FiredEvent) -> None:
+        failed.append(event.fire_id)
+        raise RuntimeError("host is down")
+
+    with trio.fail_after(20):
+        async with open_engine(config, on_fire=broken) as engine:
+            await engine.cron.add(Every(every_seconds=1), SystemEvent("ev"))
+            await trio.sleep(4.5)
+        logged = [e.fire_id for e in await _events_of(tmp_path)]
+        assert len(logged) >= 4 and set(logged) <= set(failed)
+        got: list[str] = []
+
+        async def works(event: FiredEvent) -> None:
+            got.append(event.fire_id)
+
+        async with open_engine(config, on_fire=works) as engine:
+            while len(got) < len(logged):
+                await trio.sleep(0.05)
+            events = await engine.cron.events()
+    assert got[: len(logged)] == logged  # every fire of the first run, in cursor order, first
+    fire_ids = [e.fire_id for e in events]
+    assert len(fire_ids) == len(set(fire_ids))  # and the log holds each fire once
+    assert fire_ids[: len(logged)] == logged
+
+
+async def _events_of(state_dir: Path) -> list[FiredEvent]:
+    store = SqliteJobStore.in_state_dir(str(state_dir))
+    await store.open()
+    try:
+        return await store.events()
+    finally:
+        await store.aclose()
+
+
+async def test_service_on_fire_failures_are_retried_in_order_while_running(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    calls: list[str] = []
+    down = True
+
+    async def flaky(event: FiredEvent) -> None:
+        calls.append(event.fire_id)
+        if down:
+            raise RuntimeError("host is down")
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=flaky) as cron:
+        await cron.add(Every(10, anchor=T0), SystemEvent("tick"))
+        await cron.add(At(T0 + timedelta(seconds=15)), SystemEvent("once"))
+        await trio.sleep(25)  # fires at 10 s, 15 s, 20 s, each refused, retried with back-off
+        refused = await cron.events()
+        assert [e.text for e in refused] == ["tick", "once", "tick"]
+        assert await cron.store.unacked_events() == refused
+        down = False
+        calls.clear()
+        await trio.sleep(35)  # the back-off is at most 30 s by now
+        assert await cron.store.unacked_events() == []
+        retried = [c for c in calls if c in {e.fire_id for e in refused}]
+        assert retried == [e.fire_id for e in refused]  # each once, in cursor order
+        assert sorted(calls) == sorted(e.fire_id for e in await cron.events())  # new fires once too
+
+
+async def test_service_removed_job_with_a_committed_fire_still_delivers_it(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    got: list[FiredEvent] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        got.append(event)
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
+        job = await cron.add(OnExit("true", cwd=str(tmp_path)), SystemEvent("done"), enabled=False)
+        fire = text_fire(job.name, "exited before the removal")
+        await cron.store.commit_exit(job.id, fire)  # an exit watcher committed it, then the job is removed
+        await cron.remove(job.id)
+        assert [e.fire_id for e in got] == [fire["fire_id"]]
+        assert [e.fire_id for e in await cron.events()] == [fire["fire_id"]]
+        assert await cron.store.unacked_events() == []
+        # a fire committed after the removal (a run that ended late) is not logged
+        assert await cron.fire_pending(job.id, text_fire(job.name, "too late")) is None
+        assert len(await cron.events()) == 1 and len(got) == 1
+
+
+# -- removal ends a running command (real processes) ------------------------------------------------
+
+
+async def _wait_for_process(pattern: str) -> None:
+    with trio.fail_after(10):
+        while not pgrep(pattern):
+            await trio.sleep(0.05)
+
+
+async def test_service_remove_ends_the_running_command_and_nothing_fires(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
+        job = await cron.add(Every(2), Command(("sleep", "777.21")))
+        await _wait_for_process(r"^sleep 777\.21$")
+        with trio.fail_after(10):
+            await cron.remove(job.id)
+        assert not pgrep(r"^sleep 777\.21$")
+        assert supervisor.runs(f"cron:{job.id}") == []
+        await trio.sleep(2.5)  # past the removed job's next due time
+        assert not pgrep(r"^sleep 777\.21$")
+        assert await cron.events() == [] and await cron.list() == []
+
+
+async def test_service_remove_during_run_now_escalates_and_nothing_fires(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
+        job = await cron.add(Every(3600), Command(("bash", "-c", 'trap "" INT; sleep 777.204')))
+        with trio.fail_after(15):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cron.run_now, job.id)
+                await _wait_for_process(r"^sleep 777\.204$")
+                await cron.remove(job.id)  # SIGINT is ignored: SIGKILL after the grace period
+                assert not pgrep(r"777\.204")
+            # run_now returned: the run is over, and it fired nothing
+        assert await cron.events() == [] and await cron.list() == []
+        assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
+
+
+async def test_service_disable_lets_a_running_command_finish_and_fire(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
+        job = await cron.add(Every(3600), Command(("sh", "-c", "sleep 0.5 && echo finished-777.3")))
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cron.run_now, job.id)
+                await _wait_for_process(r"finished-777\.3")
+                await cron.disable(job.id)
+        [event] = await cron.events()
+        assert event.exit_code == 0 and event.stdout_tail == "finished-777.3\n"
+        assert not (await cron.get(job.id)).enabled
+
+
+async def test_service_on_exit_cwd_is_checked_at_add_not_at_enable(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, WallClock()) as cron:
+        with pytest.raises(InvalidScheduleError, match="cwd '/nonexistent' does not exist"):
+            await cron.add(OnExit(command="echo hi", cwd="/nonexistent"), SystemEvent("x"))
+        assert await cron.list() == []
+        workdir = tmp_path / "work"
+        workdir.mkdir()
+        job = await cron.add(OnExit("echo hi", cwd=str(workdir)), SystemEvent("x"), enabled=False)
+        workdir.rmdir()  # a directory may vanish later: enabling does not look (the watcher retries)
+        assert (await cron.enable(job.id)).enabled
+        with pytest.raises(InvalidScheduleError, match="cwd"):
+            await cron.update(job.id, schedule=OnExit("echo again", cwd=str(workdir)))
+        assert (await cron.update(job.id, name="renamed")).name == "renamed"  # no new schedule: no check

@@ -6,7 +6,10 @@ One :class:`CronService` per engine (``engine.cron``). Its tasks live in a nurse
 Every fire takes the same path. A due time is *claimed* in one store transaction before anything runs
 (``last_run_at`` moves to now, ``next_run_at`` past now): a claimed due time never runs again, a crash
 included. A ``SystemEvent`` job commits its fire in that same transaction; a ``Command`` job commits its
-fire once the command has ended. A committed fire is then *delivered* (see :meth:`CronService.deliver`).
+fire once the command has ended. A committed fire is then *recorded* in the event log and *delivered*
+(see :meth:`CronService.fire_pending`): standalone, recording is the delivery; embedded, ``on_fire`` must
+return before the event counts as delivered (acknowledged), and an unacknowledged event is handed over
+again, in cursor order, with back-off while running and at the next start.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any, final
+from typing import Any, TypeVar, final
 
 import attrs
 import trio
@@ -33,7 +36,15 @@ from ._events import FiredEvent, text_fire
 from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
 from ._plan import claim, finish, interrupted, is_due, next_wake, schedule_next, should_delete
 from ._protocol import JobStore
-from ._schedule import At, Cron, Schedule, next_run_after, require_aware, validate_schedule
+from ._schedule import (
+    At,
+    Cron,
+    Schedule,
+    check_on_exit_cwd,
+    next_run_after,
+    require_aware,
+    validate_schedule,
+)
 from ._store import SqliteJobStore
 
 __all__ = ["CronService", "open_cron_service"]
@@ -47,6 +58,10 @@ JobsChangedHandler = Callable[[list[CronJob]], Awaitable[None]]
 
 #: Waits between retries of a failed store write that must not be lost (a committed run's fire), seconds.
 STORE_RETRY_SECONDS = (1.0, 5.0, 30.0, 300.0)
+#: Waits before handing unacknowledged events to a failing ``on_fire`` again, seconds (the last repeats).
+REDELIVER_SECONDS = (1.0, 5.0, 30.0, 300.0)
+
+_R = TypeVar("_R")
 
 _UPDATABLE = ("name", "enabled", "schedule", "payload", "delete_after_run")
 
@@ -107,7 +122,13 @@ class CronService:
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
+    _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _handing: set[int] = attrs.field(init=False, factory=set)
+    _redeliver_needed: bool = attrs.field(init=False, default=False)
+    _redelivering: bool = attrs.field(init=False, default=False)
+    _backlog_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _acked_in_pass: set[int] | None = attrs.field(init=False, default=None)
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
@@ -140,10 +161,12 @@ class CronService:
             delete_after_run: remove a one-shot job once it ran successfully.
 
         Raises:
-            InvalidScheduleError: a field is invalid (named); nothing is written.
+            InvalidScheduleError: a field is invalid (named), e.g. an ``OnExit`` ``cwd`` that is relative or
+                no existing directory; nothing is written.
             StoreError: the write failed; nothing is written.
         """
         validate_schedule(schedule)
+        check_on_exit_cwd(schedule)
         validate_payload(payload)
         if name is not None:
             _check_name(name)
@@ -173,6 +196,11 @@ class CronService:
         """Change fields of a job (``name``, ``enabled``, ``schedule``, ``payload``, ``delete_after_run``).
 
         A new schedule, or enabling a disabled job, computes the next run afresh; disabling clears it.
+        A new ``OnExit`` schedule's ``cwd`` must be an existing directory (as in :meth:`add`); enabling
+        does not look at it again.
+
+        Disabling does not stop a ``Command`` run under way: it runs to its end and fires (as a disabled
+        job's ``run_now`` would); :meth:`remove` stops it.
 
         Cancellation: as :meth:`add`.
 
@@ -188,6 +216,7 @@ class CronService:
                 )
             if key == "schedule":
                 validate_schedule(value)
+                check_on_exit_cwd(value)
             elif key == "payload":
                 validate_payload(value)
             elif key == "name":
@@ -218,21 +247,43 @@ class CronService:
         return await self.update(job_id, enabled=False)
 
     async def remove(self, job_id: str) -> None:
-        """Delete a job and its ``Command`` logs. A fire it committed but had not delivered is delivered.
+        """Delete a job and its ``Command`` logs, ending a ``Command`` run of it under way.
 
-        Cancellation: as :meth:`add`.
+        The run's command is ended by escalation through the supervisor (scope ``cron:<job id>``: SIGINT,
+        the grace period, SIGKILL) and nothing fires for it: once the job is deleted, no fire of it is
+        appended to the event log. A fire it had committed before (an on-exit job's exit, say) is logged in
+        the deleting transaction and delivered.
+
+        Cancellation: if cancelled before the write starts, nothing is deleted. Once deleted, a run under
+        way is still ended (in the service's nursery), only the waiting for it stops.
 
         Raises:
             JobNotFoundError: no job has this id.
             StoreError: the write failed; nothing is deleted.
         """
-        _job, pending = await self.store.delete_job(job_id)
-        for path in self._log_paths(job_id):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        await self.notify_jobs_changed()
-        if pending is not None:
-            await self.fire_pending(job_id, pending)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):  # once the delete ran, the run must be told below
+            _job, event = await self.store.delete_job(job_id, acked=self.on_fire is None)
+        # No checkpoint from the delete to here: no redelivery pass can take the event meanwhile.
+        scope = self._run_scopes.get(job_id)
+        if scope is not None:
+            scope.cancel()
+        handover = event if self.on_fire is not None else None
+        if handover is not None:
+            self._handing.add(handover.cursor)
+        try:
+            busy = self._running.get(job_id)
+            if scope is not None and busy is not None:
+                await busy.wait()  # the command is ended by escalation, shielded, in the run's task
+            for path in self._log_paths(job_id):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            await self.notify_jobs_changed()
+            if handover is not None:
+                await self._hand_over(handover)
+        finally:
+            if handover is not None:
+                self._handing.discard(handover.cursor)
 
     async def get(self, job_id: str) -> CronJob:
         """The job ``job_id``.
@@ -302,56 +353,133 @@ class CronService:
     async def deliver(self, job_id: str, pending_fire: dict[str, Any]) -> FiredEvent:
         """Deliver a committed fire of ``job_id`` once (the delivery contract of design section 5).
 
-        Standalone (no ``on_fire``): the event is appended to the log and the job's ``pending_fire``
-        cleared in one transaction, exactly once. Embedded: the event is appended (or found, by
-        ``fire_id``), ``on_fire`` is awaited, then ``pending_fire`` is cleared; a crash in between
-        delivers the same ``fire_id`` again at the next start.
+        Standalone (no ``on_fire``): the event is appended to the log acknowledged and the job's
+        ``pending_fire`` cleared in one transaction: exactly once. Embedded: the event is appended
+        unacknowledged and ``pending_fire`` cleared in one transaction, ``on_fire`` is awaited, then the
+        event is acknowledged. An unacknowledged event is handed to ``on_fire`` again (at the next start,
+        or by :meth:`fire_pending`'s retries): at least once, deduplicated by ``fire_id``.
 
-        Cancellation: the fire stays pending (delivered at the next start) unless the final clearing
-        transaction had begun.
+        Cancellation: a fire not recorded yet stays pending; a recorded one unacknowledged. Either is
+        delivered at the next start.
 
         Raises:
-            StoreError: a store write failed; the fire is still pending.
-            Exception: whatever ``on_fire`` raised; the fire is still pending.
+            JobNotFoundError: the job was removed; nothing is logged.
+            StoreError: a store write failed; the fire is still pending (or the event unacknowledged).
+            Exception: whatever ``on_fire`` raised; the event stays unacknowledged.
         """
         if self.on_fire is None:
             return await self.store.deliver_fire(job_id, pending_fire)
         event = await self.store.record_event(job_id, pending_fire)
         await self.on_fire(event)
-        await self.store.clear_pending_fire(job_id, event.fire_id)
+        await self.store.ack_events([event.cursor])
         return event
 
     async def fire_pending(self, job_id: str, pending_fire: dict[str, Any]) -> FiredEvent | None:
-        """:meth:`deliver`, retrying failed store writes (1 s, 5 s, 30 s, then every 5 min) until one works.
+        """Record and deliver a committed fire, retrying failed store writes (1 s, 5 s, 30 s, then 5 min).
 
-        Then a one-shot job with ``delete_after_run`` is deleted. An exception from ``on_fire`` is logged
-        and the fire left pending for the next start (``None`` is returned).
+        The fire is recorded (:meth:`deliver`'s transaction); embedded, ``on_fire`` is then awaited. If it
+        raises, the error is logged, the event stays unacknowledged, and the unacknowledged events are
+        handed over again in cursor order after 1 s, 5 s, 30 s, then every 5 min while the engine runs,
+        and at the next start. Then a one-shot job with ``delete_after_run`` is deleted.
 
-        Cancellation: the fire stays pending, to be delivered at the next start.
+        Returns:
+            The event, or ``None`` if the job was removed (nothing logged) or ``on_fire`` raised.
+
+        Cancellation: the fire stays pending (or its event unacknowledged), delivered at the next start.
         """
+        record = self.store.deliver_fire if self.on_fire is None else self.store.record_event
+        try:
+            event = await self._retry_store(
+                f"job {job_id}: delivering fire {pending_fire.get('fire_id')}", record, job_id, pending_fire
+            )
+        except JobNotFoundError:
+            logger.info(
+                "cron job %s was removed; its fire %s is not delivered", job_id, pending_fire.get("fire_id")
+            )
+            return None
+        handed = self.on_fire is None or await self._hand_over(event)
+        await self._delete_if_done(job_id)
+        return event if handed else None
+
+    async def _retry_store(self, what: str, call: Callable[..., Awaitable[_R]], *args: Any) -> _R:
         attempt = 0
         while True:
             try:
-                event = await self.deliver(job_id, pending_fire)
-                break
+                return await call(*args)
             except OSError as exc:
                 delay = STORE_RETRY_SECONDS[min(attempt, len(STORE_RETRY_SECONDS) - 1)]
-                logger.error(
-                    "cron job %s: delivering fire %s failed (%s); retrying in %s s",
-                    job_id,
-                    pending_fire.get("fire_id"),
-                    exc,
-                    delay,
-                )
+                logger.error("cron %s failed (%s); retrying in %s s", what, exc, delay)
                 attempt += 1
                 await trio.sleep(delay)
+
+    async def _hand_over(self, event: FiredEvent) -> bool:
+        """Await ``on_fire(event)`` and acknowledge the event; on an error, log it and schedule a retry."""
+        assert self.on_fire is not None
+        self._handing.add(event.cursor)
+        try:
+            try:
+                await self.on_fire(event)
             except Exception:
                 logger.exception(
-                    "cron job %s: on_fire failed; the fire is delivered again at the next start", job_id
+                    "cron job %s: on_fire failed for fire %s (cursor %s); it is handed over again later "
+                    "(with back-off, and at the next start)",
+                    event.job_id,
+                    event.fire_id,
+                    event.cursor,
                 )
-                return None
-        await self._delete_if_done(job_id)
-        return event
+                self._schedule_redelivery()
+                return False
+            await self._retry_store(
+                f"job {event.job_id}: acknowledging fire {event.fire_id}",
+                self.store.ack_events,
+                [event.cursor],
+            )
+            if self._acked_in_pass is not None:
+                self._acked_in_pass.add(event.cursor)
+            return True
+        finally:
+            self._handing.discard(event.cursor)
+
+    def _schedule_redelivery(self) -> None:
+        self._redeliver_needed = True
+        if not self._redelivering and self._nursery is not None:
+            self._redelivering = True
+            self._nursery.start_soon(self._redeliver, name="cron redelivery")
+
+    async def _hand_over_backlog(self) -> bool:
+        """Hand every unacknowledged event (not being handed over now) to ``on_fire`` in cursor order.
+
+        An event ``on_fire`` refuses does not hold back the ones after it (one bad event must not stop
+        delivery). Returns whether every one was acknowledged.
+        """
+        async with self._backlog_lock:  # one pass at a time
+            try:
+                events = await self.store.unacked_events()
+            except OSError as exc:
+                logger.error("cron: reading the unacknowledged events failed (%s)", exc)
+                self._schedule_redelivery()
+                return False
+            delivered = True
+            self._acked_in_pass = set()
+            try:
+                for event in events:  # skip those handed over (or acked) by a fire meanwhile
+                    if event.cursor not in self._handing and event.cursor not in self._acked_in_pass:
+                        delivered = await self._hand_over(event) and delivered
+            finally:
+                self._acked_in_pass = None
+            return delivered
+
+    async def _redeliver(self) -> None:
+        attempt = 0
+        try:
+            while self._redeliver_needed:
+                await trio.sleep(REDELIVER_SECONDS[min(attempt, len(REDELIVER_SECONDS) - 1)])
+                attempt += 1
+                self._redeliver_needed = False
+                if not await self._hand_over_backlog():
+                    self._redeliver_needed = True
+        finally:
+            self._redelivering = False
 
     async def _delete_if_done(self, job_id: str) -> None:
         try:
@@ -395,25 +523,35 @@ class CronService:
                     return None
                 continue
             done = self._running[job_id] = trio.Event()
-            self._nursery.start_soon(self._run, job, fire, done, name=f"cron job {job_id}")
+            scope = self._run_scopes[job_id] = trio.CancelScope()
+            self._nursery.start_soon(self._run, job, fire, done, scope, name=f"cron job {job_id}")
             return done
         raise JobNotFoundError(f"job_id {job_id!r} keeps changing; try run_now again")
 
-    async def _run(self, job: CronJob, fire: dict[str, Any] | None, done: trio.Event) -> None:
+    async def _run(
+        self, job: CronJob, fire: dict[str, Any] | None, done: trio.Event, scope: trio.CancelScope
+    ) -> None:
         try:
             if fire is None:
                 assert isinstance(job.payload, Command)
-                fire = await self._run_command(job, job.payload)
+                with scope:  # cancelled by remove(): the command is ended by escalation
+                    fire = await self._run_command(job, job.payload)
+                if fire is None:
+                    logger.info("cron job %s was removed during its run; nothing fires", job.id)
+                    return
             await self.fire_pending(job.id, fire)
         except Exception:
             logger.exception("cron job %s: the run failed", job.id)
         finally:
+            if self._run_scopes.get(job.id) is scope:
+                del self._run_scopes[job.id]
             if self._running.get(job.id) is done:
                 del self._running[job.id]
             done.set()
             self._changed.set()
 
-    async def _run_command(self, job: CronJob, payload: Command) -> dict[str, Any]:
+    async def _run_command(self, job: CronJob, payload: Command) -> dict[str, Any] | None:
+        """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
         fire, error = await run_command(self.supervisor, self.state_dir, job, payload)
         attempt = 0
         while True:  # persist the result; never run the command again for it
@@ -421,8 +559,8 @@ class CronService:
             try:
                 await self.store.commit_fire(job.id, functools.partial(finish, now=now, error=error), fire)
                 return fire
-            except JobNotFoundError:  # removed while it ran: log the event all the same
-                return fire
+            except JobNotFoundError:  # removed while it ran: a removed job never fires
+                return None
             except OSError as exc:
                 delay = STORE_RETRY_SECONDS[min(attempt, len(STORE_RETRY_SECONDS) - 1)]
                 logger.error(
@@ -436,8 +574,10 @@ class CronService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Recover from the last run of the engine, then run the timer until cancelled.
 
-        Start-up: jobs left ``RUNNING`` become ``INTERRUPTED`` (their due time stays consumed), every
-        pending fire left by a crash is delivered, and ``on_jobs_changed`` sees the job list once.
+        Start-up: jobs left ``RUNNING`` become ``INTERRUPTED`` (their due time stays consumed),
+        ``on_jobs_changed`` sees the job list once; then, before the timer starts, every pending fire left
+        by a crash is recorded and (embedded) every unacknowledged event handed to ``on_fire`` again, in
+        cursor order.
 
         Cancellation: the timer and every run stop; ``Command`` children are ended by escalation.
         """
@@ -448,13 +588,38 @@ class CronService:
                 for job in await self.store.list_jobs():
                     if job.last_status is JobStatus.RUNNING:
                         await self.store.update_job(job.id, lambda j: interrupted(j, now))
-                for job, fire in await self.store.pending_fires():
-                    nursery.start_soon(self.fire_pending, job.id, fire)
+                pending = await self.store.pending_fires()
                 await self.notify_jobs_changed()
                 task_status.started()
+                await self._recover(pending)
                 await self._timer()
             finally:
                 self._nursery = None
+
+    async def _recover(self, pending: builtins.list[tuple[CronJob, dict[str, Any]]]) -> None:
+        """Start-up delivery, before the timer runs: the fires a stopped engine left behind, in order.
+
+        Every pending fire is recorded (standalone: delivered). Embedded, every unacknowledged event is then
+        handed to ``on_fire`` in cursor order; standalone, the log is the delivery, so events an embedded
+        engine left unacknowledged count as delivered.
+        """
+        for job, fire in pending:
+            record = self.store.deliver_fire if self.on_fire is None else self.store.record_event
+            with contextlib.suppress(JobNotFoundError):
+                await self._retry_store(
+                    f"job {job.id}: recording fire {fire.get('fire_id')}", record, job.id, fire
+                )
+            await self._delete_if_done(job.id)
+        if self.on_fire is not None:
+            await self._hand_over_backlog()
+            return
+        unacked = await self._retry_store(
+            "start-up: reading the unacknowledged events", self.store.unacked_events
+        )
+        if unacked:
+            await self._retry_store(
+                "start-up: acknowledging the events", self.store.ack_events, [e.cursor for e in unacked]
+            )
 
     async def _timer(self) -> None:
         failures = 0
