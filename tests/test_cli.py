@@ -183,7 +183,9 @@ def test_cli_cron_add_rejects_bad_schedules_on_one_line(served: Served) -> None:
 
 
 def test_cli_events_since_json_and_follow(served: Served) -> None:
-    job = served.cli("cron", "add", "--every", "0.3", "--text", "tick").stdout.strip()
+    added = served.cli("cron", "add", "--every", "1", "--text", "tick")  # 1 s: the shortest interval
+    assert added.returncode == 0, added.stderr  # (else the follower below would wait for ever)
+    job = added.stdout.strip()
     follower = subprocess.Popen(
         [
             sys.executable,

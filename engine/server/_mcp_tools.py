@@ -119,8 +119,8 @@ def _cron_definitions() -> list[dict[str, Any]]:
                     },
                     "every_seconds": {
                         "type": "number",
-                        "exclusiveMinimum": 0,
-                        "description": "Repeatedly, this many seconds apart.",
+                        "minimum": 1,
+                        "description": "Repeatedly, this many seconds apart (at least 1).",
                     },
                     "cron": {"type": "string", "description": "A cron expression, e.g. '0 9 * * 1-5'."},
                     "tz": {"type": "string", "description": "With cron: an IANA zone, e.g. Europe/Paris."},
