@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from .server._client import EngineClient
 from .server._location import resolve_state_dir
-from .server._protocol import decode_line
+from .server._protocol import decode_line, describe_schedule
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -60,17 +60,6 @@ def _short_time(value: object) -> str:
     except ValueError:
         return value
     return moment.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _describe_schedule(schedule: dict[str, Any]) -> str:
-    kind = schedule.get("kind")
-    if kind == "at":
-        return f"at {_short_time(schedule.get('at'))}"
-    if kind == "every":
-        return f"every {schedule.get('every_seconds'):g}s"
-    if kind == "cron":
-        return f"cron {schedule.get('expr')!r} {schedule.get('tz')}"
-    return f"on-exit {schedule.get('command')!r}"
 
 
 def _describe_payload(payload: dict[str, Any]) -> str:
@@ -259,7 +248,7 @@ def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
             job["id"],
             job["name"],
             "yes" if job["enabled"] else "no",
-            _describe_schedule(job["schedule"]),
+            describe_schedule(job["schedule"], show_time=_short_time),
             _describe_payload(job["payload"]),
             _short_time(job["next_run_at"]),
             job["last_status"] or "-",

@@ -158,7 +158,7 @@ def test_cli_cron_add_every_kind_then_list_disable_enable_rm(served: Served, tmp
         "command": "sleep 30",
         "cwd": str(tmp_path),
     }
-    assert "every 3600s" in table.stdout and "cron '0 9 * * 1' Europe/Paris" in table.stdout
+    assert "every 3600 s" in table.stdout and "cron '0 9 * * 1' Europe/Paris" in table.stdout
 
     with served.client() as client:
         assert served.cli("cron", "disable", ids["every"]).stdout == f"disabled {ids['every']}\n"

@@ -28,6 +28,7 @@ import trio
 from .._errors import EngineError
 from ._client import EngineClient
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
+from ._protocol import describe_schedule
 
 __all__ = ["CRON_TOOLS", "EmbeddedBackend", "McpTools", "RpcBackend", "SocketBackend"]
 
@@ -173,21 +174,10 @@ class _RejectedError(Exception):
     """An argument problem, reported to the agent as a ``CRON ERROR`` text."""
 
 
-def _describe_schedule(schedule: Mapping[str, Any]) -> str:
-    kind = schedule.get("kind")
-    if kind == "at":
-        return f"at {schedule.get('at')}"
-    if kind == "every":
-        return f"every {schedule.get('every_seconds'):g} s"
-    if kind == "cron":
-        return f"cron {schedule.get('expr')!r} {schedule.get('tz')}"
-    return f"on-exit {schedule.get('command')!r} in {schedule.get('cwd')}"
-
-
 def _job_line(job: Mapping[str, Any]) -> str:
     return (
         f"id: {job['id']} | name: {job['name']} | enabled: {'yes' if job['enabled'] else 'no'} | "
-        f"schedule: {_describe_schedule(job['schedule'])} | next: {job['next_run_at'] or '-'} | "
+        f"schedule: {describe_schedule(job['schedule'])} | next: {job['next_run_at'] or '-'} | "
         f"last: {job['last_status'] or '-'}"
     )
 
@@ -318,7 +308,7 @@ class McpTools:
                 "CRON ADDED",
                 f"id: {job['id']}",
                 f"name: {job['name']}",
-                f"schedule: {_describe_schedule(job['schedule'])}",
+                f"schedule: {describe_schedule(job['schedule'])}",
                 f"next run: {job['next_run_at'] or '-'}",
             ]
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -243,3 +243,22 @@ def exception_from_error(code: object, message: object, data: object = None) -> 
                 )
             return cls(text)
     return RpcError(text, code=code if isinstance(code, int) else INTERNAL_ERROR, data=data)
+
+
+def describe_schedule(schedule: Mapping[str, Any], *, show_time: Callable[[object], str] = str) -> str:
+    """One phrase for a schedule as it travels (``{"kind": "every", "every_seconds": 60}`` and so on):
+    ``every 60 s``, ``cron '0 9 * * 1-5' UTC``, ``on-exit 'pytest -q' in /my/app``.
+
+    Args:
+        schedule: the schedule's JSON object.
+        show_time: renders the ``at`` time (the CLI shortens it for its tables).
+    """
+    kind = schedule.get("kind")
+    if kind == "at":
+        return f"at {show_time(schedule.get('at'))}"
+    if kind == "every":
+        return f"every {schedule.get('every_seconds'):g} s"
+    if kind == "cron":
+        return f"cron {schedule.get('expr')!r} {schedule.get('tz')}"
+    cwd = schedule.get("cwd")
+    return f"on-exit {schedule.get('command')!r}" + (f" in {cwd}" if cwd else "")
