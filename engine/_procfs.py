@@ -141,27 +141,45 @@ def children_of(pid: int) -> list[int] | None:
     pids: list[int] = []
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                pids.extend(int(p) for p in f.read().split())
+            fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             if not os.path.exists(f"/proc/{pid}/task/{tid}"):
                 continue  # the thread ended meanwhile
             return None
         except ProcessLookupError:
             continue
+        try:
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        pids.extend(map(int, b"".join(chunks).split()))
     return pids
 
 
-def engine_children() -> set[int]:
+_recent_children: tuple[float, frozenset[int]] = (-1.0, frozenset())
+
+
+def engine_children(*, max_age_seconds: float = 0.0) -> frozenset[int]:
     """The pids whose parent is this process (any of its threads), adopted orphans included.
 
     Uses ``/proc/self/task/<tid>/children`` where the kernel has it, else one full scan.
+
+    Args:
+        max_age_seconds: accept a list read at most this long ago (many escalations starting together,
+            as in ``kill_all``, then share one read of a list that holds every child of the engine).
     """
+    global _recent_children
+    read_at, cached = _recent_children
+    now = time.monotonic()
+    if max_age_seconds > 0 and now - read_at <= max_age_seconds:
+        return cached
     me = os.getpid()
     pids = children_of(me)
-    if pids is None:
-        return {p.pid for p in scan_processes() if p.ppid == me}
-    return set(pids)
+    found = frozenset(p.pid for p in scan_processes() if p.ppid == me) if pids is None else frozenset(pids)
+    _recent_children = (now, found)
+    return found
 
 
 def read_marker(pid: int) -> str | None:

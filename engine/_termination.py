@@ -14,6 +14,7 @@ import errno
 import os
 import signal
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 import attrs
 import trio
@@ -34,6 +35,8 @@ __all__ = ["ProcessTree"]
 #: off to the design's ceiling of 20 ms.
 _FIRST_STEP_SECONDS = 0.0005
 _MAX_STEP_SECONDS = 0.02
+#: How old a list of the engine's children the first look of an escalation may use.
+_SHARED_CHILDREN_SECONDS = 0.002
 
 
 @attrs.define(eq=False)
@@ -56,7 +59,7 @@ class ProcessTree:
     start_time: int
     marker: str
     subreaper: bool
-    known_leaders: Iterable[int]
+    known_leaders: AbstractSet[int]
     status: int | None = None
     tracked: dict[int, int] = attrs.field(factory=dict)
     force: bool = False
@@ -97,7 +100,7 @@ class ProcessTree:
     def _ours(self, info: ProcInfo) -> bool:
         return info.start_time >= self.start_time
 
-    def snapshot(self) -> None:
+    def snapshot(self, *, fresh: bool = True) -> None:
         """Add every live descendant of the run (group members included) to :attr:`tracked`.
 
         With the subreaper on, every descendant is reachable through parent links from the leader or
@@ -105,17 +108,18 @@ class ProcessTree:
         and costs what the tree costs, not what the machine runs (1000 concurrent escalations would
         otherwise scan all of ``/proc`` 1000 times). Without it, one full ``/proc`` scan.
         """
-        if self.subreaper and self._snapshot_by_children():
+        if self.subreaper and self._snapshot_by_children(fresh=fresh):
             return
         self._snapshot_by_scan()
 
-    def _snapshot_by_children(self) -> bool:
+    def _snapshot_by_children(self, *, fresh: bool) -> bool:
         roots = [self.pid]
         for pid, start in self.tracked.items():  # walk only from processes that are still ours
             info = read_proc(pid)
             if info is not None and info.start_time == start:
                 roots.append(pid)
-        for pid in engine_children() - set(self.known_leaders):
+        adopted = engine_children(max_age_seconds=0.0 if fresh else _SHARED_CHILDREN_SECONDS)
+        for pid in (p for p in adopted if p not in self.known_leaders):
             info = read_proc(pid)
             if info is None or not self._ours(info):
                 continue
@@ -147,7 +151,7 @@ class ProcessTree:
         roots.update(self.tracked)
         by_pid = {p.pid: p for p in procs}
         if self.subreaper:
-            candidates: Iterable[int] = engine_children() - set(self.known_leaders)
+            candidates: Iterable[int] = (p for p in engine_children() if p not in self.known_leaders)
         else:  # orphans went to init: only the marker can find them
             candidates = (p.pid for p in procs if self._ours(p))
         for pid in candidates:
@@ -181,7 +185,7 @@ class ProcessTree:
         except PermissionError:
             pass
         strays = False
-        for pid in engine_children() - set(self.known_leaders):
+        for pid in (p for p in engine_children() if p not in self.known_leaders):
             info = read_proc(pid)
             if info is None or not self._ours(info):
                 continue
@@ -312,7 +316,9 @@ class ProcessTree:
         Returns:
             ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end.
         """
-        self.snapshot()
+        # The first look may share a list of the engine's children read a moment ago by another
+        # escalation; the look that declares the tree gone (`_wait_tree_gone`) always reads afresh.
+        self.snapshot(fresh=False)
         if not self.force:
             self.send(signal.SIGINT)
             self.send(signal.SIGCONT)  # a stopped process acts on SIGINT only once continued
