@@ -110,10 +110,15 @@ def create(client: EngineClient, args: argparse.Namespace) -> int:
         args=args.argv[1:],
         env=env,
     )
+    return _print_created(args, summary, "pid")
+
+
+def _print_created(args: argparse.Namespace, record: dict[str, Any], key: str) -> int:
+    """What a creating subcommand prints: the new object's ``key`` (pid, job id), or it whole as JSON."""
     if args.json:
-        _emit_json([summary])
+        _emit_json([record])
     else:
-        print(summary["pid"])
+        print(record[key])
     return EXIT_OK
 
 
@@ -230,12 +235,7 @@ def cron_add(client: EngineClient, args: argparse.Namespace) -> int:
     params: dict[str, object] = {"schedule": schedule, "payload": payload}
     if args.name is not None:
         params["name"] = args.name
-    job = client.call("cron.add", **params)
-    if args.json:
-        _emit_json([job])
-    else:
-        print(job["id"])
-    return EXIT_OK
+    return _print_created(args, client.call("cron.add", **params), "id")
 
 
 def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
