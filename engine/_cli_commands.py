@@ -15,11 +15,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .server._client import EngineClient
 from .server._location import resolve_state_dir
 from .server._protocol import decode_line, describe_schedule
+
+if TYPE_CHECKING:
+    from ._config import EngineConfig
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -71,23 +74,29 @@ def _describe_payload(payload: dict[str, Any]) -> str:
 # ---- subcommands ---------------------------------------------------------------------------------------
 
 
-def serve(args: argparse.Namespace) -> int:
-    import trio  # only `serve` needs it
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings of ``serve`` and an embedding ``mcp``, from their options."""
+    from ._config import EngineConfig  # attrs and platformdirs: not for the client commands
 
-    from ._config import EngineConfig
-    from ._errors import EngineLockedError
-    from .server._eventlog import configure_logging, log_event
-    from .server._server import serve
-
-    configure_logging(sys.stderr)
     try:
-        config = EngineConfig(
+        return EngineConfig(
             state_dir=resolve_state_dir(args.state_dir),
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
         )
     except ValueError as exc:
         raise CommandFailedError(str(exc)) from None
+
+
+def serve(args: argparse.Namespace) -> int:
+    import trio  # only `serve` needs it
+
+    from ._errors import EngineLockedError
+    from .server._eventlog import configure_logging, log_event
+    from .server._server import serve
+
+    configure_logging(sys.stderr)
+    config = _engine_config(args)
     try:
         trio.run(serve, config)
     except EngineLockedError as exc:
@@ -322,20 +331,12 @@ def mcp(args: argparse.Namespace) -> int:
         raise CommandFailedError(
             f"mcp needs the MCP SDK ({exc}); install it with: pip install 'gadget-engine[mcp]'"
         ) from None
-    from ._config import EngineConfig
     from .server._eventlog import configure_logging
 
     project = os.path.abspath(args.project)
     if not os.path.isdir(project):
         raise CommandFailedError(f"--project {args.project!r} is not a directory")
     configure_logging(sys.stderr)  # stdout is the protocol's
-    try:
-        config = EngineConfig(
-            state_dir=resolve_state_dir(args.state_dir),
-            grace_seconds=args.grace_seconds,
-            exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
-        )
-    except ValueError as exc:
-        raise CommandFailedError(str(exc)) from None
+    config = _engine_config(args)
     _mcp.main(config, project)
     return EXIT_OK
