@@ -103,13 +103,18 @@ CR01 = {
 }
 
 
+def login_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, profile: str) -> None:
+    """Point HOME at a fresh folder whose ``.bash_profile`` is ``profile`` (what a login shell reads)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bash_profile").write_text(profile)
+    monkeypatch.setenv("HOME", str(home))
+
+
 async def test_exit_watcher_cr01_login_shell_runs_command_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / ".bash_profile").write_text("echo PROFILE-NOISE\ncd /\n")
-    monkeypatch.setenv("HOME", str(home))
+    login_home(tmp_path, monkeypatch, "echo PROFILE-NOISE\ncd /\n")
     d = tmp_path / "D"
     d.mkdir()
     cases = {**CR01, "q8": ('pwd; echo "$PWD"', f"{d}\n{d}\n", 0)}
@@ -132,10 +137,7 @@ async def test_exit_watcher_cr01_login_shell_runs_command_exactly(
 async def test_exit_watcher_cr01_profile_replacing_shell_is_diagnosed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / ".bash_profile").write_text("exec sh -c 'exit 0'\n")
-    monkeypatch.setenv("HOME", str(home))
+    login_home(tmp_path, monkeypatch, "exec sh -c 'exit 0'\n")
     async with engine_with(tmp_path / "s", exit_watch_shell=("bash", "-lc", "--")) as engine:
         await engine.cron.add(OnExit(command="echo never"), SystemEvent("replaced"))
         (event,) = await wait_events(engine, 1)
