@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 from engine import Supervisor, open_supervisor
 
 from .children import SESSION, SESSION_VAR, add_session_root, mark
+from .serve_support import Served, start_serve
 
 # Every child a test starts (directly, through an engine, a serve or a shim) inherits the session tag:
 # children.pgrep skips processes of other sessions by it.
@@ -69,3 +70,12 @@ def project(tmp_path: Path) -> Path:
 def marker() -> str:
     """A number unique to this test and session, for a child's command line (``sleep MARKER``)."""
     return mark(f"{4000 + next(_markers)}.5")
+
+
+@pytest.fixture(scope="module")
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One ``gadget-engine serve`` for a whole test module, on a state dir of its own."""
+    name = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    engine = start_serve(tmp_path_factory.mktemp(name) / "state")
+    yield engine
+    assert engine.stop() == 0
