@@ -241,6 +241,7 @@ async def test_exit_watcher_payload_change_uses_newest_job(tmp_path: Path) -> No
     assert event.job_name == "renamed"
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["disable", "remove", "cancel"])
 async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path: Path, how: str) -> None:
     async with engine_with(tmp_path / "s") as engine:

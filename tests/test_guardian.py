@@ -63,6 +63,7 @@ async def wait_gone(pattern: str, seconds: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.serial
 async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path) -> None:
     projects = [tmp_path / "p1", tmp_path / "p2"]
     for p in projects:
@@ -137,6 +138,7 @@ async def test_guardian_skips_runs_that_outlive_engine_crash(tmp_path: Path, out
     assert not pgrep(rf"^sleep 334\.1{SESSION}")  # a graceful exit ends it either way
 
 
+@pytest.mark.serial
 async def test_guardian_serve_sigkill_ends_project_children_keeps_watched_command(tmp_path: Path) -> None:
     from .serve_support import start_serve
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev extra
 import mcp_types as types
+import pytest
 import trio
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -192,6 +193,7 @@ async def run_cron_tools(session: ClientSession, project: Path, marker: str) -> 
     assert is_error and text.startswith("ERROR: unknown tool 'no_such_tool'")
 
 
+@pytest.mark.serial
 async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
     tmp_path: Path, marker: str
 ) -> None:
@@ -221,6 +223,7 @@ async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
         kill_leftovers(marker)
 
 
+@pytest.mark.serial
 async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: str) -> None:
     state, project = tmp_path / "state", tmp_path / "app"
     project.mkdir()

@@ -253,6 +253,7 @@ async def test_kill_project_leaves_other_projects_running(tmp_path: Path) -> Non
     assert not pgrep(rf"sleep 312\.5{SESSION}")
 
 
+@pytest.mark.serial
 async def test_halt_pid_keeps_logs_and_record_then_second_halt_is_noop(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
@@ -431,6 +432,7 @@ _SP02 = {
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["kill_subprocess", "kill_project", "kill_all"])
 async def test_kill_ends_background_jobs_nested_shells_and_setsid_escapees(tmp_path: Path, how: str) -> None:
     """SP-02 (a), (c), (d) with a short grace; the bound is the 6 s of the default budget."""
@@ -461,6 +463,7 @@ async def test_kill_ends_background_jobs_nested_shells_and_setsid_escapees(tmp_p
         kill_leftovers(rf"sleep 302\.[0-9]{SESSION}")
 
 
+@pytest.mark.serial
 async def test_kill_pipeline_returns_fast_with_default_grace(tmp_path: Path) -> None:
     """SP-02 (b): both ends of the pipeline die on SIGINT, so even the 5 s grace is not waited out."""
     project = make_project(tmp_path)
@@ -476,6 +479,7 @@ async def test_kill_pipeline_returns_fast_with_default_grace(tmp_path: Path) -> 
 # ---- SP-11: spawn failures ------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_create_spawn_failures_name_cause_and_leave_nothing(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     root = Path(project.directory)
@@ -540,6 +544,7 @@ async def test_create_missing_project_directory_is_a_spawn_error(tmp_path: Path)
 # ---- SP-14: halt, then read the logs ----------------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_halt_keeps_final_output_and_closes_logs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -625,6 +630,7 @@ async def test_engine_shutdown_kills_all_and_removes_logs(tmp_path: Path) -> Non
     assert not any(os.path.exists(p) for p in log_paths(sp) + log_paths(halted))
 
 
+@pytest.mark.machine_wide  # the demo looks for its server with a machine-wide `pgrep -f`
 def test_service_demo_runs_and_leaves_nothing() -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "service_demo.py")],

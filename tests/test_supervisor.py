@@ -107,6 +107,7 @@ async def test_spawn_without_inherit_env_uses_only_given_env(supervisor: Supervi
     assert names == {"ONLY", "PWD", "GADGET_ENGINE_RUN"}
 
 
+@pytest.mark.serial
 async def test_cancel_cooperative_child_is_fast_without_sigkill(tmp_path: Path) -> None:
     async with open_supervisor() as sup:  # the 5 s default grace: SIGINT alone must do it
         out = tmp_path / "out"
@@ -121,6 +122,7 @@ async def test_cancel_cooperative_child_is_fast_without_sigkill(tmp_path: Path) 
     assert out.read_text() == "ready\nbye\n"
 
 
+@pytest.mark.serial
 async def test_cancel_with_force_goes_straight_to_sigkill() -> None:
     async with open_supervisor() as sup:
         run = await sup.spawn(SpawnSpec(argv=("sleep", mark("321.8"))))
@@ -165,6 +167,7 @@ async def test_cancel_by_caller_cancellation_still_reaps(supervisor: Supervisor)
     assert not pgrep(rf"sleep 321\.6{SESSION}")
 
 
+@pytest.mark.serial
 async def test_max_runtime_ends_the_run(supervisor: Supervisor) -> None:
     run = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("321.5")), max_runtime_seconds=0.2))
     with trio.fail_after(10):

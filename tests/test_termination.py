@@ -43,6 +43,7 @@ async def _timed_cancel(sup: Supervisor, run: ManagedRun) -> tuple[float, RunExi
 MARKERS = {"bash": rf"301\.1{SESSION}", "python": rf"301\.2{SESSION}", "stopped": rf"301\.3{SESSION}"}
 
 
+@pytest.mark.serial
 async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Path) -> None:
     inputs = {
         "bash": ("bash", "-c", f"trap '' INT; echo ready; sleep {mark('301.1')}"),
@@ -102,6 +103,7 @@ SP02 = {
 }
 
 
+@pytest.mark.serial
 async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
     timings: dict[str, float] = {}
     try:
