@@ -1,13 +1,23 @@
 from __future__ import annotations
 
+import fcntl
+import itertools
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 from engine import Supervisor, open_supervisor
+
+from .children import SESSION, SESSION_VAR, add_session_root, mark
+from .serve_support import Served, start_serve
+
+# Every child a test starts (directly, through an engine, a serve or a shim) inherits the session tag:
+# children.pgrep skips processes of other sessions by it.
+os.environ[SESSION_VAR] = SESSION
 
 settings.register_profile(
     "ci",
@@ -28,6 +38,64 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 #: The grace period tests use unless the 5 s default is the point.
 SHORT_GRACE = 0.4
 
+#: The machine-wide lock of the ``serial`` and ``machine_wide`` tests: one such test at a time on the
+#: machine, whichever checkout or test run it comes from.
+MACHINE_LOCK = "/tmp/gadget-engine-tests.lock"
+#: How long a test waits for the lock before it fails (a whole suite's serial tests take ~1 min).
+MACHINE_LOCK_SECONDS = 600.0
+
+_lock_waits: list[float] = []
+_markers = itertools.count(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "machine_wide: looks at the whole machine's process table (the docs demos' pgrep); "
+        "holds the machine-wide test lock, as serial tests do",
+    )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _lock_waits:
+        terminalreporter.write_line(
+            f"machine lock ({MACHINE_LOCK}): {len(_lock_waits)} tests, "
+            f"{sum(_lock_waits):.1f} s waiting for it in all, {max(_lock_waits):.1f} s at most"
+        )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_temp_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Paths under this run's base temp dir are unique to the session: children.pgrep accepts them."""
+    add_session_root(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(autouse=True)
+def _machine_lock(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``serial`` (time bounds) or ``machine_wide`` hold an flock on :data:`MACHINE_LOCK`.
+
+    So two suites on one machine never run their kill budgets, or their machine-wide checks, at once.
+    """
+    node = request.node
+    if node.get_closest_marker("serial") is None and node.get_closest_marker("machine_wide") is None:
+        yield
+        return
+    fd = os.open(MACHINE_LOCK, os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        started = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - started > MACHINE_LOCK_SECONDS:
+                    pytest.fail(f"the machine-wide test lock {MACHINE_LOCK} was held for too long")
+                time.sleep(0.05)
+        _lock_waits.append(time.monotonic() - started)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
 
 @pytest.fixture
 async def supervisor() -> AsyncIterator[Supervisor]:
@@ -40,3 +108,26 @@ def project_dir(tmp_path: Path) -> Path:
     d = tmp_path / "project"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A project folder named ``app`` (its slug) for the CLI, RPC, MCP and asyncio tests."""
+    directory = tmp_path / "app"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture
+def marker() -> str:
+    """A number unique to this test and session, for a child's command line (``sleep MARKER``)."""
+    return mark(f"{4000 + next(_markers)}.5")
+
+
+@pytest.fixture(scope="module")
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One ``gadget-engine serve`` for a whole test module, on a state dir of its own."""
+    name = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    engine = start_serve(tmp_path_factory.mktemp(name) / "state")
+    yield engine
+    assert engine.stop() == 0

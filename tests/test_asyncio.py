@@ -34,18 +34,6 @@ def config(tmp_path: Path) -> EngineConfig:
     )
 
 
-@pytest.fixture
-def marker() -> str:
-    return str(5000 + (time.time_ns() % 10**6) / 10**6)
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    folder = tmp_path / "app"
-    folder.mkdir()
-    return folder
-
-
 def split(argv: tuple[str, ...]) -> tuple[str, list[str]]:
     return argv[0], list(argv[1:])
 

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -17,20 +16,6 @@ from engine import EngineConfig
 from engine.server._location import default_state_dir
 
 from .serve_support import Served, alive, cli, env_without_state_dir, start_serve, wait_until
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    engine = start_serve(tmp_path_factory.mktemp("cli") / "state")
-    yield engine
-    assert engine.stop() == 0
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    directory = tmp_path / "app"
-    directory.mkdir()
-    return directory
 
 
 def _json_lines(text: str) -> list[dict[str, object]]:

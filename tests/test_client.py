@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import engine
@@ -109,10 +108,8 @@ print(json.dumps(report))
 """
 
 
-def test_clients_work_without_trio_against_a_real_serve(tmp_path: Path) -> None:
-    state, project = tmp_path / "state", tmp_path / "app"
-    project.mkdir()
-    marker = str(6000 + (time.time_ns() % 10**6) / 10**6)
+def test_clients_work_without_trio_against_a_real_serve(tmp_path: Path, project: Path, marker: str) -> None:
+    state = tmp_path / "state"
     served = start_serve(state)
     try:
         result = subprocess.run(

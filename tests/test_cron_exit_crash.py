@@ -13,7 +13,7 @@ import trio
 
 from engine import FiredEvent
 
-from .children import pgrep
+from .children import SESSION, mark, pgrep
 from .watch_support import engine_with, wait_events, wait_until
 
 ROOT = Path(__file__).parent.parent
@@ -44,9 +44,7 @@ async def one_trial(tmp: Path, point: str, *, late: bool, n: int) -> None:
     command = f"echo run >> {runs}; sleep 0.3; echo done-{n}; exit 5"
     await trio.to_thread.run_sync(crash_engine, state, point, command)
     if late:  # the command ends while no engine runs: its exit is read from the shim's file
-        with trio.fail_after(10):
-            while pgrep(f"done-{n}"):
-                await trio.sleep(0.02)
+        await wait_until(lambda: not shim_pids(state))  # the shim ends right after its command
     async with engine_with(state) as engine:
         (event,) = await wait_events(engine, 1)
         await trio.sleep(0.4)
@@ -70,32 +68,36 @@ async def test_exit_crash_at_point_fires_exactly_once(tmp_path: Path, point: str
 
 async def test_exit_crash_adopts_live_command_with_same_pid(tmp_path: Path) -> None:
     state = tmp_path / "s"
-    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", "sleep 0.8; echo adopted")
+    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", f"sleep {mark('0.8')}; echo adopted")
     (shim,) = shim_pids(state)
     async with engine_with(state) as engine:
         (job_id,) = engine.watchers.active_job_ids()
         assert engine.watchers.watched_pid(job_id) == shim  # adopted, not started again
         (event,) = await wait_events(engine, 1)
     assert event.stdout_tail == "adopted\n"
-    assert not pgrep(r"^sleep 0\.8")
+    assert not pgrep(rf"^sleep 0\.8{SESSION}")
     assert not shim_pids(state)
 
 
 async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path) -> None:
     state = tmp_path / "s"
-    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", "sleep 30.5")
+    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", f"sleep {mark('30.5')}")
     (shim,) = shim_pids(state)
     os.killpg(shim, signal.SIGKILL)  # the shim dies with its command: neither alive nor recorded
     with trio.fail_after(5):
-        while pgrep(r"^sleep 30\.5") or shim_pids(state):
+        while pgrep(rf"^sleep 30\.5{SESSION}") or shim_pids(state):
             await trio.sleep(0.02)
     async with engine_with(state) as engine:
-        await trio.sleep(0.3)
+
+        async def disabled() -> bool:
+            return not any(job.enabled for job in await engine.cron.list())
+
+        await wait_until(disabled)
         (job,) = await engine.cron.list()
         assert not job.enabled
         assert job.last_error is not None and "watch lost across restart" in job.last_error
         assert await engine.cron.events() == []
-        assert not pgrep(r"sleep 30\.5")
+        assert not pgrep(rf"sleep 30\.5{SESSION}")
 
 
 async def test_exit_crash_in_on_fire_delivers_same_fire_id_again(tmp_path: Path) -> None:

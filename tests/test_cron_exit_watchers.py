@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from engine import CronJob, FiredEvent, OnExit, SystemEvent
-from engine.cron._shell import resolve_exit_watch_shell
+from engine.cron._shell import COMMAND_VAR, resolve_exit_watch_shell
 
-from .children import kill_leftovers, pgrep
+from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
 from .watch_support import FlakyStore, engine_with, wait_events, wait_until
 
 
@@ -170,7 +170,9 @@ async def _cr02_round(state: Path, offset: float, *, hold: str | None, tag: str)
         await engine.watchers.reconcile([attrs.evolve(current, schedule=OnExit(command=gen2))])
         release.set()
         if engine.watchers.active_job_ids():
-            assert not pgrep(f"echo gen-1-{tag}")  # replaced: the old command is gone
+            # Replaced: the old command is gone. (A bash shell gets the command string in its environment,
+            # not its argv, so this finds only a command another shell runs: see children.pgrep_env.)
+            assert not pgrep(f"echo gen-1-{tag}")
         events = await wait_events(engine, 1, seconds=15)
         await trio.sleep(0.2)
         events = await engine.cron.events()
@@ -185,7 +187,8 @@ async def test_exit_watcher_cr02_rearm_race_fires_exactly_once(tmp_path: Path) -
 
     async def one(n: int) -> None:
         hold = {0: "after_exit", 1: "before_persist"}.get(n)
-        event, _ = await _cr02_round(tmp_path / f"s{n}", rng.uniform(0.40, 0.55), hold=hold, tag=str(n))
+        tag = f"{n}-{SESSION}"
+        event, _ = await _cr02_round(tmp_path / f"s{n}", rng.uniform(0.40, 0.55), hold=hold, tag=tag)
         results[n] = event
 
     with trio.fail_after(120):
@@ -196,23 +199,23 @@ async def test_exit_watcher_cr02_rearm_race_fires_exactly_once(tmp_path: Path) -
     generations = {1: 0, 2: 0}
     for n, event in results.items():
         if event.exit_code == 11:
-            assert event.stdout_tail == f"gen-1-{n}\n"
+            assert event.stdout_tail == f"gen-1-{n}-{SESSION}\n"
             generations[1] += 1
         else:
             assert event.exit_code == 22, event
-            assert event.stdout_tail.endswith(f"gen-2-{n}\n")
+            assert event.stdout_tail.endswith(f"gen-2-{n}-{SESSION}\n")
             generations[2] += 1
     # Held after gen-1 exited, before its commit began: reconcile replaced the arm, gen-1 never persists.
     assert results[0].exit_code == 22
     # Held inside the commit: the commit decides; it succeeds, so gen-1 is the one fire and no gen-2.
     assert results[1].exit_code == 11
     assert sum(generations.values()) == 50
-    assert not pgrep(r"echo gen-[12]-")
+    assert not pgrep(rf"echo gen-[12]-[0-9]+-{SESSION}")
 
 
 async def test_exit_watcher_unchanged_reconcile_keeps_watcher(tmp_path: Path) -> None:
     async with engine_with(tmp_path / "s") as engine:
-        job = await engine.cron.add(OnExit(command="sleep 335.1"), SystemEvent("x"))
+        job = await engine.cron.add(OnExit(command=f"sleep {mark('335.1')}"), SystemEvent("x"))
         await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
         pid = engine.watchers.watched_pid(job.id)
         await engine.watchers.reconcile(await engine.cron.list())
@@ -238,11 +241,12 @@ async def test_exit_watcher_payload_change_uses_newest_job(tmp_path: Path) -> No
     assert event.job_name == "renamed"
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["disable", "remove", "cancel"])
 async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path: Path, how: str) -> None:
     async with engine_with(tmp_path / "s") as engine:
-        job = await engine.cron.add(OnExit(command="trap '' INT; sleep 336.1"), SystemEvent("x"))
-        await wait_until(lambda: bool(pgrep(r"^sleep 336\.1")))
+        job = await engine.cron.add(OnExit(command=f"trap '' INT; sleep {mark('336.1')}"), SystemEvent("x"))
+        await wait_until(lambda: bool(pgrep(rf"^sleep 336\.1{SESSION}")))
         if how == "disable":
             await engine.cron.disable(job.id)
         elif how == "remove":
@@ -251,7 +255,7 @@ async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path
             await engine.watchers.cancel(job.id)
         assert engine.watchers.active_job_ids() == []
         with trio.fail_after(6):
-            while pgrep(r"^sleep 336\.1"):
+            while pgrep(rf"^sleep 336\.1{SESSION}"):
                 await trio.sleep(0.05)
         await trio.sleep(0.3)
         assert await engine.cron.events() == []
@@ -259,10 +263,10 @@ async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path
 
 async def test_exit_watcher_graceful_shutdown_keeps_job_and_rearms(tmp_path: Path) -> None:
     async with engine_with(tmp_path / "s") as engine:
-        job = await engine.cron.add(OnExit(command="sleep 337.1"), SystemEvent("x"))
+        job = await engine.cron.add(OnExit(command=f"sleep {mark('337.1')}"), SystemEvent("x"))
         await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
         first = engine.watchers.watched_pid(job.id)
-    assert not pgrep(r"^sleep 337\.1")
+    assert not pgrep(rf"^sleep 337\.1{SESSION}")
     async with engine_with(tmp_path / "s") as engine:
         assert (await engine.cron.get(job.id)).enabled
         await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
@@ -351,5 +355,6 @@ async def test_exit_watcher_store_failure_then_rearm_drops_old_exit(tmp_path: Pa
 @pytest.fixture(autouse=True)
 def _no_leftovers() -> object:
     yield None
-    kill_leftovers(r"sleep 33[5-7]\.1|gen-[12]-")
+    kill_leftovers(rf"sleep 33[5-7]\.1{SESSION}")
+    kill_pids(pgrep_env(COMMAND_VAR, "echo gen-"))
     assert os.getpid() > 0

@@ -35,7 +35,7 @@ from engine import (
 from engine.cron import CronService, open_cron_service
 from engine.cron._events import text_fire
 
-from .children import pgrep
+from .children import SESSION, mark, pgrep, wait_until
 from .test_cron_store import FullDiskConnection
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -516,23 +516,21 @@ async def test_service_removed_job_with_a_committed_fire_still_delivers_it(
 
 
 async def _wait_for_process(pattern: str) -> None:
-    with trio.fail_after(10):
-        while not pgrep(pattern):
-            await trio.sleep(0.05)
+    await wait_until(lambda: bool(pgrep(pattern)), interval=0.05)
 
 
 async def test_service_remove_ends_the_running_command_and_nothing_fires(
     tmp_path: Path, supervisor: Supervisor
 ) -> None:
     async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
-        job = await cron.add(Every(2), Command(("sleep", "777.21")))
-        await _wait_for_process(r"^sleep 777\.21$")
+        job = await cron.add(Every(2), Command(("sleep", mark("777.21"))))
+        await _wait_for_process(rf"^sleep 777\.21{SESSION}$")
         with trio.fail_after(10):
             await cron.remove(job.id)
-        assert not pgrep(r"^sleep 777\.21$")
+        assert not pgrep(rf"^sleep 777\.21{SESSION}$")
         assert supervisor.runs(f"cron:{job.id}") == []
         await trio.sleep(2.5)  # past the removed job's next due time
-        assert not pgrep(r"^sleep 777\.21$")
+        assert not pgrep(rf"^sleep 777\.21{SESSION}$")
         assert await cron.events() == [] and await cron.list() == []
 
 
@@ -540,13 +538,13 @@ async def test_service_remove_during_run_now_escalates_and_nothing_fires(
     tmp_path: Path, supervisor: Supervisor
 ) -> None:
     async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
-        job = await cron.add(Every(3600), Command(("bash", "-c", 'trap "" INT; sleep 777.204')))
+        job = await cron.add(Every(3600), Command(("bash", "-c", f'trap "" INT; sleep {mark("777.204")}')))
         with trio.fail_after(15):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cron.run_now, job.id)
-                await _wait_for_process(r"^sleep 777\.204$")
+                await _wait_for_process(rf"^sleep 777\.204{SESSION}$")
                 await cron.remove(job.id)  # SIGINT is ignored: SIGKILL after the grace period
-                assert not pgrep(r"777\.204")
+                assert not pgrep(rf"777\.204{SESSION}")
             # run_now returned: the run is over, and it fired nothing
         assert await cron.events() == [] and await cron.list() == []
         assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
@@ -556,14 +554,16 @@ async def test_service_disable_lets_a_running_command_finish_and_fire(
     tmp_path: Path, supervisor: Supervisor
 ) -> None:
     async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
-        job = await cron.add(Every(3600), Command(("sh", "-c", "sleep 0.5 && echo finished-777.3")))
+        job = await cron.add(
+            Every(3600), Command(("sh", "-c", f"sleep 0.5 && echo finished-{mark('777.3')}"))
+        )
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cron.run_now, job.id)
-                await _wait_for_process(r"finished-777\.3")
+                await _wait_for_process(rf"finished-777\.3{SESSION}")
                 await cron.disable(job.id)
         [event] = await cron.events()
-        assert event.exit_code == 0 and event.stdout_tail == "finished-777.3\n"
+        assert event.exit_code == 0 and event.stdout_tail == f"finished-{mark('777.3')}\n"
         assert not (await cron.get(job.id)).enabled
 
 

@@ -7,11 +7,10 @@ import stat
 from pathlib import Path
 
 import pytest
-import trio
 
 from engine import EngineConfig, EngineLockedError, SpawnSpec, open_engine
 
-from .children import pgrep
+from .children import SESSION, mark, pgrep, wait_until
 
 
 async def test_open_engine_creates_private_state_dir(tmp_path: Path) -> None:
@@ -37,10 +36,10 @@ async def test_open_engine_second_engine_on_same_state_dir_is_locked_out(tmp_pat
 async def test_open_engine_exit_reaps_children_and_lets_errors_through(tmp_path: Path) -> None:
     with pytest.raises(ZeroDivisionError):
         async with open_engine(EngineConfig(state_dir=str(tmp_path), grace_seconds=0.3)) as engine:
-            await engine.supervisor.spawn(SpawnSpec(argv=("bash", "-c", "sleep 328.1 & wait")))
-            await trio.sleep(0.2)
+            await engine.supervisor.spawn(SpawnSpec(argv=("bash", "-c", f"sleep {mark('328.1')} & wait")))
+            await wait_until(lambda: bool(pgrep(rf"^sleep 328\.1{SESSION}")))
             1 / 0  # noqa: B018  # the error under test
-    assert not pgrep(r"sleep 328\.1")
+    assert not pgrep(rf"sleep 328\.1{SESSION}")
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).parent.parent / "docs" / "examples"
 
 
@@ -18,6 +20,7 @@ def isolated_env(home: Path) -> dict[str, str]:
     return {**os.environ, "HOME": str(home)}
 
 
+@pytest.mark.machine_wide  # the demo counts survivors with a machine-wide `pgrep -f`
 def test_examples_supervisor_demo_runs_and_leaves_nothing() -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "demo.py")], capture_output=True, text=True, timeout=60, check=False

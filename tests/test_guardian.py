@@ -16,10 +16,15 @@ from engine import EngineConfig, SpawnSpec, open_engine
 from engine._procfs import read_proc
 from engine._sweep import GroupRecord, records_dir
 
-from .children import kill_leftovers, pgrep
+from .children import SESSION, kill_leftovers, mark, pgrep, wait_until
 
 ROOT = Path(__file__).parent.parent
-STUBBORN = "sleep 331.1 & setsid sleep 331.2 & trap '' INT; sleep 331.3; wait"
+STUBBORN = f"sleep {mark('331.1')} & setsid sleep {mark('331.2')} & trap '' INT; sleep {mark('331.3')}; wait"
+#: The sleeps of STUBBORN and of ``sleep 331.4``, this session's only.
+SLEEPS_1_4 = rf"^sleep 331\.[1-4]{SESSION}"
+SLEEPS_1_3 = rf"^sleep 331\.[123]{SESSION}"
+#: The on-exit command's sleep in the serve test.
+WATCHED = rf"^sleep 4\.5{SESSION}"
 
 
 def start_engine(
@@ -46,11 +51,8 @@ def sigkill(proc: subprocess.Popen[str]) -> None:
 
 
 def guardian_pids(state: Path) -> list[int]:
-    return [
-        p
-        for p in pgrep("engine._guardian import main")
-        if str(state) in Path(f"/proc/{p}/cmdline").read_text()
-    ]
+    """The guardians of the engine on ``state`` (their argv: the bootstrap, the engine folder, ``state``)."""
+    return pgrep(rf"engine\._guardian import main.* {state} ")
 
 
 async def wait_gone(pattern: str, seconds: float) -> float:
@@ -61,78 +63,82 @@ async def wait_gone(pattern: str, seconds: float) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.serial
 async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path) -> None:
     projects = [tmp_path / "p1", tmp_path / "p2"]
     for p in projects:
         p.mkdir()
     try:
         proc, _ = start_engine(
-            tmp_path / "state", 5.0, (projects[0], STUBBORN), (projects[1], "sleep 331.4 & wait")
+            tmp_path / "state", 5.0, (projects[0], STUBBORN), (projects[1], f"sleep {mark('331.4')} & wait")
         )
-        await trio.sleep(0.5)
-        assert len(pgrep(r"^sleep 331\.[1-4]")) == 4
+        await wait_until(lambda: len(pgrep(SLEEPS_1_4)) >= 4)
+        assert len(pgrep(SLEEPS_1_4)) == 4
         t0 = time.monotonic()
         sigkill(proc)
         with trio.fail_after(8):
-            while pgrep(r"^sleep 331\.[1-4]"):
+            while pgrep(SLEEPS_1_4):
                 await trio.sleep(0.05)
         assert time.monotonic() - t0 <= 8.0
         with trio.fail_after(2):  # then the guardian drops the records
             while list((tmp_path / "state" / "groups").iterdir()):
                 await trio.sleep(0.02)
     finally:
-        kill_leftovers(r"sleep 331\.[1-4]")
+        kill_leftovers(SLEEPS_1_4)
 
 
 async def test_guardian_exits_with_engine_on_graceful_shutdown(tmp_path: Path) -> None:
     async with open_engine(EngineConfig(state_dir=str(tmp_path), grace_seconds=0.3)) as engine:
-        await engine.supervisor.spawn(SpawnSpec(argv=("sleep", "332.1")))
+        await engine.supervisor.spawn(SpawnSpec(argv=("sleep", mark("332.1"))))
         with trio.fail_after(5):
             while not guardian_pids(tmp_path):
                 await trio.sleep(0.02)
     assert not guardian_pids(tmp_path)
-    assert not pgrep(r"^sleep 332\.1")
+    assert not pgrep(rf"^sleep 332\.1{SESSION}")
 
 
 async def test_sweep_ends_leftovers_when_guardian_died_too(tmp_path: Path) -> None:
     state = tmp_path / "state"
     try:
         proc, _ = start_engine(state, 0.3, (tmp_path, STUBBORN))
-        await trio.sleep(0.5)
+        await wait_until(lambda: len(pgrep(SLEEPS_1_3)) >= 3)
         with trio.fail_after(5):
             while not guardian_pids(state):
                 await trio.sleep(0.02)
         for pid in guardian_pids(state):  # the guardian first, then the engine: nobody cleans up
             os.kill(pid, signal.SIGKILL)
         sigkill(proc)
-        await trio.sleep(0.3)
-        assert len(pgrep(r"^sleep 331\.[123]")) == 3
+        await trio.sleep(0.3)  # nobody ends them meanwhile
+        assert len(pgrep(SLEEPS_1_3)) == 3
         # A stranger whose pid is in a record with another start time must be left alone.
-        stranger = subprocess.Popen(["sleep", "333.1"])
+        stranger = subprocess.Popen(["sleep", mark("333.1")])
         info = read_proc(stranger.pid)
         assert info is not None
         records_dir(str(state))
         GroupRecord(stranger.pid, info.sid, info.start_time - 1, "someone:1").write(str(state))
         async with open_engine(EngineConfig(state_dir=str(state), grace_seconds=0.3)):
-            assert not pgrep(r"^sleep 331\.[123]")  # swept at start-up, before open_engine returned
+            assert not pgrep(SLEEPS_1_3)  # swept at start-up, before open_engine returned
             assert stranger.poll() is None
         assert not os.listdir(state / "groups")
         stranger.kill()
         stranger.wait()
     finally:
-        kill_leftovers(r"sleep 33[13]\.[123]")
+        kill_leftovers(rf"sleep 33[13]\.[123]{SESSION}")
 
 
 @pytest.mark.parametrize("outlive", [True, False])
 async def test_guardian_skips_runs_that_outlive_engine_crash(tmp_path: Path, outlive: bool) -> None:
     state = tmp_path / "state"
     async with open_engine(EngineConfig(state_dir=str(state), grace_seconds=0.3)) as engine:
-        run = await engine.supervisor.spawn(SpawnSpec(argv=("sleep", "334.1"), outlive_engine_crash=outlive))
+        run = await engine.supervisor.spawn(
+            SpawnSpec(argv=("sleep", mark("334.1")), outlive_engine_crash=outlive)
+        )
         recorded = [p.name for p in (state / "groups").iterdir()]
         assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
-    assert not pgrep(r"^sleep 334\.1")  # a graceful exit ends it either way
+    assert not pgrep(rf"^sleep 334\.1{SESSION}")  # a graceful exit ends it either way
 
 
+@pytest.mark.serial
 async def test_guardian_serve_sigkill_ends_project_children_keeps_watched_command(tmp_path: Path) -> None:
     from .serve_support import start_serve
 
@@ -142,22 +148,24 @@ async def test_guardian_serve_sigkill_ends_project_children_keeps_watched_comman
     state = tmp_path / "state"
     served = start_serve(state, "--grace-seconds", "5")  # the default grace: `trap '' INT` needs SIGKILL
     try:
-        for project, command in ((projects[0], STUBBORN), (projects[1], "sleep 331.4")):
+        for project, command in ((projects[0], STUBBORN), (projects[1], f"sleep {mark('331.4')}")):
             result = served.cli("create", "--project", str(project), "--", "bash", "-c", command)
             assert result.returncode == 0, result.stderr
-        armed = served.cli("cron", "add", "--on-exit", "sleep 4.5; echo survived", "--text", "watched")
+        armed = served.cli(
+            "cron", "add", "--on-exit", f"sleep {mark('4.5')}; echo survived", "--text", "watched"
+        )
         assert armed.returncode == 0, armed.stderr
         with trio.fail_after(5):
-            while len(pgrep(r"^sleep 331\.[1-4]")) < 4 or not pgrep(r"^sleep 4\.5"):
+            while len(pgrep(SLEEPS_1_4)) < 4 or not pgrep(WATCHED):
                 await trio.sleep(0.05)
-        (watched,) = pgrep(r"^sleep 4\.5")
+        (watched,) = pgrep(WATCHED)
         t0 = time.monotonic()
         served.kill_hard()
         await trio.sleep(0.5)
-        assert pgrep(r"^sleep 4\.5") == [watched]  # SIGINT went out; the watched command was skipped
+        assert pgrep(WATCHED) == [watched]  # SIGINT went out; the watched command was skipped
         served = start_serve(state)  # adopts the live watched command
         with trio.fail_after(8):
-            while pgrep(r"^sleep 331\.[1-4]"):
+            while pgrep(SLEEPS_1_4):
                 await trio.sleep(0.05)
         assert time.monotonic() - t0 <= 8.0
         with trio.fail_after(10):
@@ -171,4 +179,4 @@ async def test_guardian_serve_sigkill_ends_project_children_keeps_watched_comman
     finally:
         if served.proc.poll() is None:
             served.kill_hard()
-        kill_leftovers(r"sleep 331\.[1-4]|sleep 4\.5")
+        kill_leftovers(rf"sleep 331\.[1-4]{SESSION}|sleep 4\.5{SESSION}")

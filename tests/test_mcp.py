@@ -193,13 +193,9 @@ async def run_cron_tools(session: ClientSession, project: Path, marker: str) -> 
     assert is_error and text.startswith("ERROR: unknown tool 'no_such_tool'")
 
 
-@pytest.fixture
-def marker() -> float:
-    return 4000 + (time.time_ns() % 10**6) / 10**6
-
-
+@pytest.mark.serial
 async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
-    tmp_path: Path, marker: float
+    tmp_path: Path, marker: str
 ) -> None:
     state, project = tmp_path / "state", tmp_path / "app"
     project.mkdir()
@@ -207,13 +203,13 @@ async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
     try:
         async with mcp_client(server_params(state, project), errlog) as session:  # --project: the cwd
             await check_tools(session, tmp_path)
-            live = await run_subprocess_tool(session, project, str(marker))
-            await run_cron_tools(session, project, str(marker))
+            live = await run_subprocess_tool(session, project, marker)
+            await run_cron_tools(session, project, marker)
             # The embedded engine serves the socket too: the CLI reaches it.
             listed = await trio.to_thread.run_sync(lambda: cli("list", "--state-dir", str(state)))
             assert listed.returncode == 0 and str(live) in listed.stdout, listed
             server_pid = int((state / "lock").read_text())
-            assert pgrep(str(marker))
+            assert pgrep(marker)
             closed_at = time.monotonic()
         stopped_seconds = time.monotonic() - closed_at
         assert "mode=embedded" in errlog.read_text()
@@ -222,12 +218,13 @@ async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
         assert stopped_seconds < CLIENT_WINDOW_SECONDS - 0.3, errlog.read_text()
         assert stopped_seconds > SHUTDOWN_GRACE_SECONDS  # the SIGINT-ignoring child had its grace
         assert not alive(server_pid)
-        assert pgrep(str(marker)) == [] and pgrep(str(state)) == []
+        assert pgrep(marker) == [] and pgrep(str(state)) == []
     finally:
-        kill_leftovers(str(marker))
+        kill_leftovers(marker)
 
 
-async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: float) -> None:
+@pytest.mark.serial
+async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: str) -> None:
     state, project = tmp_path / "state", tmp_path / "app"
     project.mkdir()
     served = await trio.to_thread.run_sync(start_serve, state)
@@ -237,24 +234,24 @@ async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: float) ->
                 server_params(state, tmp_path, "--project", str(project)), tmp_path / "mcp.log"
             ) as session:
                 await check_tools(session, tmp_path)
-                live = await run_subprocess_tool(session, project, str(marker))
+                live = await run_subprocess_tool(session, project, marker)
                 # The calls went to serve: its own list and tool give the same texts, byte for byte.
                 assert [r["pid"] for r in client.call("subprocess.list")][-1] == live
                 for params in ({"cmd": "list"}, {"cmd": "log", "pid": live, "which": "stderr"}):
                     direct = client.call("tool.execute", params=params, project=str(project))["text"]
                     assert await call(session, "subprocess", dict(params)) == (direct, False)
-                await run_cron_tools(session, project, str(marker))
+                await run_cron_tools(session, project, marker)
                 assert any(e["job_name"] == "tests ran" for e in client.call("events"))
                 closed_at = time.monotonic()
             assert time.monotonic() - closed_at < 1.0  # nothing to stop: the engine is serve's
             assert "mode=forward" in (tmp_path / "mcp.log").read_text()
             assert live in [r["pid"] for r in client.call("subprocess.list")]  # serve's, still running
             assert served.stop() == 0
-            assert pgrep(str(marker)) == []
+            assert pgrep(marker) == []
     finally:
         if served.proc.poll() is None:
             served.kill_hard()
-        kill_leftovers(str(marker))
+        kill_leftovers(marker)
 
 
 def test_mcp_refuses_a_missing_project(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ import ast
 import json
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,21 +29,7 @@ from engine.server._protocol import (
     parse_request,
 )
 
-from .serve_support import Served, alive, start_serve, wait_until
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    engine = start_serve(tmp_path_factory.mktemp("rpc") / "state")
-    yield engine
-    assert engine.stop() == 0
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    directory = tmp_path / "proj"
-    directory.mkdir()
-    return directory
+from .serve_support import Served, alive, wait_until
 
 
 class Raw:

@@ -27,6 +27,7 @@ def sp11(project_dir: Path) -> Path:
     return project_dir
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(
     ("command", "err", "words"),
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -29,7 +30,17 @@ from engine import (
     TerminationReason,
 )
 
-from .children import kill_leftovers, open_fds, pgrep, proc_exists, wait_for_state, wait_for_text
+from .children import (
+    SESSION,
+    kill_leftovers,
+    mark,
+    open_fds,
+    pgrep,
+    proc_exists,
+    wait_for_state,
+    wait_for_text,
+    wait_until,
+)
 from .service_support import engine_at, fds_pointing_at, log_dir, log_paths, make_project
 
 EXAMPLES = Path(__file__).parent.parent / "docs" / "examples"
@@ -80,19 +91,19 @@ async def test_create_runs_in_project_directory_with_private_logs(tmp_path: Path
 async def test_create_puts_child_in_project_scope(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
-        sp = await engine.service.create(project, "sleep", ["311.1"])
+        sp = await engine.service.create(project, "sleep", [mark("311.1")])
         assert [r.pid for r in engine.supervisor.runs(f"project:{project.id}")] == [sp.pid]
         assert engine.service.summarize(sp).state is RunState.RUNNING
-    assert not pgrep(r"sleep 311\.1")
+    assert not pgrep(rf"sleep 311\.1{SESSION}")
 
 
 async def test_ps_lists_live_and_kept_records_in_order(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
         service = engine.service
-        a = await service.create(project, "sleep", ["311.2"])
+        a = await service.create(project, "sleep", [mark("311.2")])
         b = await service.create(project, "true")
-        c = await service.create(project, "sleep", ["311.3"])
+        c = await service.create(project, "sleep", [mark("311.3")])
         with trio.fail_after(10):
             await b.wait()
         await service.halt_subprocess(c)
@@ -135,7 +146,9 @@ async def test_summarize_reports_status_from_process_and_serialises(tmp_path: Pa
 async def test_summarize_updated_at_follows_log_mtime(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
-        sp = await engine.service.create(project, "bash", ["-c", "sleep 1.2; echo late; sleep 311.4"])
+        sp = await engine.service.create(
+            project, "bash", ["-c", f"sleep 1.2; echo late; sleep {mark('311.4')}"]
+        )
         first = engine.service.summarize(sp).updated_at
         await wait_for_text(sp.stdout_path, "late")
         later = engine.service.summarize(sp).updated_at
@@ -157,18 +170,18 @@ async def test_create_limits_name_the_setting_and_leave_nothing(tmp_path: Path) 
     p1, p2 = make_project(tmp_path, "one"), make_project(tmp_path, "two")
     async with engine_at(tmp_path, max_processes_per_project=2, max_processes=3) as engine:
         service = engine.service
-        await service.create(p1, "sleep", ["311.5"])
-        await service.create(p1, "sleep", ["311.5"])
+        await service.create(p1, "sleep", [mark("311.5")])
+        await service.create(p1, "sleep", [mark("311.5")])
         with pytest.raises(LimitExceededError, match="max_processes_per_project"):
-            await service.create(p1, "sleep", ["311.5"])
-        await service.create(p2, "sleep", ["311.5"])
+            await service.create(p1, "sleep", [mark("311.5")])
+        await service.create(p2, "sleep", [mark("311.5")])
         with pytest.raises(LimitExceededError, match="max_processes "):
-            await service.create(p2, "sleep", ["311.5"])
+            await service.create(p2, "sleep", [mark("311.5")])
         assert len(service.ps()) == 3
         assert len(os.listdir(log_dir(p2))) == 2
         await service.halt_pid(service.ps()[0].pid)  # a halted process no longer counts
         await service.create(p1, "true")
-    assert not pgrep(r"sleep 311\.5")
+    assert not pgrep(rf"sleep 311\.5{SESSION}")
 
 
 # ---- kill and halt -------------------------------------------------------------------------------
@@ -177,10 +190,10 @@ async def test_create_limits_name_the_setting_and_leave_nothing(tmp_path: Path) 
 async def test_kill_pid_removes_logs_and_record(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
-        sp = await engine.service.create(project, "bash", ["-c", "echo hi; sleep 312.1"])
+        sp = await engine.service.create(project, "bash", ["-c", f"echo hi; sleep {mark('312.1')}"])
         await wait_for_text(sp.stdout_path, "hi")
         assert await engine.service.kill_pid(sp.pid) is True
-        assert not pgrep(r"sleep 312\.1")
+        assert not pgrep(rf"sleep 312\.1{SESSION}")
         assert not any(os.path.exists(p) for p in log_paths(sp))
         assert engine.service.ps() == []
         with pytest.raises(SubProcessNotFoundError):
@@ -212,14 +225,14 @@ async def test_kill_all_kills_every_project_and_verifies(tmp_path: Path) -> None
     async with engine_at(tmp_path) as engine:
         service = engine.service
         records = [
-            await service.create(p1, "bash", ["-c", "sleep 312.2 & wait"]),
-            await service.create(p2, "sleep", ["312.3"]),
+            await service.create(p1, "bash", ["-c", f"sleep {mark('312.2')} & wait"]),
+            await service.create(p2, "sleep", [mark("312.3")]),
             await service.create(p2, "true"),
         ]
         await service.halt_subprocess(records[1])
         assert await service.kill_all() is True
         assert service.ps() == []
-        assert not pgrep(r"sleep 312\.[23]")
+        assert not pgrep(rf"sleep 312\.[23]{SESSION}")
         assert os.listdir(log_dir(p1)) == [] and os.listdir(log_dir(p2)) == []
         assert await service.kill_all() is True  # nothing left: still verified empty
 
@@ -228,26 +241,27 @@ async def test_kill_project_leaves_other_projects_running(tmp_path: Path) -> Non
     p1, p2 = make_project(tmp_path, "one"), make_project(tmp_path, "two")
     async with engine_at(tmp_path) as engine:
         service = engine.service
-        await service.create(p1, "sleep", ["312.4"])
-        await service.create(p1, "sleep", ["312.4"])
-        other = await service.create(p2, "sleep", ["312.5"])
+        await service.create(p1, "sleep", [mark("312.4")])
+        await service.create(p1, "sleep", [mark("312.4")])
+        other = await service.create(p2, "sleep", [mark("312.5")])
         await service.kill_project(p1.id)
-        assert not pgrep(r"sleep 312\.4")
+        assert not pgrep(rf"sleep 312\.4{SESSION}")
         assert service.ps() == [other] and other.running
-        assert len(pgrep(r"sleep 312\.5")) == 1
+        assert len(pgrep(rf"sleep 312\.5{SESSION}")) == 1
         await service.kill_project("no-such-project")
         assert service.ps() == [other]
-    assert not pgrep(r"sleep 312\.5")
+    assert not pgrep(rf"sleep 312\.5{SESSION}")
 
 
+@pytest.mark.serial
 async def test_halt_pid_keeps_logs_and_record_then_second_halt_is_noop(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
         service = engine.service
-        sp = await service.create(project, "bash", ["-c", "echo kept; sleep 312.6"])
+        sp = await service.create(project, "bash", ["-c", f"echo kept; sleep {mark('312.6')}"])
         await wait_for_text(sp.stdout_path, "kept")
         assert await service.halt_pid(sp.pid) is True
-        assert not pgrep(r"sleep 312\.6")
+        assert not pgrep(rf"sleep 312\.6{SESSION}")
         assert service.ps() == [sp]
         assert service.summarize(sp).state is RunState.EXITED
         assert service.summarize(sp).reason is TerminationReason.CANCELLED
@@ -324,19 +338,20 @@ async def test_read_log_pages_by_offset_and_tail(tmp_path: Path) -> None:
 
 # ---- SP-01: a process that ignores SIGINT still dies within the budget (the 5 s default grace) -------
 
+# {k} numbers the operation and {s} is the session's digits: `sleep 301.11<SESSION>` and so on.
 _SP01_INPUTS = {
-    1: ("bash", "-c", "trap '' INT; echo ready; sleep 301.1{k}"),
+    1: ("bash", "-c", "trap '' INT; echo ready; sleep 301.1{k}{s}"),
     2: (
         "python3",
         "-c",
         "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('ready', flush=True); "
-        "time.sleep(301.2{k})",
+        "time.sleep(301.2{k}{s})",
     ),
     3: (
         "python3",
         "-c",
         "import os,signal,time; print('ready', flush=True); os.kill(os.getpid(), signal.SIGSTOP); "
-        "time.sleep(301.3{k})",
+        "time.sleep(301.3{k}{s})",
     ),
 }
 
@@ -348,7 +363,7 @@ async def test_kill_and_halt_end_sigint_ignoring_and_stopped_processes_within_bu
     try:
         async with engine_at(tmp_path, grace_seconds=5.0) as engine:
             service, tool = engine.service, engine.tool
-            bystander = await service.create(project, "sleep", ["301.99"])
+            bystander = await service.create(project, "sleep", [mark("301.99")])
             ops: dict[str, Callable[[SubProcess], Awaitable[object]]] = {
                 "kill_subprocess": service.kill_subprocess,
                 "kill_pid": lambda sp: service.kill_pid(sp.pid),
@@ -358,7 +373,7 @@ async def test_kill_and_halt_end_sigint_ignoring_and_stopped_processes_within_bu
             cases: list[tuple[int, int, str, SubProcess]] = []
             for case, argv in _SP01_INPUTS.items():
                 for k, op in enumerate(ops, start=1):
-                    sp = await service.create(project, argv[0], [a.format(k=k) for a in argv[1:]])
+                    sp = await service.create(project, argv[0], [a.format(k=k, s=SESSION) for a in argv[1:]])
                     cases.append((case, k, op, sp))
             for case, _k, _op, sp in cases:
                 await wait_for_text(sp.stdout_path, "ready")
@@ -373,7 +388,7 @@ async def test_kill_and_halt_end_sigint_ignoring_and_stopped_processes_within_bu
                 t1 = time.monotonic()
                 timings[case, op] = t1 - t0
                 # right after the call, no extra sleep: gone, reaped, nothing left
-                assert not pgrep(rf"301\.{case}{k}"), (case, op)
+                assert not pgrep(rf"301\.{case}{k}{SESSION}"), (case, op)
                 assert not proc_exists(sp.pid), (case, op)
                 if op == "tool":
                     assert outcome == f"SUBPROCESS KILLED\npid: {sp.pid}"
@@ -398,25 +413,26 @@ async def test_kill_and_halt_end_sigint_ignoring_and_stopped_processes_within_bu
             print("SP-01 timings (s):", {f"{c}/{o}": round(t, 2) for (c, o), t in sorted(timings.items())})
             assert max(timings.values()) <= 6.0, timings
             assert all(timings[c, o] >= 4.9 for c in (1, 2) for o in ops)  # the grace was honoured
-            assert bystander.running and len(pgrep(r"sleep 301\.99")) == 1
+            assert bystander.running and len(pgrep(rf"sleep 301\.99{SESSION}")) == 1
     finally:
-        kill_leftovers(r"301\.[1-3]|301\.99")
+        kill_leftovers(rf"301\.[1-3][1-4]{SESSION}|301\.99{SESSION}")
 
 
 # ---- SP-02: grandchildren, pipelines, nested shells, setsid escapees ---------------------------------
 
 _SP02 = {
-    "a": ("bash", "-c", "sleep 302.1 & sleep 302.2 & wait"),
-    "c": ("bash", "-c", "bash -c 'sleep 302.4; echo never' & wait"),
+    "a": ("bash", "-c", f"sleep {mark('302.1')} & sleep {mark('302.2')} & wait"),
+    "c": ("bash", "-c", f"bash -c 'sleep {mark('302.4')}; echo never' & wait"),
     "d": (
         "bash",
         "-c",
-        "setsid sleep 302.5 </dev/null >/dev/null 2>&1 & "
-        "setsid sh -c 'exec sleep 302.6' & echo spawned; wait",
+        f"setsid sleep {mark('302.5')} </dev/null >/dev/null 2>&1 & "
+        f"setsid sh -c 'exec sleep {mark('302.6')}' & echo spawned; wait",
     ),
 }
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("how", ["kill_subprocess", "kill_project", "kill_all"])
 async def test_kill_ends_background_jobs_nested_shells_and_setsid_escapees(tmp_path: Path, how: str) -> None:
     """SP-02 (a), (c), (d) with a short grace; the bound is the 6 s of the default budget."""
@@ -425,8 +441,8 @@ async def test_kill_ends_background_jobs_nested_shells_and_setsid_escapees(tmp_p
         async with engine_at(tmp_path) as engine:
             service = engine.service
             records = [await service.create(project, argv[0], argv[1:]) for argv in _SP02.values()]
-            await trio.sleep(0.5)
-            assert len(pgrep(r"^sleep 302\.[12456]")) == 5  # the sleeps themselves, not the shells
+            await wait_until(lambda: len(pgrep(rf"^sleep 302\.[12456]{SESSION}")) >= 5)
+            assert len(pgrep(rf"^sleep 302\.[12456]{SESSION}")) == 5  # the sleeps themselves, not the shells
             t0 = time.monotonic()
             if how == "kill_subprocess":
                 async with trio.open_nursery() as nursery:
@@ -438,31 +454,32 @@ async def test_kill_ends_background_jobs_nested_shells_and_setsid_escapees(tmp_p
                 assert await service.kill_all() is True
             elapsed = time.monotonic() - t0
             assert elapsed <= 6.0
-            assert not pgrep(r"sleep 302\.[12456]")
+            assert not pgrep(rf"sleep 302\.[12456]{SESSION}")
             ps_out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-            assert "302." not in ps_out.replace("302\\.", "")
+            assert not re.search(rf"302\.[0-9]{SESSION}", ps_out)
             assert all(not sp.exit.survivors for sp in records if sp.exit is not None)
             assert service.ps() == []  # the engine is alive and answers
     finally:
-        kill_leftovers(r"sleep 302\.")
+        kill_leftovers(rf"sleep 302\.[0-9]{SESSION}")
 
 
+@pytest.mark.serial
 async def test_kill_pipeline_returns_fast_with_default_grace(tmp_path: Path) -> None:
     """SP-02 (b): both ends of the pipeline die on SIGINT, so even the 5 s grace is not waited out."""
     project = make_project(tmp_path)
     async with engine_at(tmp_path, grace_seconds=5.0) as engine:
-        sp = await engine.service.create(project, "bash", ["-c", "yes 302.3 | cat > /dev/null"])
-        await trio.sleep(0.5)
-        assert pgrep(r"yes 302\.3")
+        sp = await engine.service.create(project, "bash", ["-c", f"yes {mark('302.3')} | cat > /dev/null"])
+        await wait_until(lambda: bool(pgrep(rf"yes 302\.3{SESSION}")))
         t0 = time.monotonic()
         assert await engine.service.kill_subprocess(sp) is True
         assert time.monotonic() - t0 <= 1.5
-        assert not pgrep(r"yes 302\.3")
+        assert not pgrep(rf"yes 302\.3{SESSION}")
 
 
 # ---- SP-11: spawn failures ------------------------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_create_spawn_failures_name_cause_and_leave_nothing(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     root = Path(project.directory)
@@ -527,6 +544,7 @@ async def test_create_missing_project_directory_is_a_spawn_error(tmp_path: Path)
 # ---- SP-14: halt, then read the logs ----------------------------------------------------------------
 
 
+@pytest.mark.serial
 async def test_halt_keeps_final_output_and_closes_logs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -538,15 +556,15 @@ async def test_halt_keeps_final_output_and_closes_logs(
         "def h(s,f):\n    print('cleanup-1', flush=True); time.sleep(0.5); print('cleanup-2'); sys.exit(0)\n"
         "signal.signal(signal.SIGINT, h)\n"
         "for i in range(3): print(f'tick {i}', flush=True)\n"
-        "time.sleep(309.1)"
+        f"time.sleep({mark('309.1')})"
     )
-    buffered = "import time; print('buffered-line'); time.sleep(309.2)"
+    buffered = f"import time; print('buffered-line'); time.sleep({mark('309.2')})"
     async with engine_at(tmp_path, grace_seconds=5.0) as engine:
         service = engine.service
         a = await service.create(project, "python3", ["-c", graceful])
         b = await service.create(project, "python3", ["-c", buffered])
         await wait_for_text(a.stdout_path, "tick 2")
-        await trio.sleep(0.5)
+        await trio.sleep(0.5)  # (b) printed by now, into its buffer: nothing to wait for but time
         assert service.summarize(b).status == "running"
         assert os.path.getsize(b.stdout_path) == 0
         for sp in (a, b):
@@ -580,8 +598,9 @@ async def test_logs_readable_after_exit_and_typed_error_after_kill(tmp_path: Pat
     async with engine_at(tmp_path) as engine:
         service = engine.service
         a = await service.create(project, "bash", ["-c", "echo short-lived"])
-        b = await service.create(project, "bash", ["-c", "echo before-kill; sleep 310.1"])
-        await trio.sleep(1.0)
+        b = await service.create(project, "bash", ["-c", f"echo before-kill; sleep {mark('310.1')}"])
+        with trio.fail_after(10):
+            await a.wait()
         assert await service.get_log(a.pid, "stdout") == "short-lived\n"
         assert service.summarize(a).status == "exited 0"
         assert await service.kill_pid(b.pid) is True
@@ -604,13 +623,14 @@ async def test_engine_shutdown_kills_all_and_removes_logs(tmp_path: Path) -> Non
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
         service: SubProcessService = engine.service
-        sp = await service.create(project, "bash", ["-c", "sleep 313.1 & wait"])
-        halted = await service.create(project, "sleep", ["313.2"])
+        sp = await service.create(project, "bash", ["-c", f"sleep {mark('313.1')} & wait"])
+        halted = await service.create(project, "sleep", [mark("313.2")])
         await service.halt_subprocess(halted)
-    assert not pgrep(r"sleep 313\.[12]")
+    assert not pgrep(rf"sleep 313\.[12]{SESSION}")
     assert not any(os.path.exists(p) for p in log_paths(sp) + log_paths(halted))
 
 
+@pytest.mark.machine_wide  # the demo looks for its server with a machine-wide `pgrep -f`
 def test_service_demo_runs_and_leaves_nothing() -> None:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "service_demo.py")],

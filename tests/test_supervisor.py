@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from engine import (
     ManagedRun,
@@ -22,7 +23,7 @@ from engine import (
     open_supervisor,
 )
 
-from .children import cooperative, open_fds, pgrep, proc_exists, py, wait_for_text
+from .children import SESSION, cooperative, mark, open_fds, pgrep, proc_exists, py, wait_for_text, wait_until
 
 
 async def test_wait_reports_exit_code() -> None:
@@ -106,10 +107,11 @@ async def test_spawn_without_inherit_env_uses_only_given_env(supervisor: Supervi
     assert names == {"ONLY", "PWD", "GADGET_ENGINE_RUN"}
 
 
+@pytest.mark.serial
 async def test_cancel_cooperative_child_is_fast_without_sigkill(tmp_path: Path) -> None:
     async with open_supervisor() as sup:  # the 5 s default grace: SIGINT alone must do it
         out = tmp_path / "out"
-        run = await sup.spawn(SpawnSpec(argv=cooperative("321.9"), stdout=str(out)))
+        run = await sup.spawn(SpawnSpec(argv=cooperative(mark("321.9")), stdout=str(out)))
         await wait_for_text(out, "ready")
         t0 = time.monotonic()
         result = await sup.cancel(run)
@@ -120,9 +122,10 @@ async def test_cancel_cooperative_child_is_fast_without_sigkill(tmp_path: Path) 
     assert out.read_text() == "ready\nbye\n"
 
 
+@pytest.mark.serial
 async def test_cancel_with_force_goes_straight_to_sigkill() -> None:
     async with open_supervisor() as sup:
-        run = await sup.spawn(SpawnSpec(argv=("sleep", "321.8")))
+        run = await sup.spawn(SpawnSpec(argv=("sleep", mark("321.8"))))
         t0 = time.monotonic()
         result = await sup.cancel(run, force=True)
     assert time.monotonic() - t0 < 1.0
@@ -139,7 +142,7 @@ async def test_cancel_of_exited_run_returns_same_exit(supervisor: Supervisor) ->
 
 
 async def test_cancel_twice_concurrently_escalates_once(supervisor: Supervisor) -> None:
-    run = await supervisor.spawn(SpawnSpec(argv=("sleep", "321.7")))
+    run = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("321.7"))))
     exits = []
 
     async def stop() -> None:
@@ -150,22 +153,23 @@ async def test_cancel_twice_concurrently_escalates_once(supervisor: Supervisor) 
             nursery.start_soon(stop)
             nursery.start_soon(stop)
     assert exits[0] is exits[1]
-    assert not pgrep(r"sleep 321\.7")
+    assert not pgrep(rf"sleep 321\.7{SESSION}")
 
 
 async def test_cancel_by_caller_cancellation_still_reaps(supervisor: Supervisor) -> None:
-    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "trap '' INT; sleep 321.6")))
-    await trio.sleep(0.1)
+    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", f"trap '' INT; sleep {mark('321.6')}")))
+    await wait_until(lambda: bool(pgrep(rf"^sleep 321\.6{SESSION}")))  # the trap is set
     with trio.move_on_after(0.05):
         await supervisor.cancel(run)
     # The caller's cancellation is re-raised only after the tree is reaped.
     assert run.state is RunState.EXITED
     assert not proc_exists(run.pid)
-    assert not pgrep(r"sleep 321\.6")
+    assert not pgrep(rf"sleep 321\.6{SESSION}")
 
 
+@pytest.mark.serial
 async def test_max_runtime_ends_the_run(supervisor: Supervisor) -> None:
-    run = await supervisor.spawn(SpawnSpec(argv=("sleep", "321.5"), max_runtime_seconds=0.2))
+    run = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("321.5")), max_runtime_seconds=0.2))
     with trio.fail_after(10):
         result = await run.wait()
     assert result.reason is TerminationReason.MAX_RUNTIME
@@ -175,22 +179,24 @@ async def test_max_runtime_ends_the_run(supervisor: Supervisor) -> None:
 
 async def test_leader_exit_cleans_group_left_behind(supervisor: Supervisor) -> None:
     run = await supervisor.spawn(
-        SpawnSpec(argv=("bash", "-c", "sleep 322.1 & setsid sleep 322.2 & sleep 0.2; exit 4"))
+        SpawnSpec(
+            argv=("bash", "-c", f"sleep {mark('322.1')} & setsid sleep {mark('322.2')} & sleep 0.2; exit 4")
+        )
     )
     with trio.fail_after(10):
         result = await run.wait()
     assert result.exit_code == 4
     assert result.reason is TerminationReason.EXIT
     assert result.escalated  # the & jobs ignore SIGINT
-    assert not pgrep(r"sleep 322\.[12]")
+    assert not pgrep(rf"sleep 322\.[12]{SESSION}")
 
 
 async def test_runs_lists_live_runs_by_scope(supervisor: Supervisor) -> None:
-    a = await supervisor.spawn(SpawnSpec(argv=("sleep", "323.1"), scope_key="a"))
-    b = await supervisor.spawn(SpawnSpec(argv=("sleep", "323.2"), scope_key="b"))
+    a = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("323.1")), scope_key="a"))
+    b = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("323.2")), scope_key="b"))
     assert supervisor.runs("a") == [a]
     assert supervisor.runs() == [a, b]
-    assert "323.1" in repr(a) and "running" in repr(a)
+    assert mark("323.1") in repr(a) and "running" in repr(a)
     exits = await supervisor.cancel_scope("a")
     assert len(exits) == 1 and exits[0].reason is TerminationReason.CANCELLED
     assert supervisor.runs() == [b]
@@ -198,8 +204,10 @@ async def test_runs_lists_live_runs_by_scope(supervisor: Supervisor) -> None:
 
 
 async def test_replace_existing_reaps_old_run_before_new_pid_exists(supervisor: Supervisor) -> None:
-    a = await supervisor.spawn(SpawnSpec(argv=("sleep", "324.1"), scope_key="k"))
-    b = await supervisor.spawn(SpawnSpec(argv=("sleep", "324.2"), scope_key="k", replace_existing_scope=True))
+    a = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("324.1")), scope_key="k"))
+    b = await supervisor.spawn(
+        SpawnSpec(argv=("sleep", mark("324.2")), scope_key="k", replace_existing_scope=True)
+    )
     assert a.state is RunState.EXITED
     assert a.exit is not None and a.exit.reason is TerminationReason.CANCELLED
     assert not proc_exists(a.pid)
@@ -207,11 +215,13 @@ async def test_replace_existing_reaps_old_run_before_new_pid_exists(supervisor: 
 
 
 async def test_replace_existing_concurrent_replacements_leave_one_run(supervisor: Supervisor) -> None:
-    await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "trap '' INT; sleep 324.3"), scope_key="k"))
+    await supervisor.spawn(
+        SpawnSpec(argv=("bash", "-c", f"trap '' INT; sleep {mark('324.3')}"), scope_key="k")
+    )
     started: list[ManagedRun] = []
 
     async def replace(n: int) -> None:
-        spec = SpawnSpec(argv=("sleep", f"324.{4 + n}"), scope_key="k", replace_existing_scope=True)
+        spec = SpawnSpec(argv=("sleep", mark(f"324.{4 + n}")), scope_key="k", replace_existing_scope=True)
         started.append(await supervisor.spawn(spec))
 
     with trio.fail_after(15):
@@ -221,21 +231,25 @@ async def test_replace_existing_concurrent_replacements_leave_one_run(supervisor
     live = supervisor.runs("k")
     assert len(live) == 1
     assert live[0] is started[-1]
-    assert len(pgrep(r"sleep 324\.")) == 1
+    assert len(pgrep(rf"sleep 324\.[0-9]{SESSION}")) == 1
 
 
 async def test_cancel_scope_covers_replacement_in_flight(supervisor: Supervisor) -> None:
-    await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "trap '' INT; sleep 324.9"), scope_key="k"))
+    await supervisor.spawn(
+        SpawnSpec(argv=("bash", "-c", f"trap '' INT; sleep {mark('324.9')}"), scope_key="k")
+    )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
             supervisor.spawn,
-            SpawnSpec(argv=("sleep", "324.91"), scope_key="k", replace_existing_scope=True),
+            SpawnSpec(argv=("sleep", mark("324.91")), scope_key="k", replace_existing_scope=True),
         )
-        await trio.sleep(0.05)  # the replacement now holds the key, waiting for the old run
+        await (
+            trio.testing.wait_all_tasks_blocked()
+        )  # the replacement now holds the key, waiting for the old run
         with trio.fail_after(10):
             await supervisor.cancel_scope("k")
     assert supervisor.runs("k") == []
-    assert not pgrep(r"sleep 324\.9")
+    assert not pgrep(rf"sleep 324\.9{SESSION}|sleep 324\.91{SESSION}")
 
 
 async def test_spawn_in_five_hundred_runs_leaves_fd_count_unchanged(
@@ -261,9 +275,10 @@ async def test_open_supervisor_exit_reaps_every_child(how: str) -> None:
 
     async def body() -> None:
         async with open_supervisor(grace_seconds=0.3) as sup:
-            for argv in (("sleep", "326.1"), ("bash", "-c", "sleep 326.2 & setsid sleep 326.3 & wait")):
+            shell = f"sleep {mark('326.2')} & setsid sleep {mark('326.3')} & wait"
+            for argv in (("sleep", mark("326.1")), ("bash", "-c", shell)):
                 pids.append((await sup.spawn(SpawnSpec(argv=argv))).pid)
-            await trio.sleep(0.2)
+            await wait_until(lambda: len(pgrep(rf"^sleep 326\.[123]{SESSION}")) == 3)
             if how == "raise":
                 raise KeyError("boom")
             if how == "cancel":
@@ -279,7 +294,7 @@ async def test_open_supervisor_exit_reaps_every_child(how: str) -> None:
             assert scope.cancelled_caught
         else:
             await body()
-    assert not pgrep(r"sleep 326\.")
+    assert not pgrep(rf"sleep 326\.[123]{SESSION}")
     assert not any(proc_exists(p) for p in pids)
 
 
@@ -309,7 +324,7 @@ def test_spawn_spec_rejects_bad_input(kwargs: dict[str, object], error: type[Exc
 
 
 async def test_spawn_bad_cwd_raises_and_registers_nothing(supervisor: Supervisor, tmp_path: Path) -> None:
-    other = await supervisor.spawn(SpawnSpec(argv=("sleep", "327.1")))
+    other = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("327.1"))))
     with pytest.raises(SpawnError, match="working directory") as info:
         await supervisor.spawn(SpawnSpec(argv=("true",), cwd=str(tmp_path / "missing")))
     assert info.value.filename == str(tmp_path / "missing")
@@ -324,12 +339,13 @@ def test_engine_with_sigint_ignored_still_stops_child_with_sigint(tmp_path: Path
         "from engine import open_supervisor, SpawnSpec\n"
         "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
         "code='import signal,sys,time\\ndef h(s,f):\\n    sys.exit(7)\\n"
-        "signal.signal(signal.SIGINT,h)\\nprint(1,flush=True)\\ntime.sleep(30)'\n"
+        f"signal.signal(signal.SIGINT,h)\\nprint(1,flush=True)\\ntime.sleep({mark('30.1')})'\n"
         "async def main():\n"
         "    async with open_supervisor(grace_seconds=5) as sup:\n"
         f"        out = {str(tmp_path / 'o')!r}\n"
         "        run = await sup.spawn(SpawnSpec(argv=(sys.executable,'-c',code), stdout=out))\n"
-        "        await trio.sleep(0.5)\n"
+        "        while '1' not in open(out).read():\n"  # the handler is set
+        "            await trio.sleep(0.01)\n"
         "        print(await sup.cancel(run))\n"
         "trio.run(main)\n"
     )

@@ -18,7 +18,18 @@ import trio
 from engine import ManagedRun, RunExit, SpawnSpec, Supervisor, open_supervisor
 from engine._procfs import scan_processes
 
-from .children import ignoring_sigint, kill_leftovers, pgrep, proc_exists, py, wait_for_state, wait_for_text
+from .children import (
+    SESSION,
+    ignoring_sigint,
+    kill_leftovers,
+    mark,
+    pgrep,
+    proc_exists,
+    py,
+    wait_for_state,
+    wait_for_text,
+    wait_until,
+)
 
 Check = Callable[[], Awaitable[None]]
 
@@ -29,22 +40,23 @@ async def _timed_cancel(sup: Supervisor, run: ManagedRun) -> tuple[float, RunExi
     return time.monotonic() - t0, result
 
 
-MARKERS = {"bash": r"301\.1", "python": r"301\.2", "stopped": r"301\.3"}
+MARKERS = {"bash": rf"301\.1{SESSION}", "python": rf"301\.2{SESSION}", "stopped": rf"301\.3{SESSION}"}
 
 
+@pytest.mark.serial
 async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Path) -> None:
     inputs = {
-        "bash": ("bash", "-c", "trap '' INT; echo ready; sleep 301.1"),
-        "python": ignoring_sigint("301.2"),
+        "bash": ("bash", "-c", f"trap '' INT; echo ready; sleep {mark('301.1')}"),
+        "python": ignoring_sigint(mark("301.2")),
         "stopped": py(
             "import os,signal,time; print('ready', flush=True); "
-            "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(301.3)"
+            f"os.kill(os.getpid(), signal.SIGSTOP); time.sleep({mark('301.3')})"
         ),
     }
     results: dict[str, tuple[float, RunExit, int]] = {}
     try:
         async with open_supervisor() as sup:
-            bystander = await sup.spawn(SpawnSpec(argv=("sleep", "301.9")))
+            bystander = await sup.spawn(SpawnSpec(argv=("sleep", mark("301.9"))))
             runs = {}
             for name, argv in inputs.items():
                 out = tmp_path / f"{name}.out"
@@ -64,9 +76,9 @@ async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Pa
                     for name in inputs:
                         nursery.start_soon(kill, name)
             assert bystander.exit is None  # the unrelated run goes on
-            assert pgrep(r"sleep 301\.9")
+            assert pgrep(rf"sleep 301\.9{SESSION}")
     finally:
-        kill_leftovers(r"301\.[1239]")
+        kill_leftovers(rf"301\.[1239]{SESSION}")
     for name, (elapsed, result, _pid) in results.items():
         assert elapsed <= 6.0, name
         if name != "stopped":
@@ -77,20 +89,21 @@ async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Pa
 
 
 SP02 = {
-    "a": ("bash", "-c", "sleep 302.1 & sleep 302.2 & wait"),
-    "b": ("bash", "-c", "yes 302.3 | cat > /dev/null"),
-    "c": ("bash", "-c", "bash -c 'sleep 302.4; echo never' & wait"),
+    "a": ("bash", "-c", f"sleep {mark('302.1')} & sleep {mark('302.2')} & wait"),
+    "b": ("bash", "-c", f"yes {mark('302.3')} | cat > /dev/null"),
+    "c": ("bash", "-c", f"bash -c 'sleep {mark('302.4')}; echo never' & wait"),
     # The issue's own case: `&` jobs ignore SIGINT, so SIGKILL after the 5 s grace is needed.
-    "issue": ("bash", "-c", "sleep 321.1 & sleep 321.2 & wait"),
+    "issue": ("bash", "-c", f"sleep {mark('321.1')} & sleep {mark('321.2')} & wait"),
     "d": (
         "bash",
         "-c",
-        "setsid sleep 302.5 </dev/null >/dev/null 2>&1 & "
-        "setsid sh -c 'exec sleep 302.6' & echo spawned; wait",
+        f"setsid sleep {mark('302.5')} </dev/null >/dev/null 2>&1 & "
+        f"setsid sh -c 'exec sleep {mark('302.6')}' & echo spawned; wait",
     ),
 }
 
 
+@pytest.mark.serial
 async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
     timings: dict[str, float] = {}
     try:
@@ -100,9 +113,9 @@ async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
                 out = tmp_path / f"{name}.out"
                 runs[name] = await sup.spawn(SpawnSpec(argv=argv, stdout=str(out), stderr=str(out)))
             await wait_for_text(tmp_path / "d.out", "spawned")
-            await trio.sleep(0.5)
-            assert pgrep(r"sleep 302\.5") and pgrep(r"sleep 302\.6")
-            sleeps = pgrep(r"^sleep 321\.[12]")
+            await wait_until(lambda: len(pgrep(rf"^sleep (302\.[12456]|321\.[12]){SESSION}")) >= 7)
+            assert pgrep(rf"sleep 302\.5{SESSION}") and pgrep(rf"sleep 302\.6{SESSION}")
+            sleeps = pgrep(rf"^sleep 321\.[12]{SESSION}")
             assert len(sleeps) == 2
 
             async def kill(name: str) -> None:
@@ -114,12 +127,12 @@ async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
                 async with trio.open_nursery() as nursery:
                     for name in SP02:
                         nursery.start_soon(kill, name)
-            assert not pgrep(r"30[2]\.[1-6]")
-            assert not pgrep(r"321\.[12]")
+            assert not pgrep(rf"30[2]\.[1-6]{SESSION}")
+            assert not pgrep(rf"321\.[12]{SESSION}")
             assert not any(proc_exists(p) for p in [*sleeps, *(r.pid for r in runs.values())])
             assert sup.runs() == []  # the engine is alive and answers
     finally:
-        kill_leftovers(r"302\.[1-6]|321\.[12]")
+        kill_leftovers(rf"302\.[1-6]{SESSION}|321\.[12]{SESSION}")
     assert timings["b"] <= 1.5
     for name in ("a", "c", "d", "issue"):
         assert timings[name] <= 6.0
@@ -129,59 +142,60 @@ async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
 
 async def test_cancel_group_leaves_no_reparented_survivor() -> None:
     async with open_supervisor(grace_seconds=0.3) as sup:
-        run = await sup.spawn(SpawnSpec(argv=("bash", "-c", "sleep 321.1 & sleep 321.2 & wait")))
-        await trio.sleep(0.3)
+        argv = ("bash", "-c", f"sleep {mark('321.1')} & sleep {mark('321.2')} & wait")
+        run = await sup.spawn(SpawnSpec(argv=argv))
+        await wait_until(lambda: len(pgrep(rf"^sleep 321\.[12]{SESSION}")) == 2)
         with trio.fail_after(10):
             result = await sup.cancel(run)
     assert result.escalated
-    assert not pgrep(r"sleep 321\.[12]")
+    assert not pgrep(rf"sleep 321\.[12]{SESSION}")
 
 
 async def test_cancel_setsid_escapee_is_ended(supervisor: Supervisor) -> None:
-    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", "setsid sleep 321.3 & wait")))
-    await trio.sleep(0.3)
-    assert pgrep(r"sleep 321\.3")
+    run = await supervisor.spawn(SpawnSpec(argv=("bash", "-c", f"setsid sleep {mark('321.3')} & wait")))
+    await wait_until(lambda: bool(pgrep(rf"sleep 321\.3{SESSION}")))
     with trio.fail_after(10):
         await supervisor.cancel(run)
-    assert not pgrep(r"sleep 321\.3")
+    assert not pgrep(rf"sleep 321\.3{SESSION}")
 
 
 @pytest.mark.parametrize("subreaper", [True, False])
 async def test_cancel_double_forked_daemon_found_by_marker(subreaper: bool) -> None:
     async with open_supervisor(grace_seconds=0.3, subreaper=subreaper) as sup:
         run = await sup.spawn(
-            SpawnSpec(argv=("bash", "-c", "(setsid sleep 321.4 &) ; echo forked; sleep 321.5"))
+            SpawnSpec(
+                argv=("bash", "-c", f"(setsid sleep {mark('321.4')} &) ; echo forked; sleep {mark('321.5')}")
+            )
         )
-        await trio.sleep(0.3)
-        assert pgrep(r"sleep 321\.4")
+        await wait_until(lambda: bool(pgrep(rf"sleep 321\.4{SESSION}")))
         with trio.fail_after(10):
             await sup.cancel(run)
     try:
-        assert not pgrep(r"sleep 321\.[45]")
+        assert not pgrep(rf"sleep 321\.[45]{SESSION}")
     finally:
-        kill_leftovers(r"sleep 321\.[45]")
+        kill_leftovers(rf"sleep 321\.[45]{SESSION}")
 
 
 async def test_leader_exit_racing_setsid_child_leaves_nothing(supervisor: Supervisor) -> None:
     # The child may call setsid() after it was seen as a group member: it is still tracked by pid.
     runs = [
-        await supervisor.spawn(SpawnSpec(argv=("bash", "-c", f"setsid sleep 338.{n} & exit 0")))
+        await supervisor.spawn(SpawnSpec(argv=("bash", "-c", f"setsid sleep {mark(f'338.{n}')} & exit 0")))
         for n in range(1, 21)
     ]
     try:
         with trio.fail_after(20):
             for run in runs:
                 await run.wait()
-        assert not pgrep(r"^sleep 338\.")
+        assert not pgrep(rf"^sleep 338\.[0-9]+{SESSION}")
     finally:
-        kill_leftovers(r"sleep 338\.")
+        kill_leftovers(rf"sleep 338\.[0-9]+{SESSION}")
 
 
 DOUBLE_FORK = (
     "import os,time\n"
     "if os.fork()==0:\n"
     "    os.setsid()\n"
-    "    if os.fork()==0: time.sleep(339.1); os._exit(0)\n"
+    f"    if os.fork()==0: time.sleep({mark('339.1')}); os._exit(0)\n"
     "    os._exit(0)\n"
     "time.sleep(0.3)"
 )
@@ -191,7 +205,7 @@ DOUBLE_FORK = (
     "argv",
     [
         py(DOUBLE_FORK),
-        ("bash", "-c", "(setsid bash -c 'sleep 339.2 & exit' &) ; sleep 0.3"),
+        ("bash", "-c", f"(setsid bash -c 'sleep {mark('339.2')} & exit' &) ; sleep 0.3"),
     ],
 )
 async def test_leader_exit_reaps_adopted_zombies_of_double_fork(
@@ -204,6 +218,7 @@ async def test_leader_exit_reaps_adopted_zombies_of_double_fork(
         me = os.getpid()
         zombies = [p for p in scan_processes() if p.ppid == me and p.zombie]
         assert zombies == []  # the middle process of the double fork was reaped, not left defunct
-        assert not pgrep(r"^sleep 339\.")
+        # The sleeps, and the Python grandchild too (a forked child keeps its parent's argv).
+        assert not pgrep(rf"339\.[12]{SESSION}")
     finally:
-        kill_leftovers(r"sleep 339\.")
+        kill_leftovers(rf"339\.[12]{SESSION}")

@@ -20,7 +20,7 @@ from engine import Project, SubprocessTool, open_engine
 from engine._config import EngineConfig
 from engine._tool import COMMANDS
 
-from .children import pgrep, proc_exists, wait_for_text
+from .children import SESSION, mark, pgrep, proc_exists, wait_for_text
 from .service_support import engine_at, log_dir, make_project
 
 _CREATED = re.compile(r"SUBPROCESS CREATED\npid: (\d+)\nstdout: (/\S+)\nstderr: (/\S+)")
@@ -76,7 +76,8 @@ async def test_tool_create_list_log_halt_kill_texts(tmp_path: Path) -> None:
     async with engine_at(tmp_path) as engine:
         tool, service = engine.tool, engine.service
         created = await tool.execute(
-            {"cmd": "create", "command": "bash", "args": ["-c", "echo hello; sleep 314.1"]}, project
+            {"cmd": "create", "command": "bash", "args": ["-c", f"echo hello; sleep {mark('314.1')}"]},
+            project,
         )
         match = _CREATED.fullmatch(created)
         assert match, created
@@ -105,7 +106,7 @@ async def test_tool_create_list_log_halt_kill_texts(tmp_path: Path) -> None:
             f"SUBPROCESS HALTED\npid: {pid}\n"
             "The process has been stopped. Log files are retained for inspection."
         )
-        assert not pgrep(r"sleep 314\.1")
+        assert not pgrep(rf"sleep 314\.1{SESSION}")
         assert await tool.execute({"cmd": "log", "pid": pid, "which": "stdout"}, project) == log
         assert "status: killed by signal 2 (SIGINT)" in await tool.execute({"cmd": "list"}, project)
 
@@ -117,13 +118,13 @@ async def test_tool_create_list_log_halt_kill_texts(tmp_path: Path) -> None:
             == "SUBPROCESS LIST\nNo subprocesses in this project."
         )
 
-        await tool.execute({"cmd": "create", "command": "sleep", "args": ["314.2"]}, project)
-        await tool.execute({"cmd": "create", "command": "sleep", "args": ["314.2"]}, project)
+        await tool.execute({"cmd": "create", "command": "sleep", "args": [mark("314.2")]}, project)
+        await tool.execute({"cmd": "create", "command": "sleep", "args": [mark("314.2")]}, project)
         killall = await tool.execute({"cmd": "killAll"}, project)
         assert killall == (
             "SUBPROCESS KILLALL\nAll managed subprocesses have been terminated and their logs removed."
         )
-        assert not pgrep(r"sleep 314\.2") and service.ps() == []
+        assert not pgrep(rf"sleep 314\.2{SESSION}") and service.ps() == []
 
 
 async def test_tool_log_pages_and_says_what_was_left_out(tmp_path: Path) -> None:
@@ -190,7 +191,7 @@ async def test_tool_rejects_bad_parameters_and_changes_nothing(tmp_path: Path) -
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
         tool, service = engine.tool, engine.service
-        sp = await service.create(project, "sleep", ["314.3"])
+        sp = await service.create(project, "sleep", [mark("314.3")])
         files = sorted(os.listdir(log_dir(project)))
         for raw in _BAD_PARAMS:
             params = (
@@ -216,21 +217,21 @@ async def test_tool_reports_service_errors_as_text(tmp_path: Path) -> None:
             and "not found" in missing
             and "no-such-program-314" in missing
         )
-        await tool.execute({"cmd": "create", "command": "sleep", "args": ["314.4"]}, project)
-        limited = await tool.execute({"cmd": "create", "command": "sleep", "args": ["314.4"]}, project)
+        await tool.execute({"cmd": "create", "command": "sleep", "args": [mark("314.4")]}, project)
+        limited = await tool.execute({"cmd": "create", "command": "sleep", "args": [mark("314.4")]}, project)
         assert limited.startswith("SUBPROCESS ERROR: max_processes_per_project")
         gone = await tool.execute({"cmd": "kill", "pid": 999999}, project)
         assert gone.startswith("SUBPROCESS ERROR: no subprocess with pid 999999 in this project")
-        assert len(pgrep(r"sleep 314\.4")) == 1
+        assert len(pgrep(rf"sleep 314\.4{SESSION}")) == 1
 
 
 async def test_tool_acts_on_the_calling_project_only(tmp_path: Path) -> None:
     mine, theirs = make_project(tmp_path, "mine"), make_project(tmp_path, "theirs")
     async with engine_at(tmp_path) as engine:
         tool, service = engine.tool, engine.service
-        a = await service.create(mine, "sleep", ["314.5"])
-        b = await service.create(theirs, "sleep", ["314.6"])
-        c = await service.create(theirs, "sleep", ["314.6"])
+        a = await service.create(mine, "sleep", [mark("314.5")])
+        b = await service.create(theirs, "sleep", [mark("314.6")])
+        c = await service.create(theirs, "sleep", [mark("314.6")])
         for cmd in ("kill", "halt"):
             text = await tool.execute({"cmd": cmd, "pid": b.pid}, mine)
             assert text.startswith("SUBPROCESS ERROR: no subprocess with pid"), text
@@ -241,20 +242,22 @@ async def test_tool_acts_on_the_calling_project_only(tmp_path: Path) -> None:
         assert await tool.execute({"cmd": "killAll"}, mine) == (
             "SUBPROCESS KILLALL\nAll managed subprocesses have been terminated and their logs removed."
         )
-        assert not pgrep(r"sleep 314\.5")
-        assert len(pgrep(r"sleep 314\.6")) == 2 and b.running and c.running
+        assert not pgrep(rf"sleep 314\.5{SESSION}")
+        assert len(pgrep(rf"sleep 314\.6{SESSION}")) == 2 and b.running and c.running
         assert service.ps() == [b, c]
 
 
 async def test_tool_kill_cancelled_still_ends_the_process_then_propagates(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
-        sp = await engine.service.create(project, "bash", ["-c", "trap '' INT; echo ready; sleep 314.7"])
+        sp = await engine.service.create(
+            project, "bash", ["-c", f"trap '' INT; echo ready; sleep {mark('314.7')}"]
+        )
         await wait_for_text(sp.stdout_path, "ready")
         with trio.move_on_after(0.05) as scope:
             await engine.tool.execute({"cmd": "kill", "pid": sp.pid}, project)
         assert scope.cancelled_caught
-        assert not proc_exists(sp.pid) and not pgrep(r"sleep 314\.7")
+        assert not proc_exists(sp.pid) and not pgrep(rf"sleep 314\.7{SESSION}")
         assert engine.service.ps() == []
 
 

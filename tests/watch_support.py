@@ -13,6 +13,10 @@ import trio
 from engine import CronJob, Engine, EngineConfig, FiredEvent, SqliteJobStore, open_engine
 from engine.cron._protocol import JobChange
 
+from .children import wait_until
+
+__all__ = ["TEST_SHELL", "FlakyStore", "config", "engine_with", "wait_events", "wait_until"]
+
 #: Tests run watched commands with plain bash (no login profile, ~1 ms) unless the profile is the point.
 TEST_SHELL = ("bash", "-c", "--")
 
@@ -70,9 +74,3 @@ async def wait_events(engine: Engine, count: int, *, seconds: float = 10.0) -> l
         while len(events := await engine.cron.events()) < count:
             await trio.sleep(0.02)
     return events
-
-
-async def wait_until(predicate: Callable[[], bool], *, seconds: float = 10.0) -> None:
-    with trio.fail_after(seconds):
-        while not predicate():
-            await trio.sleep(0.02)
