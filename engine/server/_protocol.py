@@ -21,6 +21,7 @@ from typing import Any, Final
 from .._errors import (
     EngineError,
     EngineLockedError,
+    InvalidArgumentError,
     InvalidScheduleError,
     JobNotFoundError,
     LimitExceededError,
@@ -68,6 +69,7 @@ APPLICATION_CODES: Final[tuple[tuple[type[EngineError], int], ...]] = (
     (InvalidScheduleError, -32005),
     (StoreError, -32006),
     (EngineLockedError, -32007),
+    (InvalidArgumentError, -32008),
     (EngineError, -32000),
 )
 
