@@ -236,6 +236,8 @@ async def test_service_bad_input_raises_typed_errors_and_writes_nothing(
         for call in (cron.get, cron.remove, cron.enable, cron.disable, cron.run_now):
             with pytest.raises(JobNotFoundError, match="nope"):
                 await call("nope")
+            with pytest.raises(InvalidArgumentError, match="job_id holds the lone surrogate"):
+                await call("\udcff")  # was a UnicodeEncodeError from SQLite
         with pytest.raises(InvalidArgumentError, match="since"):
             await cron.events(since=-1)
 

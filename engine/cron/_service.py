@@ -205,9 +205,11 @@ class CronService:
         Raises:
             JobNotFoundError: no job has this id.
             InvalidScheduleError: an invalid schedule or payload (the field named); nothing is written.
-            InvalidArgumentError: an unknown field, or an invalid name or flag; nothing is written.
+            InvalidArgumentError: ``job_id`` is not text, an unknown field, or an invalid name or flag;
+                nothing is written.
             StoreError: the write failed; nothing is written.
         """
+        check_text(job_id, "job_id")
         for key, value in changes.items():
             if key not in _UPDATABLE:
                 raise InvalidArgumentError(
@@ -258,8 +260,10 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
             StoreError: the write failed; nothing is deleted.
         """
+        check_text(job_id, "job_id")
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.CancelScope(shield=True):  # once the delete ran, the run must be told below
             _job, event = await self.store.delete_job(job_id, acked=self.on_fire is None)
@@ -291,7 +295,9 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
         """
+        check_text(job_id, "job_id")
         return await self.store.get_job(job_id)
 
     async def list(self, *, include_disabled: bool = True) -> builtins.list[CronJob]:
@@ -323,8 +329,10 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
             StoreError: the claim could not be written; nothing runs.
         """
+        check_text(job_id, "job_id")
         while (busy := self._running.get(job_id)) is not None:
             await busy.wait()
         done = await self._claim_and_start(job_id, self._wall(), forced=True)
