@@ -34,7 +34,7 @@ from .._input import (
     show,
 )
 from .._project import Project
-from ..cron._job import Payload, payload_to_dict, schedule_to_dict
+from ..cron._job import Command, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 
 __all__ = ["InvalidParamsError", "MethodNotFoundError", "Methods", "to_wire"]
@@ -95,11 +95,7 @@ def _may(read: Reader) -> _Param:
     return _Param(read)
 
 
-def _pid(value: object, field: str) -> int:
-    return read_whole(value, field, 1)
-
-
-def _count(value: object, field: str) -> int:
+def _positive(value: object, field: str) -> int:
     return read_whole(value, field, 1)
 
 
@@ -133,8 +129,8 @@ def to_wire(params: Mapping[str, object]) -> dict[str, object]:
     for name, value in params.items():
         if isinstance(value, At | Every | Cron | OnExit):
             value = schedule_to_dict(value)
-        elif name == "payload":
-            value = payload_to_dict(value)  # type: ignore[arg-type]  # typed params: a Payload
+        elif isinstance(value, SystemEvent | Command):
+            value = payload_to_dict(value)
         elif isinstance(value, Project):
             value = value.directory
         elif isinstance(value, tuple):
@@ -241,17 +237,17 @@ class Methods:
             if project is None or sp.project.id == project.id
         ]
 
-    @_method("subprocess.summarize", pid=_need(_pid))
+    @_method("subprocess.summarize", pid=_need(_positive))
     async def _summarize(self, pid: int) -> object:
         await trio.lowlevel.checkpoint()
         service = self.engine.service
         return service.summarize(service.lookup(pid)).to_dict()
 
-    @_method("subprocess.kill", pid=_need(_pid))
+    @_method("subprocess.kill", pid=_need(_positive))
     async def _kill(self, pid: int) -> object:
         return {"pid": pid, "stopped": await self.engine.service.kill_pid(pid)}
 
-    @_method("subprocess.halt", pid=_need(_pid))
+    @_method("subprocess.halt", pid=_need(_positive))
     async def _halt(self, pid: int) -> object:
         return {"pid": pid, "stopped": await self.engine.service.halt_pid(pid)}
 
@@ -276,12 +272,12 @@ class Methods:
         check=lambda p: check_read_args(
             p.get("offset"), p.get("limit"), p.get("tail"), p.get("max_bytes", READ_LOG_MAX_BYTES)
         ),
-        pid=_need(_pid),
+        pid=_need(_positive),
         stream=_may(read_stream),
         offset=_may(_offset),
-        limit=_may(_count),
-        tail=_may(_count),
-        max_bytes=_may(_count),
+        limit=_may(_positive),
+        tail=_may(_positive),
+        max_bytes=_may(_positive),
     )
     async def _read_log(
         self,
@@ -374,7 +370,7 @@ class Methods:
         await self.engine.cron.run_now(job_id)
         return {"job_id": job_id}
 
-    @_method("events", since=_may(_offset), limit=_may(_count))
+    @_method("events", since=_may(_offset), limit=_may(_positive))
     async def _events(self, since: int = 0, limit: int | None = None) -> object:
         events = await self.engine.cron.events(since)
         return [event.to_dict() for event in events[:limit]]
