@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ._engine import open_engine as open_engine
     from ._errors import EngineError as EngineError
     from ._errors import EngineLockedError as EngineLockedError
+    from ._errors import InvalidArgumentError as InvalidArgumentError
     from ._errors import InvalidScheduleError as InvalidScheduleError
     from ._errors import JobNotFoundError as JobNotFoundError
     from ._errors import LimitExceededError as LimitExceededError
@@ -86,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "EngineNotRunningError": ".server._client",
     "Every": ".cron",
     "FiredEvent": ".cron",
+    "InvalidArgumentError": "._errors",
     "InvalidScheduleError": "._errors",
     "JobNotFoundError": "._errors",
     "JobStatus": ".cron",

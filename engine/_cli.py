@@ -9,35 +9,69 @@ the subcommand. Exit codes: 0 ok, 1 the operation failed (one line on stderr), 2
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from . import _cli_commands as commands
 from ._cli_commands import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError
-from ._errors import EngineError
+from ._errors import EngineError, InvalidArgumentError
+from ._input import check_env, check_json, read_seconds, read_whole, show
 from .server._client import EngineClient, EngineNotRunningError
 
 __all__ = ["main"]
 
-# ---- parsing -----------------------------------------------------------------------------------------
+# ---- parsing: argparse types over the reader of loose input (engine._input) ---------------------------
 
 
-def _env_item(value: str) -> str:
-    key, sep, _ = value.partition("=")
+def _env_item(value: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of ``-e``: a variable name without ``=``, and its value."""
+    key, sep, text = value.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
-    return value
-
-
-def _positive_int(value: str) -> int:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {show(value)}")
     try:
-        number = int(value)
+        check_env({key: text}, "-e")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return key, text
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number ``>= minimum`` (as :func:`engine._input.read_whole`)."""
+
+    def parse(text: str) -> int:
+        try:
+            return read_whole(int(text), "the value", minimum)
+        except (ValueError, InvalidArgumentError):
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number >= {minimum}, got {show(text)}"
+            ) from None
+
+    return parse
+
+
+_positive_int = _whole(1)
+
+
+def _finite_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (``nan`` and ``inf`` are usage errors)."""
+    try:
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
-    return number
+        raise argparse.ArgumentTypeError(f"{show(text)} is not a number of seconds") from None
+    try:
+        return read_seconds(value, "the value")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _check_strings(args: argparse.Namespace) -> None:
+    """Refuse any string argument the engine could not carry (NUL, bytes that are not UTF-8): exit 2."""
+    for name, value in vars(args).items():
+        if isinstance(value, str | list):
+            try:
+                check_json(value, name)
+            except InvalidArgumentError as exc:
+                args.parser.error(str(exc))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -116,7 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
         add_cron(name, commands.cron_change(method, verb), help_text).add_argument("job_id", metavar="JOB_ID")
 
     p = add("events", commands.events, "print fired events")
-    p.add_argument("--since", type=int, default=0, metavar="CURSOR", help="only events after CURSOR")
+    p.add_argument("--since", type=_whole(0), default=0, metavar="CURSOR", help="only events after CURSOR")
     p.add_argument("--follow", action="store_true", help="wait for new events until Ctrl-C")
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
@@ -147,17 +181,6 @@ def _one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def _finite_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0 (``nan`` and ``inf`` are usage errors)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gadget-engine`` command line and return its exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -167,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json = getattr(args, "json", False)
     if args.handler is None:
         args.parser.error("a subcommand is required")
+    _check_strings(args)
     try:
         if args.handler in (commands.serve, commands.mcp):
             return int(args.handler(args))

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final
 
+from ._errors import InvalidArgumentError
+from ._input import check_json
 from .server._client import EngineClient
 from .server._location import resolve_state_dir
 from .server._protocol import decode_line, describe_schedule
@@ -108,10 +110,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def create(client: EngineClient, args: argparse.Namespace) -> int:
-    env: dict[str, str] = {}
-    for item in args.env or ():
-        key, _, value = item.partition("=")
-        env[key] = value
+    env = dict(args.env or ())
     summary = client.call(
         "subprocess.create",
         project=os.path.abspath(args.project),
@@ -314,6 +313,10 @@ def tool(client: EngineClient, args: argparse.Namespace) -> int:
         args.parser.error(f"JSON must be a JSON object of tool parameters: {exc}")
     if not isinstance(params, dict):
         args.parser.error('JSON must be a JSON object of tool parameters, e.g. \'{"cmd": "list"}\'')
+    try:
+        check_json(params, "JSON")  # what the wire cannot carry is refused here, not half-sent
+    except InvalidArgumentError as exc:
+        args.parser.error(str(exc))
     result = client.call("tool.execute", params=params, project=os.path.abspath(args.project))
     if args.json:
         _emit_json([result])

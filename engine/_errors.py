@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "EngineError",
     "EngineLockedError",
+    "InvalidArgumentError",
     "InvalidScheduleError",
     "JobNotFoundError",
     "LimitExceededError",
@@ -52,7 +53,22 @@ class JobNotFoundError(EngineError, LookupError):
 
 
 class InvalidScheduleError(EngineError, ValueError):
-    """Raised when a schedule or payload is invalid: a bad cron expression, unknown time zone, and so on."""
+    """Raised when a schedule or payload is invalid: a bad cron expression, unknown time zone, and so on.
+
+    The schedule and payload classes (``At``, ``Every``, ``Cron``, ``OnExit``, ``SystemEvent``,
+    ``Command``) raise it when they are made with invalid fields; ``CronService`` raises it for a schedule
+    that cannot run (an ``at`` in the past, an on-exit ``cwd`` that is no directory).
+    """
+
+
+class InvalidArgumentError(EngineError, ValueError):
+    """Raised when an argument that is not a schedule is invalid: a name, a flag, a pid, a cursor, a path.
+
+    Raised by the library's public functions (``SubProcessService.create``, ``read_log``,
+    ``CronService.add``/``update``/``events``, ``Project``) and by the one reader of loose input
+    (``engine._input``) the tool, the RPC methods, MCP and the CLI share. The message names the argument
+    and says what to send instead. A string holding NUL or a lone surrogate (not UTF-8 text) is one.
+    """
 
 
 class LimitExceededError(EngineError, RuntimeError):

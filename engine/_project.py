@@ -8,24 +8,30 @@ import re
 
 import attrs
 
+from ._input import check_text, read_directory
+
 __all__ = ["Project"]
 
 _SLUG_JUNK = re.compile(r"[^a-z0-9._-]+")
 
 
 def _absolute(_inst: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not os.path.isabs(value):
-        raise ValueError(f"{attribute.name} must be an absolute path, got {value!r}")
+    read_directory(value, attribute.name)
 
 
 def _non_blank(_inst: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{attribute.name} must be a non-blank string, got {value!r}")
+    check_text(value, attribute.name)
 
 
 @attrs.frozen
 class Project:
     """A project an agent works in; every subprocess runs in its directory.
+
+    Every field must be text the engine can store and send back (no NUL, no lone surrogate): a directory
+    whose real path is not UTF-8 cannot be a project.
+
+    Raises:
+        InvalidArgumentError: a field is blank, or ``directory`` is not an absolute path.
 
     Attributes:
         id: a stable identifier; the supervisor scope of the project's children is ``project:<id>``.
@@ -46,7 +52,8 @@ class Project:
         the same id in every engine and every run, and a symlinked path gives the id of its target.
 
         Raises:
-            ValueError: ``path`` is not an existing directory.
+            ValueError: ``path`` is not an existing directory (or its real path is not UTF-8 text:
+                :class:`~engine.InvalidArgumentError`).
         """
         real = os.path.realpath(os.fspath(path))
         if not os.path.isdir(real):

@@ -23,6 +23,7 @@ import trio
 
 from ._config import EngineConfig
 from ._errors import LimitExceededError, SpawnError, SubProcessNotFoundError
+from ._input import check_argv, check_env, check_read_args
 from ._logs import (
     STREAMS,
     LogFile,
@@ -42,9 +43,6 @@ _log = logging.getLogger("engine.subprocesses")
 
 #: How often the log-cap task looks at the files of live children (the design's floor is 1 s).
 CAP_POLL_SECONDS = 1.0
-
-#: A bound for JSON-facing integers (offsets, line counts): 2**53, the largest exact JSON integer.
-_MAX_INT = 2**53
 
 
 @final
@@ -173,49 +171,6 @@ class SubProcessSummary:
         return out
 
 
-def _check_int(name: str, value: object, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a whole number, got {value!r}")
-    if not minimum <= value <= _MAX_INT:
-        raise ValueError(f"{name} must be between {minimum} and {_MAX_INT}, got {value}")
-    return value
-
-
-def _check_argv(cmd: object, args: object) -> tuple[str, ...]:
-    if not isinstance(cmd, str) or not cmd.strip():
-        raise ValueError(f"cmd must name the program to run, got {cmd!r}")
-    if isinstance(args, str | bytes) or not isinstance(args, Sequence):
-        raise TypeError(f"args must be a sequence of strings, got {args!r}")
-    argv = (cmd, *args)
-    for item in argv:
-        if not isinstance(item, str):
-            raise TypeError(f"args must hold strings only, got {item!r}")
-        if "\0" in item:
-            raise ValueError(f"cmd and args must not contain NUL characters, got {item!r}")
-        try:
-            os.fsencode(item)
-        except UnicodeError:
-            raise ValueError(f"cmd and args must be encodable file names, got {item!r}") from None
-    return argv
-
-
-def _check_env(env: object) -> dict[str, str] | None:
-    if env is None:
-        return None
-    if not isinstance(env, Mapping):
-        raise TypeError(f"env must be a mapping of variable names to strings, got {env!r}")
-    out: dict[str, str] = {}
-    for key, value in env.items():
-        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
-            raise ValueError(f"env names must be non-empty strings without '=' or NUL, got {key!r}")
-        if not isinstance(value, str) or "\0" in value:
-            raise TypeError(f"env[{key!r}] must be a string without NUL, got {value!r}")
-        out[key] = value
-    return out
-
-
 def _check_directory(project: Project) -> None:
     if not os.path.isdir(project.directory):
         raise SpawnError(
@@ -285,8 +240,8 @@ class SubProcessService:
         """
         if not isinstance(project, Project):
             raise TypeError(f"project must be a Project, got {project!r}")
-        argv = _check_argv(cmd, args)
-        extra_env = _check_env(env)
+        argv = check_argv(cmd, args)
+        extra_env = None if env is None else check_env(env)
         self._check_limits(project)
         if self._closed:
             raise RuntimeError("the subprocess service is stopped; start a new engine to create processes")
@@ -593,7 +548,7 @@ class SubProcessService:
         Cancellation: as :meth:`get_log`.
         """
         name = check_stream(stream)
-        _check_read_args(offset, limit, tail, max_bytes)
+        check_read_args(offset, limit, tail, max_bytes)
         return await self.read_subprocess_log(
             self.lookup(pid), name, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
         )
@@ -626,7 +581,7 @@ class SubProcessService:
             SubProcessNotFoundError: ``sp`` was killed, or its log file is gone.
         """
         name = check_stream(stream)
-        _check_read_args(offset, limit, tail, max_bytes)
+        check_read_args(offset, limit, tail, max_bytes)
         self._require(sp)
         log = sp._logs[name]
         async with self._log_lock:
@@ -678,16 +633,6 @@ class SubProcessService:
         self._closed = True
         if self._capper is not None:
             self._capper.cancel()
-
-
-def _check_read_args(offset: object, limit: object, tail: object, max_bytes: object) -> None:
-    _check_int("offset", offset, 0)
-    _check_int("limit", limit, 1)
-    _check_int("tail", tail, 1)
-    if _check_int("max_bytes", max_bytes, 1) is None:
-        raise TypeError("max_bytes must be a whole number >= 1, got None")
-    if tail is not None and (offset is not None or limit is not None):
-        raise ValueError("give tail alone, or offset and/or limit, not both")
 
 
 def _gone(sp: SubProcess, stream: Stream) -> SubProcessNotFoundError:

@@ -1,15 +1,15 @@
 """The ``subprocess`` agent tool: one function over the subprocess service, bound to a project per call.
 
-The tool is the edge where an agent's loosely typed parameters meet the library, so it validates
-everything first and turns every rejection and every service error into one text starting
-``SUBPROCESS ERROR: ``; a rejected call changes nothing. It acts only on the calling project's
+The tool is the edge where an agent's loosely typed parameters meet the library: it reads them once with
+:mod:`engine._input` (whole numbers, strings fit to store and answer with, the stream name) and turns
+every rejection and every service error into one text starting ``SUBPROCESS ERROR: ``; a rejected call
+changes nothing. It acts only on the calling project's
 subprocesses: ``list`` and ``killAll`` cover that project, and another project's pid is "not found", so
 one agent can never end another agent's processes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import ClassVar, Final, final
@@ -18,7 +18,8 @@ import attrs
 import trio
 
 from ._config import EngineConfig
-from ._errors import EngineError
+from ._errors import EngineError, InvalidArgumentError, SubProcessNotFoundError
+from ._input import check_strings, check_text, read_fields, read_stream, read_whole, show
 from ._logs import LogSlice
 from ._project import Project
 from ._subprocesses import SubProcess, SubProcessService
@@ -39,7 +40,6 @@ _PARAMETERS: Final = ("cmd", "command", "args", "pid", "which", "offset", "limit
 #: What ``log`` shows by default: the last lines within a byte budget.
 LOG_DEFAULT_LINES: Final = 200
 LOG_MAX_BYTES: Final = 32 * 1024
-_MAX_INT: Final = 2**53
 
 _KILLALL_TEXT: Final = (
     "SUBPROCESS KILLALL\nAll managed subprocesses have been terminated and their logs removed."
@@ -47,23 +47,8 @@ _KILLALL_TEXT: Final = (
 _HALTED_TEXT: Final = "The process has been stopped. Log files are retained for inspection."
 
 
-class _RejectedError(Exception):
-    """A parameter problem, reported to the agent as a ``SUBPROCESS ERROR`` text."""
-
-
 def _iso(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _whole(name: str, value: object, minimum: int) -> int:
-    """A JSON number that is a whole number ``>= minimum`` (``3.0`` counts, ``true`` does not)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _RejectedError(f"{name} must be a whole number, got {value!r}")
-    if not minimum <= value <= _MAX_INT:
-        raise _RejectedError(f"{name} must be a whole number >= {minimum}, got {value}")
-    return value
 
 
 @final
@@ -161,8 +146,6 @@ class SubprocessTool:
         """
         try:
             return await self._execute(params, project)
-        except _RejectedError as exc:
-            return f"SUBPROCESS ERROR: {exc}"
         except (EngineError, ValueError, TypeError) as exc:
             return f"SUBPROCESS ERROR: {exc}"
         except OSError as exc:
@@ -170,23 +153,16 @@ class SubprocessTool:
         except Exception as exc:  # the tool must answer with a text, whatever broke underneath
             return f"SUBPROCESS ERROR: internal error: {type(exc).__name__}: {exc}"
 
-    async def _execute(self, params: Mapping[str, object], project: Project) -> str:
-        if not isinstance(params, Mapping):
-            raise _RejectedError('parameters must be an object, e.g. {"cmd": "list"}')
+    async def _execute(self, raw: Mapping[str, object], project: Project) -> str:
         if not isinstance(project, Project):
-            raise _RejectedError("the call is not bound to a project")
-        unknown = sorted(repr(k) for k in params if k not in _PARAMETERS)
-        if unknown:
-            raise _RejectedError(
-                f"unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(_PARAMETERS)}"
-            )
+            raise InvalidArgumentError("the call is not bound to a project")
+        params = read_fields(raw, "subprocess", _PARAMETERS, what="parameter")
         cmd = params.get("cmd")
-        if cmd not in COMMANDS:
-            raise _RejectedError(f"cmd must be one of {', '.join(COMMANDS)}, got {cmd!r}")
-        assert isinstance(cmd, str)
-        stray = [k for k in _PARAMETERS[1:] if params.get(k) is not None and k not in _USES[cmd]]
+        if not isinstance(cmd, str) or cmd not in COMMANDS:
+            raise InvalidArgumentError(f"cmd must be one of {', '.join(COMMANDS)}, got {show(cmd)}")
+        stray = [k for k in _PARAMETERS[1:] if k in params and k not in _USES[cmd]]
         if stray:
-            raise _RejectedError(
+            raise InvalidArgumentError(
                 f"cmd={cmd} does not take {', '.join(stray)}; leave {'them' if len(stray) > 1 else 'it'} out"
             )
         if cmd == "create":
@@ -197,7 +173,7 @@ class SubprocessTool:
         if cmd == "killAll":
             await self.service.kill_project(project.id)
             return _KILLALL_TEXT
-        sp = self._find(project, _whole("pid", self._required(params, "pid"), 1))
+        sp = self._find(project, read_whole(self._required(params, "pid"), "pid", 1))
         if cmd == "kill":
             await self.service.kill_subprocess(sp)
             return f"SUBPROCESS KILLED\npid: {sp.pid}"
@@ -210,27 +186,21 @@ class SubprocessTool:
     def _required(params: Mapping[str, object], name: str) -> object:
         value = params.get(name)
         if value is None:
-            raise _RejectedError(f"cmd={params['cmd']} needs {name}")
+            raise InvalidArgumentError(f"cmd={params['cmd']} needs {name}")
         return value
 
     def _find(self, project: Project, pid: int) -> SubProcess:
         mine = [sp for sp in self.service.ps() if sp.pid == pid and sp.project.id == project.id]
         if not mine:
-            raise _RejectedError(
+            raise SubProcessNotFoundError(
                 f"no subprocess with pid {pid} in this project (killed, or never created); see cmd=list"
             )
         live = [sp for sp in mine if sp.running]
         return (live or mine)[-1]
 
     async def _create(self, params: Mapping[str, object], project: Project) -> str:
-        command = self._required(params, "command")
-        if not isinstance(command, str) or not command.strip():
-            raise _RejectedError(f"command must be a non-empty string naming the executable, got {command!r}")
-        args = params.get("args")
-        if args is None:
-            args = []
-        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise _RejectedError(f"args must be an array of strings, got {args!r}")
+        command = check_text(self._required(params, "command"), "command")
+        args = check_strings(params.get("args", ()), "args")
         sp = await self.service.create(project, command, args)
         return f"SUBPROCESS CREATED\npid: {sp.pid}\nstdout: {sp.stdout_path}\nstderr: {sp.stderr_path}"
 
@@ -249,23 +219,18 @@ class SubprocessTool:
         return "\n".join(lines)
 
     async def _log(self, params: Mapping[str, object], sp: SubProcess) -> str:
-        which = self._required(params, "which")
-        if which not in ("stdout", "stderr"):
-            raise _RejectedError(f'which must be "stdout" or "stderr", got {which!r}')
-        assert isinstance(which, str)
-        offset = params.get("offset")
-        limit = params.get("limit")
-        tail = params.get("tail")
+        which = read_stream(self._required(params, "which"), "which")
+        offset, limit, tail = (params.get(name) for name in ("offset", "limit", "tail"))
         if tail is not None and (offset is not None or limit is not None):
-            raise _RejectedError("give tail alone, or offset (and limit); not both")
+            raise InvalidArgumentError("give tail alone, or offset (and limit); not both")
         got: LogSlice
         if offset is None and limit is None:
-            lines = LOG_DEFAULT_LINES if tail is None else _whole("tail", tail, 1)
+            lines = LOG_DEFAULT_LINES if tail is None else read_whole(tail, "tail", 1)
             got = await self.service.read_subprocess_log(sp, which, tail=lines, max_bytes=LOG_MAX_BYTES)
             note = _tail_note(got)
         else:
-            start = None if offset is None else _whole("offset", offset, 0)
-            count = LOG_DEFAULT_LINES if limit is None else _whole("limit", limit, 1)
+            start = None if offset is None else read_whole(offset, "offset", 0)
+            count = LOG_DEFAULT_LINES if limit is None else read_whole(limit, "limit", 1)
             got = await self.service.read_subprocess_log(
                 sp, which, offset=start, limit=count, max_bytes=LOG_MAX_BYTES
             )

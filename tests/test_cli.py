@@ -15,6 +15,7 @@ import pytest
 from engine import EngineConfig
 from engine.server._location import default_state_dir
 
+from .children import SESSION, pgrep
 from .serve_support import Served, alive, cli, env_without_state_dir, start_serve, wait_until
 
 
@@ -291,3 +292,22 @@ def test_cli_non_finite_numbers_are_usage_errors(served: Served, args: tuple[str
     assert result.returncode == 2, result
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("gadget-engine")
+
+
+def test_cli_nb08_refuses_arguments_it_could_not_send_and_list_answers(served: Served, project: Path) -> None:
+    marker = f"nb08-cli-{SESSION}"
+    name = os.fsdecode(b"caf\xe9-" + marker.encode() + b".txt")  # the bytes reach the CLI as they are
+    created, tool, env, since = served.cli_parallel(
+        ("create", "--project", str(project), "--", "tail", "-f", name),
+        ("tool", json.dumps({"cmd": "create", "command": "tail", "args": ["-f", name]}), "--project", "."),
+        ("create", "--project", str(project), "-e", f"A={name}", "--", "true"),
+        ("events", "--since", "-1"),
+    )
+    for out in (created, tool, env, since):
+        assert out.returncode == 2, out
+        assert "Traceback" not in out.stderr
+    assert "argv[2] holds the lone surrogate U+DCE9" in created.stderr
+    assert "JSON.args[1] holds the lone surrogate" in tool.stderr
+    assert not pgrep(marker)
+    listed = served.cli("list", "--json")
+    assert listed.returncode == 0 and marker not in listed.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -167,35 +168,52 @@ def test_cron_every_quarter_hour_once_per_wall_time_across_dst(
 
 
 @pytest.mark.parametrize(
-    ("schedule", "field"),
+    ("make", "field"),
     [
-        (Cron("61 * * * *"), "expr"),
-        (Cron("* * * *"), "expr"),
-        (Cron("@daily"), "expr"),
-        (Cron("0 0 31 2 *"), "expr"),
-        (Cron("0 9 * * *", "Mars/Olympus"), "tz"),
-        (Cron("0 9 * * *", ""), "tz"),
-        (Every(0), "every_seconds"),
-        (Every(-5), "every_seconds"),
-        (Every(float("nan")), "every_seconds"),
-        (Every(float("inf")), "every_seconds"),
-        (Every(float("-inf")), "every_seconds"),
-        (Every(1e-9), "every_seconds"),  # was a ZeroDivisionError
-        (Every(0.999), "every_seconds"),  # below the 1 s minimum
-        (Every(1e308), "every_seconds"),  # was an OverflowError
-        (Every(MAX_EVERY_SECONDS + 1), "every_seconds"),
-        (Every(10**400), "every_seconds"),  # an int too large for a float
-        (Every("60"), "every_seconds"),  # type: ignore[arg-type]  # invalid on purpose
-        (Every(10, anchor=datetime(2026, 1, 1)), "anchor"),
-        (At(datetime(2026, 1, 1)), "at"),
-        (OnExit(""), "command"),
-        (OnExit("   "), "command"),
+        (lambda: Cron("61 * * * *"), "expr"),
+        (lambda: Cron("* * * *"), "expr"),
+        (lambda: Cron("@daily"), "expr"),
+        (lambda: Cron("0 0 31 2 *"), "expr"),
+        (lambda: Cron("0 9 * * *", "Mars/Olympus"), "tz"),
+        (lambda: Cron("0 9 * * *", ""), "tz"),
+        (lambda: Cron("0 9 * * *", "Europe/" + "x" * 300), "tz"),  # was an OSError (name too long)
+        (lambda: Cron("0 9 * * *", "../../etc/passwd"), "tz"),
+        (lambda: Cron("0 9 * * \udcff"), "expr"),
+        (lambda: Cron("0 9 * * *", "UTC\0"), "tz"),
+        (lambda: Every(0), "every_seconds"),
+        (lambda: Every(-5), "every_seconds"),
+        (lambda: Every(float("nan")), "every_seconds"),
+        (lambda: Every(float("inf")), "every_seconds"),
+        (lambda: Every(float("-inf")), "every_seconds"),
+        (lambda: Every(1e-9), "every_seconds"),  # was a ZeroDivisionError
+        (lambda: Every(0.999), "every_seconds"),  # below the 1 s minimum
+        (lambda: Every(1e308), "every_seconds"),  # was an OverflowError
+        (lambda: Every(MAX_EVERY_SECONDS + 1), "every_seconds"),
+        (lambda: Every(10**400), "every_seconds"),  # an int too large for a float
+        (lambda: Every("60"), "every_seconds"),  # type: ignore[arg-type]  # invalid on purpose
+        (lambda: Every(True), "every_seconds"),
+        (lambda: Every(10, anchor=datetime(2026, 1, 1)), "anchor"),
+        (lambda: At(datetime(2026, 1, 1)), "at"),
+        (lambda: At("2026-01-01T00:00:00+00:00"), "at"),  # type: ignore[arg-type]  # invalid on purpose
+        (lambda: OnExit(""), "command"),
+        (lambda: OnExit("   "), "command"),
+        (lambda: OnExit("echo \udcff"), "command"),
+        (lambda: OnExit("x" * (128 * 1024)), "command"),  # longer than one argument of execve
+        (lambda: OnExit("true", cwd=""), "cwd"),
+        (lambda: OnExit("true", cwd="/tmp/\0"), "cwd"),
     ],
 )
-def test_invalid_schedule_names_field(schedule: object, field: str) -> None:
+def test_invalid_schedule_is_refused_when_made_naming_the_field(
+    make: Callable[[], object], field: str
+) -> None:
     with pytest.raises(InvalidScheduleError, match=field) as info:
-        compute_next_run_at(schedule, T0)  # type: ignore[arg-type]  # invalid on purpose
+        make()
     assert isinstance(info.value, ValueError)
+
+
+def test_a_schedule_that_is_not_one_is_refused() -> None:
+    with pytest.raises(InvalidScheduleError, match="schedule must be At, Every, Cron or OnExit"):
+        compute_next_run_at("daily", T0)  # type: ignore[arg-type]  # invalid on purpose
 
 
 def test_every_interval_bounds_are_inclusive() -> None:

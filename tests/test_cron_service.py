@@ -22,6 +22,7 @@ from engine import (
     EngineConfig,
     Every,
     FiredEvent,
+    InvalidArgumentError,
     InvalidScheduleError,
     JobNotFoundError,
     JobStatus,
@@ -182,30 +183,47 @@ async def test_service_bad_input_raises_typed_errors_and_writes_nothing(
     clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
 ) -> None:
     async with cron_service(tmp_path, supervisor, WallClock()) as cron:
-        cases: list[tuple[Any, Any, str]] = [
-            (At(T0 - timedelta(seconds=1)), SystemEvent("x"), "at"),
-            (Cron("99 * * * *"), SystemEvent("x"), "expr"),
-            (Cron("0 9 * * *", "Nowhere/Town"), SystemEvent("x"), "tz"),
-            (OnExit(""), SystemEvent("x"), "command"),
-            (Every(-1), SystemEvent("x"), "every_seconds"),
-            (Every(1e-9), SystemEvent("x"), "every_seconds"),
-            (Every(0.01), SystemEvent("x"), "every_seconds"),
-            (Every(1e308), SystemEvent("x"), "every_seconds"),
-            (Every(float("nan")), SystemEvent("x"), "every_seconds"),
-            (Every(float("inf")), SystemEvent("x"), "every_seconds"),
-            (OnExit("true", cwd="/nonexistent"), SystemEvent("x"), "cwd '/nonexistent' does not exist"),
-            (OnExit("true", cwd="relative/dir"), SystemEvent("x"), "cwd 'relative/dir' is relative"),
-            (Every(10), SystemEvent(""), "text"),
-            (Every(10), Command(()), "argv"),
-            ("daily", SystemEvent("x"), "schedule"),
+        # The values check their fields when made: each case makes its schedule and payload in the raises.
+        cases: list[tuple[Callable[[], Any], Callable[[], Any], str]] = [
+            (lambda: At(T0 - timedelta(seconds=1)), lambda: SystemEvent("x"), "at"),
+            (lambda: Cron("99 * * * *"), lambda: SystemEvent("x"), "expr"),
+            (lambda: Cron("0 9 * * *", "Nowhere/Town"), lambda: SystemEvent("x"), "tz"),
+            (lambda: OnExit(""), lambda: SystemEvent("x"), "command"),
+            (lambda: Every(-1), lambda: SystemEvent("x"), "every_seconds"),
+            (lambda: Every(1e-9), lambda: SystemEvent("x"), "every_seconds"),
+            (lambda: Every(0.01), lambda: SystemEvent("x"), "every_seconds"),
+            (lambda: Every(1e308), lambda: SystemEvent("x"), "every_seconds"),
+            (lambda: Every(float("nan")), lambda: SystemEvent("x"), "every_seconds"),
+            (lambda: Every(float("inf")), lambda: SystemEvent("x"), "every_seconds"),
+            (
+                lambda: OnExit("true", cwd="/nonexistent"),
+                lambda: SystemEvent("x"),
+                "cwd '/nonexistent' does not exist",
+            ),
+            (
+                lambda: OnExit("true", cwd="relative/dir"),
+                lambda: SystemEvent("x"),
+                "cwd 'relative/dir' is relative",
+            ),
+            (lambda: Every(10), lambda: SystemEvent(""), "text"),
+            (lambda: Every(10), lambda: Command(()), "argv"),
+            (lambda: Every(10), lambda: SystemEvent("\udcff"), "text"),
+            (lambda: "daily", lambda: SystemEvent("x"), "schedule"),
         ]
         for schedule, payload, field in cases:
             with pytest.raises(InvalidScheduleError, match=field):
-                await cron.add(schedule, payload)
+                await cron.add(schedule(), payload())
+        assert await cron.list() == []
+        with pytest.raises(InvalidArgumentError, match="name"):
+            await cron.add(Every(10), SystemEvent("x"), name="caf\udce9")
+        with pytest.raises(InvalidArgumentError, match="enabled"):
+            await cron.add(Every(10), SystemEvent("x"), enabled=1)  # type: ignore[arg-type]  # on purpose
         assert await cron.list() == []
         job = await cron.add(Every(10), SystemEvent("x"))
-        with pytest.raises(InvalidScheduleError, match="colour"):
+        with pytest.raises(InvalidArgumentError, match="colour"):
             await cron.update(job.id, colour="red")
+        with pytest.raises(InvalidArgumentError, match="name"):
+            await cron.update(job.id, name="")
         with pytest.raises(InvalidScheduleError, match="tz"):
             await cron.update(job.id, schedule=Cron("0 9 * * *", "Atlantis/Main"))
         with pytest.raises(InvalidScheduleError, match="at"):
@@ -218,7 +236,9 @@ async def test_service_bad_input_raises_typed_errors_and_writes_nothing(
         for call in (cron.get, cron.remove, cron.enable, cron.disable, cron.run_now):
             with pytest.raises(JobNotFoundError, match="nope"):
                 await call("nope")
-        with pytest.raises(InvalidScheduleError, match="since"):
+            with pytest.raises(InvalidArgumentError, match="job_id holds the lone surrogate"):
+                await call("\udcff")  # was a UnicodeEncodeError from SQLite
+        with pytest.raises(InvalidArgumentError, match="since"):
             await cron.events(since=-1)
 
 

@@ -10,11 +10,12 @@ import os
 import re
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import jsonschema  # type: ignore[import-untyped]  # no stubs in the dev extra
 import mcp_types as types
 import pytest
@@ -22,9 +23,11 @@ import trio
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from engine import EngineConfig, open_engine
+from engine import EngineConfig, Every, SystemEvent, open_engine
+from engine._input import read_schedule
 from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
-from engine.server._mcp_tools import CRON_TOOLS
+from engine.server._mcp_tools import CRON_TOOLS, EmbeddedBackend, McpTools
+from engine.server._methods import Methods, to_wire
 
 from .children import ignoring_sigint, kill_leftovers, pgrep
 from .serve_support import GRACE, SHELL, alive, cli, start_serve
@@ -258,3 +261,64 @@ def test_mcp_refuses_a_missing_project(tmp_path: Path) -> None:
     result = cli("mcp", "--state-dir", str(tmp_path / "state"), "--project", str(tmp_path / "nope"))
     assert result.returncode == 1 and result.stdout == ""
     assert "is not a directory" in result.stderr
+
+
+# ---- the tools read their arguments once and pass typed values -------------------------------------------
+
+
+@attrs.define
+class RecordingBackend:
+    """The embedded backend, recording what each call was given (a fake only at the edge it watches)."""
+
+    inner: EmbeddedBackend
+    calls: list[tuple[str, dict[str, Any]]] = attrs.Factory(list)
+
+    async def call(self, method: str, params: Mapping[str, Any]) -> Any:
+        self.calls.append((method, dict(params)))
+        return await self.inner.call(method, params)
+
+
+async def test_mcp_tools_read_once_pass_typed_values_and_refuse_poison(tmp_path: Path) -> None:
+    project = tmp_path / "app"
+    project.mkdir()
+    config = EngineConfig(state_dir=str(tmp_path / "state"), grace_seconds=0.2)
+    async with open_engine(config) as engine:
+        backend = RecordingBackend(EmbeddedBackend(Methods(engine, "unused.sock", "test")))
+        tools = McpTools(backend=backend, project_dir=str(project))
+        text, is_error = await tools.call("cron_add", {"every_seconds": 3600, "text": "hourly", "name": "t"})
+        assert not is_error, text
+        method, params = backend.calls[-1]
+        # Typed once here; Methods.run takes them as they are (the socket backend sends their JSON form).
+        assert (method, params) == (
+            "cron.add",
+            {"schedule": Every(3600.0), "payload": SystemEvent("hourly"), "name": "t"},
+        )
+        assert read_schedule(to_wire(params)["schedule"]) == Every(3600.0)
+        seen = len(backend.calls)
+        for args in (
+            {"every_seconds": 3600, "text": "\udcff"},
+            {"command": "echo \udcff", "text": "x"},
+            {"cron": "0 9 * * *", "tz": "\udcff", "text": "x"},
+            {"cron": "0 9 * * *", "tz": "x" * 300, "text": "x"},
+            {"every_seconds": 10**400, "text": "x"},
+            {"every_seconds": 60, "text": "x", "name": "caf\udce9"},
+            {"every_seconds": 60, "text": "x", "\udcff": 1},
+        ):
+            text, is_error = await tools.call("cron_add", args)
+            assert is_error and text.startswith("CRON ERROR: "), (args, text)
+            text.encode("utf-8")
+        others: list[tuple[str, dict[str, object]]] = [
+            ("cron_remove", {"id": "\udcff"}),
+            ("cron_events", {"since": -1}),
+        ]
+        for name, other in others:
+            text, is_error = await tools.call(name, other)
+            assert is_error and text.startswith("CRON ERROR: "), text
+        assert len(backend.calls) == seen  # refused before any call
+        assert [job.name for job in await engine.cron.list()] == ["t"]
+        nb08 = {"cmd": "create", "command": "tail", "args": ["-f", os.fsdecode(b"caf\xe9.txt")]}
+        text, is_error = await tools.call("subprocess", nb08)
+        assert is_error and text.startswith("SUBPROCESS ERROR: args[1] holds the lone surrogate"), text
+        assert engine.service.ps() == []
+        text, is_error = await tools.call("subprocess", {"cmd": "list"})
+        assert (text, is_error) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)

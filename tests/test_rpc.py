@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -12,7 +13,13 @@ from typing import Any
 import pytest
 
 import engine
-from engine import InvalidScheduleError, JobNotFoundError, SpawnError, SubProcessNotFoundError
+from engine import (
+    InvalidArgumentError,
+    InvalidScheduleError,
+    JobNotFoundError,
+    SpawnError,
+    SubProcessNotFoundError,
+)
 from engine.server import _client, _location, _protocol
 from engine.server._client import EngineClient, EngineNotRunningError
 from engine.server._protocol import (
@@ -29,6 +36,7 @@ from engine.server._protocol import (
     parse_request,
 )
 
+from .children import SESSION, pgrep
 from .serve_support import Served, alive, wait_until
 
 
@@ -295,3 +303,74 @@ def test_rpc_kill_project_tool_and_cron_methods(served: Served, project: Path, t
         assert (renamed["name"], renamed["enabled"], renamed["next_run_at"]) == ("renamed", False, None)
         assert client.call("cron.remove", job_id=job["id"]) == {"job_id": job["id"], "removed": True}
         assert client.call("events", since=0, limit=1) == client.call("events", since=0)[:1]
+
+
+# ---- poison values and absurd sizes (NB-08, issue 16) ----------------------------------------------------
+
+
+def test_rpc_nb08_a_non_utf8_argument_is_refused_before_anything_starts(
+    served: Served, project: Path
+) -> None:
+    marker = f"nb08-{SESSION}"
+    name = b"caf\xe9-" + marker.encode() + b".txt"
+    with open(os.path.join(os.fsencode(project), name), "wb"):
+        pass
+    params = {"project": str(project), "command": "tail", "args": ["-f", os.fsdecode(name)]}
+    line = _request("subprocess.create", params)
+    assert b'"caf\\udce9-' in line  # what json.dumps(os.fsdecode(name)) sends
+    raw = Raw(served.socket_path)
+    try:
+        refused = raw.ask(line)
+        message = refused["error"]["message"]
+        assert refused["error"]["code"] == INVALID_PARAMS, refused
+        assert "args[1] holds the lone surrogate U+DCE9" in message and "send UTF-8 text" in message
+        assert not pgrep(marker)  # nothing started
+        listed = raw.ask(_request("subprocess.list", {}, 2))
+        assert all(marker not in " ".join(r["args"]) for r in listed["result"])
+        assert not (project / ".gadget").exists()
+    finally:
+        raw.close()
+    assert served.cli("list").returncode == 0  # `list` answers on every surface
+
+
+def test_rpc_poison_in_a_job_is_refused_and_nothing_is_stored(served: Served) -> None:
+    every = {"kind": "every", "every_seconds": 3600}
+    text = {"kind": "system_event", "text": "ok"}
+    cases: list[tuple[dict[str, object], int, str]] = [
+        ({"schedule": every, "payload": {"kind": "system_event", "text": "\udcff"}}, -32005, "text holds"),
+        ({"schedule": {"kind": "on_exit", "command": "echo \udcff"}, "payload": text}, -32005, "command"),
+        ({"schedule": {"kind": "cron", "expr": "0 9 * * *", "tz": "\udcff"}, "payload": text}, -32005, "tz"),
+        ({"schedule": every, "payload": {"kind": "command", "argv": ["ls", "a\0"]}}, -32005, "argv[1]"),
+        ({"schedule": every, "payload": text, "name": "caf\udce9"}, INVALID_PARAMS, "name holds"),
+        # Absurd sizes are ordinary usage errors, never -32603 with a traceback.
+        ({"schedule": {**every, "every_seconds": 10**400}, "payload": text}, INVALID_PARAMS, "401-digit"),
+        ({"schedule": {"kind": "cron", "expr": "0 9 * * *", "tz": "x" * 300}, "payload": text}, -32005, "tz"),
+    ]
+    with served.client() as client:
+        before = client.call("cron.list")
+        job = client.call("cron.add", schedule=every, payload=text, name="kept")
+    raw = Raw(served.socket_path)
+    try:
+        for i, (params, code, where) in enumerate(cases):
+            answer = raw.ask(_request("cron.add", params, i))
+            assert answer["error"]["code"] == code and where in answer["error"]["message"], answer
+        renamed = raw.ask(_request("cron.update", {"job_id": job["id"], "name": "\udcff"}, "u"))
+        assert renamed["error"]["code"] == INVALID_PARAMS and "name" in renamed["error"]["message"]
+        # A request id that could not be sent back is refused too, and the connection goes on.
+        raw.send(b'{"jsonrpc": "2.0", "method": "status", "id": "\\udcff"}\n')
+        bad_id = raw.line()
+        assert bad_id is not None and bad_id["error"]["code"] == INVALID_REQUEST and bad_id["id"] is None
+        assert raw.ask(_request("status", None, "after"))["result"]["pid"] == served.proc.pid
+    finally:
+        raw.close()
+    with served.client() as client:
+        assert client.call("cron.list") == [*before, job]  # nothing stored, the good job unchanged
+        client.call("cron.remove", job_id=job["id"])
+    assert served.cli("cron", "list").returncode == 0
+    assert "Traceback" not in served.log()
+
+
+def test_rpc_library_argument_errors_travel_as_invalid_argument_error() -> None:
+    code = dict((cls, code) for cls, code in APPLICATION_CODES)[InvalidArgumentError]
+    error = exception_from_error(code, "name must be a non-empty string", {"type": "InvalidArgumentError"})
+    assert type(error) is InvalidArgumentError and isinstance(error, ValueError)

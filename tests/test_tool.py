@@ -16,7 +16,7 @@ import trio
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from engine import Project, SubprocessTool, open_engine
+from engine import InvalidArgumentError, Project, SubprocessTool, open_engine
 from engine._config import EngineConfig
 from engine._tool import COMMANDS
 
@@ -449,3 +449,40 @@ def test_tool_is_registered_for_its_modes(mode: str) -> None:
     from engine import TOOL_MODES, tools_for_mode
 
     assert mode in TOOL_MODES and tools_for_mode(mode) == ("subprocess",)
+
+
+# ---- NB-08: a value the engine could not answer with is refused before anything starts ------------------
+
+
+async def test_tool_nb08_refuses_a_non_utf8_argument_and_list_still_answers(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    name = b"caf\xe9-314.8" + SESSION.encode() + b".txt"
+    with open(os.path.join(os.fsencode(project.directory), name), "wb"):
+        pass
+    arg = os.fsdecode(name)  # "caf\udce9-314.8.txt", as json.dumps sends it
+    async with engine_at(tmp_path) as engine:
+        tool, service = engine.tool, engine.service
+        text = await tool.execute({"cmd": "create", "command": "tail", "args": ["-f", arg]}, project)
+        assert text.startswith("SUBPROCESS ERROR: args[1] holds the lone surrogate U+DCE9"), text
+        text.encode("utf-8")  # the refusal itself can be sent back
+        for params in (
+            {"cmd": "create", "command": "tail\udcff"},
+            {"cmd": "create", "command": "echo", "args": ["a\0b"]},
+            {"cmd": "log", "pid": 1, "which": "std\udcff"},
+            {"cmd": "list", "\udcff": 1},
+        ):
+            refused = await tool.execute(params, project)
+            assert refused.startswith("SUBPROCESS ERROR: "), (params, refused)
+            refused.encode("utf-8")
+        assert service.ps() == [] and not pgrep(rf"caf.-314\.8{SESSION}")
+        assert not (Path(project.directory) / ".gadget").exists()
+        assert await tool.execute({"cmd": "list"}, project) == (
+            "SUBPROCESS LIST\nNo subprocesses in this project."
+        )
+        # The library refuses the same value with its typed error (a ValueError), nothing made either.
+        with pytest.raises(InvalidArgumentError, match=r"args\[1\]") as info:
+            await service.create(project, "tail", ["-f", arg])
+        assert isinstance(info.value, ValueError)
+        with pytest.raises(InvalidArgumentError, match="env"):
+            await service.create(project, "true", env={"A": arg})
+        assert service.ps() == []

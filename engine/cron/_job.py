@@ -10,20 +10,45 @@ from typing import Any, TypeAlias
 import attrs
 
 from .._errors import InvalidScheduleError
-from ._schedule import At, Cron, Every, OnExit, Schedule, require_aware, validate_schedule
+from .._input import (
+    check_argument,
+    check_flag,
+    check_int,
+    check_optional_text,
+    check_string,
+    check_strings,
+    check_text,
+    read_moment,
+    read_payload,
+    read_schedule,
+    show,
+)
+from ._schedule import At, Cron, Every, Schedule, checked_field
 
 __all__ = ["Command", "CronJob", "JobStatus", "Payload", "SystemEvent", "validate_payload"]
 
 
 @attrs.frozen
 class SystemEvent:
-    """Deliver ``text`` to the agent (the event log, and ``on_fire`` when embedded)."""
+    """Deliver ``text`` to the agent (the event log, and ``on_fire`` when embedded).
 
-    text: str
+    Raises:
+        InvalidScheduleError: ``text`` is blank, or holds NUL or a lone surrogate.
+    """
+
+    text: str = attrs.field(validator=checked_field(check_text))
 
 
 def _to_argv(value: Iterable[str]) -> tuple[str, ...]:
-    return tuple(value)
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    return value  # type: ignore[return-value]  # anything else: the validator names it
+
+
+def _argv(value: object, field: str) -> tuple[str, ...]:
+    argv = check_strings(value, field, non_empty=True, item=check_argument)
+    check_text(argv[0], f"{field}[0]")
+    return argv
 
 
 @attrs.frozen
@@ -32,10 +57,14 @@ class Command:
 
     Its output goes to ``<state_dir>/cron-logs/<job id>.stdout.log`` / ``.stderr.log`` (replaced at every
     run); the fired event carries the exit code or signal, the duration and the last lines of each stream.
+
+    Raises:
+        InvalidScheduleError: ``argv`` is not a non-empty sequence of strings naming a program, or
+            ``cwd`` is not a non-empty string.
     """
 
-    argv: tuple[str, ...] = attrs.field(converter=_to_argv)
-    cwd: str | None = None
+    argv: tuple[str, ...] = attrs.field(converter=_to_argv, validator=checked_field(_argv))
+    cwd: str | None = attrs.field(default=None, validator=checked_field(check_optional_text))
 
 
 Payload: TypeAlias = SystemEvent | Command
@@ -53,21 +82,13 @@ class JobStatus(enum.Enum):
 
 
 def validate_payload(payload: object) -> None:
-    """Check a payload's fields.
+    """Check that ``payload`` is one of the payload classes (each checks its fields when made).
 
     Raises:
-        InvalidScheduleError: naming the offending field.
+        InvalidScheduleError: it is not a :class:`SystemEvent` or :class:`Command`.
     """
-    if isinstance(payload, SystemEvent):
-        if not isinstance(payload.text, str) or not payload.text.strip():
-            raise InvalidScheduleError("text must be a non-empty string")
-    elif isinstance(payload, Command):
-        if not payload.argv or not all(isinstance(a, str) for a in payload.argv) or not payload.argv[0]:
-            raise InvalidScheduleError(f"argv must be a non-empty sequence of strings, got {payload.argv!r}")
-        if payload.cwd is not None and (not isinstance(payload.cwd, str) or not payload.cwd):
-            raise InvalidScheduleError(f"cwd must be a directory path or None, got {payload.cwd!r}")
-    else:
-        raise InvalidScheduleError(f"payload must be SystemEvent or Command, got {payload!r}")
+    if not isinstance(payload, SystemEvent | Command):
+        raise InvalidScheduleError(f"payload must be SystemEvent or Command, got {show(payload)}")
 
 
 def _iso(value: datetime | None) -> str | None:
@@ -75,18 +96,7 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def _parse_time(value: object, field: str) -> datetime | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ValueError(f"{field} must be an ISO 8601 string, got {value!r}")
-    return require_aware(datetime.fromisoformat(value), field)
-
-
-def _req_time(value: object, field: str) -> datetime:
-    parsed = _parse_time(value, field)
-    if parsed is None:
-        raise ValueError(f"{field} is missing")
-    return parsed
+    return None if value is None else read_moment(value, field)
 
 
 def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
@@ -100,53 +110,11 @@ def schedule_to_dict(schedule: Schedule) -> dict[str, Any]:
     return {"kind": "on_exit", "command": schedule.command, "cwd": schedule.cwd}
 
 
-def schedule_from_dict(data: Mapping[str, Any]) -> Schedule:
-    """A schedule from its JSON form.
-
-    Raises:
-        ValueError: the data does not describe a valid schedule (``InvalidScheduleError`` is one).
-    """
-    kind = data["kind"]
-    schedule: Schedule
-    if kind == "at":
-        schedule = At(at=_req_time(data["at"], "at"))
-    elif kind == "every":
-        schedule = Every(
-            every_seconds=data["every_seconds"], anchor=_parse_time(data.get("anchor"), "anchor")
-        )
-    elif kind == "cron":
-        schedule = Cron(expr=data["expr"], tz=data["tz"])
-    elif kind == "on_exit":
-        schedule = OnExit(command=data["command"], cwd=data.get("cwd"))
-    else:
-        raise ValueError(f"unknown schedule kind {kind!r}")
-    validate_schedule(schedule)
-    return schedule
-
-
 def payload_to_dict(payload: Payload) -> dict[str, Any]:
     """The JSON form of a payload."""
     if isinstance(payload, SystemEvent):
         return {"kind": "system_event", "text": payload.text}
     return {"kind": "command", "argv": list(payload.argv), "cwd": payload.cwd}
-
-
-def payload_from_dict(data: Mapping[str, Any]) -> Payload:
-    """A payload from its JSON form.
-
-    Raises:
-        ValueError: the data does not describe a valid payload.
-    """
-    kind = data["kind"]
-    payload: Payload
-    if kind == "system_event":
-        payload = SystemEvent(text=data["text"])
-    elif kind == "command":
-        payload = Command(argv=tuple(data["argv"]), cwd=data.get("cwd"))
-    else:
-        raise ValueError(f"unknown payload kind {kind!r}")
-    validate_payload(payload)
-    return payload
 
 
 @attrs.frozen
@@ -210,29 +178,21 @@ class CronJob:
         """
         try:
             status = data.get("last_status")
-            errors = data.get("consecutive_errors", 0)
-            if isinstance(errors, bool) or not isinstance(errors, int) or errors < 0:
-                raise ValueError(f"consecutive_errors must be an integer >= 0, got {errors!r}")
-            for field in ("id", "name"):
-                if not isinstance(data[field], str) or not data[field]:
-                    raise ValueError(f"{field} must be a non-empty string")
-            for field in ("enabled", "delete_after_run"):
-                if not isinstance(data[field], bool):
-                    raise ValueError(f"{field} must be true or false")
+            last_error = data.get("last_error")
             return cls(
-                id=data["id"],
-                name=data["name"],
-                enabled=data["enabled"],
-                schedule=schedule_from_dict(data["schedule"]),
-                payload=payload_from_dict(data["payload"]),
-                delete_after_run=data["delete_after_run"],
-                created_at=_req_time(data["created_at"], "created_at"),
-                updated_at=_req_time(data["updated_at"], "updated_at"),
+                id=check_text(data["id"], "id"),
+                name=check_text(data["name"], "name"),
+                enabled=check_flag(data["enabled"], "enabled"),
+                schedule=read_schedule(data["schedule"]),
+                payload=read_payload(data["payload"]),
+                delete_after_run=check_flag(data["delete_after_run"], "delete_after_run"),
+                created_at=read_moment(data["created_at"], "created_at"),
+                updated_at=read_moment(data["updated_at"], "updated_at"),
                 next_run_at=_parse_time(data.get("next_run_at"), "next_run_at"),
                 last_run_at=_parse_time(data.get("last_run_at"), "last_run_at"),
                 last_status=None if status is None else JobStatus(status),
-                last_error=data.get("last_error"),
-                consecutive_errors=errors,
+                last_error=None if last_error is None else check_string(last_error, "last_error"),
+                consecutive_errors=check_int(data.get("consecutive_errors", 0), "consecutive_errors"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid job record: {exc!r}") from exc

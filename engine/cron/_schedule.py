@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import TypeAlias
+from typing import Any, TypeAlias, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import attrs
 from cronsim import CronSim, CronSimError
 
-from .._errors import InvalidScheduleError
+from .._errors import InvalidArgumentError, InvalidScheduleError
+from .._input import check_argument, check_optional_text, check_text, show
 
 __all__ = [
+    "MAX_CRON_EXPR_CHARS",
     "MAX_EVERY_SECONDS",
+    "MAX_TZ_CHARS",
     "MIN_EVERY_SECONDS",
     "At",
     "Cron",
@@ -34,6 +37,7 @@ __all__ = [
     "OnExit",
     "Schedule",
     "check_on_exit_cwd",
+    "checked_field",
     "compute_next_run_at",
     "next_run_after",
     "require_aware",
@@ -50,6 +54,37 @@ MIN_EVERY_SECONDS = 1.0
 #: The longest interval of an :class:`Every`, in seconds (ten years of 365.25 days). Longer ones run past
 #: the range of ``datetime`` and are surely a unit mistake; use :class:`At` for a far single run.
 MAX_EVERY_SECONDS = 10 * 365.25 * 86400
+#: The longest time zone name of a :class:`Cron` (IANA names have at most about 40 characters).
+MAX_TZ_CHARS = 64
+#: The longest cron expression of a :class:`Cron`.
+MAX_CRON_EXPR_CHARS = 1000
+
+_T = TypeVar("_T")
+_Validator: TypeAlias = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def checked_field(check: Callable[[object, str], object]) -> _Validator:
+    """An attrs validator running one check of :mod:`engine._input` on a schedule or payload field.
+
+    The check's :class:`~engine.InvalidArgumentError` comes out as :class:`~engine.InvalidScheduleError`
+    (same message, naming the field).
+    """
+
+    def validate(_inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        _schedule_check(check, value, attribute.name)
+
+    return validate
+
+
+def _schedule_check(check: Callable[[object, str], _T], value: object, field: str) -> _T:
+    try:
+        return check(value, field)
+    except InvalidArgumentError as exc:
+        raise InvalidScheduleError(str(exc)) from None
+
+
+def _shell_command(value: object, field: str) -> str:
+    return check_argument(check_text(value, field), field)
 
 
 def require_aware(value: datetime, field: str) -> datetime:
@@ -59,7 +94,7 @@ def require_aware(value: datetime, field: str) -> datetime:
         InvalidScheduleError: ``value`` has no time zone.
     """
     if not isinstance(value, datetime):
-        raise InvalidScheduleError(f"{field} must be a datetime, got {value!r}")
+        raise InvalidScheduleError(f"{field} must be a datetime, got {show(value)}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidScheduleError(
             f"{field} must be an aware datetime (with a time zone), got naive {value.isoformat()}"
@@ -70,11 +105,43 @@ def require_aware(value: datetime, field: str) -> datetime:
         raise InvalidScheduleError(f"{field} {value.isoformat()} is out of range in UTC") from exc
 
 
+def _aware(_inst: object, attribute: attrs.Attribute[Any], value: datetime) -> None:
+    require_aware(value, attribute.name)
+
+
+def _interval(_inst: object, _attribute: attrs.Attribute[Any], seconds: object) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise InvalidScheduleError(f"every_seconds must be a number, got {show(seconds)}")
+    # Compared without float(): a huge int is out of range, not an OverflowError; NaN fails both.
+    if not MIN_EVERY_SECONDS <= seconds <= MAX_EVERY_SECONDS:
+        raise InvalidScheduleError(
+            f"every_seconds must be between {MIN_EVERY_SECONDS:g} and {MAX_EVERY_SECONDS:.0f} seconds "
+            f"(ten years), got {show(seconds)}"
+        )
+
+
+def _expression(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    expr = _schedule_check(check_text, value, "expr")
+    if len(expr) > MAX_CRON_EXPR_CHARS or len(expr.split()) != 5:
+        raise InvalidScheduleError(
+            f"expr must have five fields (minute hour day-of-month month day-of-week), got {show(expr)}"
+        )
+    _cronsim(expr, datetime(2000, 1, 1))
+
+
+def _time_zone(_inst: object, _attribute: attrs.Attribute[Any], tz: object) -> None:
+    _zone(tz)
+
+
 @attrs.frozen
 class At:
-    """Run once at ``at`` (aware; compared in UTC)."""
+    """Run once at ``at`` (aware; compared in UTC).
 
-    at: datetime
+    Raises:
+        InvalidScheduleError: ``at`` is not an aware datetime.
+    """
+
+    at: datetime = attrs.field(validator=_aware)
 
 
 @attrs.frozen
@@ -83,18 +150,25 @@ class Every:
 
     ``every_seconds`` is between :data:`MIN_EVERY_SECONDS` (1 s) and :data:`MAX_EVERY_SECONDS` (ten years).
     Without an anchor the grid starts at the job's creation time.
+
+    Raises:
+        InvalidScheduleError: the interval is out of range, or ``anchor`` is not an aware datetime.
     """
 
-    every_seconds: float
-    anchor: datetime | None = None
+    every_seconds: float = attrs.field(validator=_interval)
+    anchor: datetime | None = attrs.field(default=None, validator=attrs.validators.optional(_aware))
 
 
 @attrs.frozen
 class Cron:
-    """Run at the wall times a five-field cron expression names, in time zone ``tz`` (IANA name)."""
+    """Run at the wall times a five-field cron expression names, in time zone ``tz`` (IANA name).
 
-    expr: str
-    tz: str = "UTC"
+    Raises:
+        InvalidScheduleError: the expression is not five valid fields, or ``tz`` is no known zone.
+    """
+
+    expr: str = attrs.field(validator=_expression)
+    tz: str = attrs.field(default="UTC", validator=_time_zone)
 
 
 @attrs.frozen
@@ -104,23 +178,31 @@ class OnExit:
     ``CronService.add`` (and ``update`` with a new schedule) requires ``cwd``, when given, to be an absolute
     path to an existing directory (:func:`check_on_exit_cwd`); a directory that vanishes later makes the
     watcher retry its spawn.
+
+    Raises:
+        InvalidScheduleError: ``command`` is blank or longer than one argument may be, or ``cwd`` is
+            not a non-empty string.
     """
 
-    command: str
-    cwd: str | None = None
+    command: str = attrs.field(validator=checked_field(_shell_command))
+    cwd: str | None = attrs.field(default=None, validator=checked_field(check_optional_text))
 
 
 Schedule: TypeAlias = At | Every | Cron | OnExit
 
 
-def _zone(tz: str) -> ZoneInfo:
-    if not isinstance(tz, str) or not tz.strip():
-        raise InvalidScheduleError(f"tz must be an IANA time zone name such as 'Europe/Berlin', got {tz!r}")
+def _zone(tz: object) -> ZoneInfo:
+    if not isinstance(tz, str) or not tz.strip() or len(tz) > MAX_TZ_CHARS:
+        raise InvalidScheduleError(
+            f"tz must be an IANA time zone name of at most {MAX_TZ_CHARS} characters such as "
+            f"'Europe/Berlin', got {show(tz)}"
+        )
+    _schedule_check(check_text, tz, "tz")
     try:
         return ZoneInfo(tz)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError) as exc:
         raise InvalidScheduleError(
-            f"tz {tz!r} is not a known time zone; use an IANA name such as 'America/New_York'"
+            f"tz {show(tz)} is not a known time zone; use an IANA name such as 'America/New_York'"
         ) from exc
 
 
@@ -128,44 +210,17 @@ def _cronsim(expr: str, start: datetime) -> CronSim:
     try:
         return CronSim(expr, start)
     except CronSimError as exc:  # CronSimError is a bare Exception, not a ValueError
-        raise InvalidScheduleError(f"expr {expr!r} is not a valid cron expression: {exc}") from exc
+        raise InvalidScheduleError(f"expr {show(expr)} is not a valid cron expression: {exc}") from exc
 
 
 def validate_schedule(schedule: object) -> None:
-    """Check a schedule's fields (not whether it still has a future run).
+    """Check that ``schedule`` is one of the schedule classes (each checks its fields when made).
 
     Raises:
-        InvalidScheduleError: naming the offending field.
+        InvalidScheduleError: it is not an :class:`At`, :class:`Every`, :class:`Cron` or :class:`OnExit`.
     """
-    if isinstance(schedule, At):
-        require_aware(schedule.at, "at")
-    elif isinstance(schedule, Every):
-        seconds = schedule.every_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-            raise InvalidScheduleError(f"every_seconds must be a number, got {seconds!r}")
-        # Compared without float(): a huge int is out of range, not an OverflowError; NaN fails both.
-        if not MIN_EVERY_SECONDS <= seconds <= MAX_EVERY_SECONDS:
-            raise InvalidScheduleError(
-                f"every_seconds must be between {MIN_EVERY_SECONDS:g} and {MAX_EVERY_SECONDS:.0f} seconds "
-                f"(ten years), got {seconds!r}"
-            )
-        if schedule.anchor is not None:
-            require_aware(schedule.anchor, "anchor")
-    elif isinstance(schedule, Cron):
-        if not isinstance(schedule.expr, str) or len(schedule.expr.split()) != 5:
-            raise InvalidScheduleError(
-                "expr must have five fields (minute hour day-of-month month day-of-week), "
-                f"got {schedule.expr!r}"
-            )
-        _zone(schedule.tz)
-        _cronsim(schedule.expr, datetime(2000, 1, 1))
-    elif isinstance(schedule, OnExit):
-        if not isinstance(schedule.command, str) or not schedule.command.strip():
-            raise InvalidScheduleError("command must be a non-empty shell command")
-        if schedule.cwd is not None and (not isinstance(schedule.cwd, str) or not schedule.cwd):
-            raise InvalidScheduleError(f"cwd must be a directory path or None, got {schedule.cwd!r}")
-    else:
-        raise InvalidScheduleError(f"schedule must be At, Every, Cron or OnExit, got {schedule!r}")
+    if not isinstance(schedule, At | Every | Cron | OnExit):
+        raise InvalidScheduleError(f"schedule must be At, Every, Cron or OnExit, got {show(schedule)}")
 
 
 def check_on_exit_cwd(schedule: Schedule) -> None:

@@ -29,7 +29,8 @@ from typing import Any, TypeVar, final
 import attrs
 import trio
 
-from .._errors import InvalidScheduleError, JobNotFoundError
+from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundError
+from .._input import check_flag, check_int, check_text
 from .._supervisor import Supervisor
 from ._command import command_log_paths, run_command
 from ._events import FiredEvent, text_fire
@@ -73,11 +74,6 @@ def utc_now() -> datetime:
 
 class _StaleJobError(Exception):
     """Raised inside a store transaction when the job no longer is what the caller decided on."""
-
-
-def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name.strip():
-        raise InvalidScheduleError(f"name must be a non-empty string, got {name!r}")
 
 
 def _default_name(payload: Payload) -> str:
@@ -161,17 +157,19 @@ class CronService:
             delete_after_run: remove a one-shot job once it ran successfully.
 
         Raises:
-            InvalidScheduleError: a field is invalid (named), e.g. an ``OnExit`` ``cwd`` that is relative or
-                no existing directory; nothing is written.
+            InvalidScheduleError: the schedule or payload is invalid (the field named), e.g. an ``OnExit``
+                ``cwd`` that is relative or no existing directory; nothing is written.
+            InvalidArgumentError: ``name``, ``enabled`` or ``delete_after_run`` is invalid; nothing is
+                written.
             StoreError: the write failed; nothing is written.
         """
         validate_schedule(schedule)
         check_on_exit_cwd(schedule)
         validate_payload(payload)
         if name is not None:
-            _check_name(name)
-        if not isinstance(enabled, bool) or not isinstance(delete_after_run, bool):
-            raise InvalidScheduleError("enabled and delete_after_run must be True or False")
+            check_text(name, "name")
+        check_flag(enabled, "enabled")
+        check_flag(delete_after_run, "delete_after_run")
         now = self._wall()
         _require_future(schedule, now)
         next_run_at = next_run_after(schedule, now, default_anchor=now) if enabled else None
@@ -206,12 +204,15 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
-            InvalidScheduleError: an unknown field or an invalid value (named); nothing is written.
+            InvalidScheduleError: an invalid schedule or payload (the field named); nothing is written.
+            InvalidArgumentError: ``job_id`` is not text, an unknown field, or an invalid name or flag;
+                nothing is written.
             StoreError: the write failed; nothing is written.
         """
+        check_text(job_id, "job_id")
         for key, value in changes.items():
             if key not in _UPDATABLE:
-                raise InvalidScheduleError(
+                raise InvalidArgumentError(
                     f"update got the unknown field {key!r}; fields: {', '.join(_UPDATABLE)}"
                 )
             if key == "schedule":
@@ -220,9 +221,9 @@ class CronService:
             elif key == "payload":
                 validate_payload(value)
             elif key == "name":
-                _check_name(value)
-            elif not isinstance(value, bool):
-                raise InvalidScheduleError(f"{key} must be True or False, got {value!r}")
+                check_text(value, "name")
+            else:
+                check_flag(value, key)
         now = self._wall()
 
         def change(job: CronJob) -> CronJob:
@@ -259,8 +260,10 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
             StoreError: the write failed; nothing is deleted.
         """
+        check_text(job_id, "job_id")
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.CancelScope(shield=True):  # once the delete ran, the run must be told below
             _job, event = await self.store.delete_job(job_id, acked=self.on_fire is None)
@@ -292,7 +295,9 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
         """
+        check_text(job_id, "job_id")
         return await self.store.get_job(job_id)
 
     async def list(self, *, include_disabled: bool = True) -> builtins.list[CronJob]:
@@ -309,10 +314,9 @@ class CronService:
         Cancellation: safe; nothing changes.
 
         Raises:
-            InvalidScheduleError: ``since`` is not an integer >= 0.
+            InvalidArgumentError: ``since`` is not an event cursor (an integer >= 0).
         """
-        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
-            raise InvalidScheduleError(f"since must be an event cursor (an integer >= 0), got {since!r}")
+        check_int(since, "since")
         return await self.store.events(since)
 
     async def run_now(self, job_id: str) -> None:
@@ -325,8 +329,10 @@ class CronService:
 
         Raises:
             JobNotFoundError: no job has this id.
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
             StoreError: the claim could not be written; nothing runs.
         """
+        check_text(job_id, "job_id")
         while (busy := self._running.get(job_id)) is not None:
             await busy.wait()
         done = await self._claim_and_start(job_id, self._wall(), forced=True)

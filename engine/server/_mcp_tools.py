@@ -8,26 +8,29 @@ Independent of the MCP SDK: this module names the tools, checks their arguments 
 - ``cron_add``, ``cron_list``, ``cron_remove``, ``cron_events``: jobs and their fired events, in texts of
   the same shape (``CRON ADDED`` ..., ``CRON ERROR: ...`` for a rejected call).
 
-Both backends speak the RPC method table (``docs/rpc.md``): :class:`EmbeddedBackend` calls
-:class:`~engine.server._methods.Methods` in this process, :class:`SocketBackend` sends the same calls to a
-running ``serve`` with the synchronous client in a worker thread.
+Each tool reads its arguments once, with :mod:`engine._input`, into typed values (a schedule, a payload,
+a cursor) and hands those to a backend: :class:`EmbeddedBackend` runs the method of
+:class:`~engine.server._methods.Methods` in this process on them as they are (nothing is read twice),
+:class:`SocketBackend` sends them in their JSON form (``docs/rpc.md``) to a running ``serve`` with the
+synchronous client in a worker thread. The ``subprocess`` tool's parameters are read by the tool itself.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any, Final, Protocol, final
 
 import attrs
 import trio
 
-from .._errors import EngineError
+from .._errors import EngineError, InvalidArgumentError
+from .._input import check_text, read_fields, read_moment, read_project, read_seconds, read_whole
+from ..cron._job import SystemEvent
+from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 from ._client import EngineClient
-from ._methods import InvalidParamsError, MethodNotFoundError, Methods
+from ._methods import MethodNotFoundError, Methods, to_wire
 from ._protocol import describe_schedule
 
 __all__ = ["CRON_TOOLS", "EmbeddedBackend", "McpTools", "RpcBackend", "SocketBackend"]
@@ -41,13 +44,13 @@ EVENTS_PAGE: Final = 20
 
 
 class RpcBackend(Protocol):
-    """Where the tools' calls go: a method of the RPC table (``docs/rpc.md``) and its named params."""
+    """Where the tools' calls go: a method of the RPC table (``docs/rpc.md``) and its typed params."""
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
-        """Run ``method`` and return its JSON-ready result.
+        """Run ``method`` on typed ``params`` (as :meth:`Methods.run` takes them); return its JSON result.
 
         Raises:
-            EngineError, InvalidParamsError, ValueError: the call was refused; the message says why.
+            EngineError, ValueError: the call was refused; the message says why.
         """
         ...
 
@@ -61,7 +64,7 @@ class EmbeddedBackend:
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Cancellation: as the method called."""
-        return await self.methods.call(method, params)
+        return await self.methods.run(method, params)
 
 
 @final
@@ -78,7 +81,7 @@ class SocketBackend:
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Cancellation: the wait is abandoned; a request the engine received still completes there."""
         return await trio.to_thread.run_sync(
-            functools.partial(self._call, method, dict(params)), abandon_on_cancel=True
+            functools.partial(self._call, method, to_wire(params)), abandon_on_cancel=True
         )
 
     def _call(self, method: str, params: dict[str, Any]) -> Any:
@@ -170,10 +173,6 @@ def _cron_definitions() -> list[dict[str, Any]]:
 CRON_TOOLS: Final = _cron_definitions()
 
 
-class _RejectedError(Exception):
-    """An argument problem, reported to the agent as a ``CRON ERROR`` text."""
-
-
 def _job_line(job: Mapping[str, Any]) -> str:
     return (
         f"id: {job['id']} | name: {job['name']} | enabled: {'yes' if job['enabled'] else 'no'} | "
@@ -232,15 +231,14 @@ class McpTools:
             return f"ERROR: unknown tool {name!r}; tools: {names}", True
         try:
             return await handler(args), False
-        except (_RejectedError, EngineError, InvalidParamsError, MethodNotFoundError) as exc:
-            return f"{_CRON_ERROR}{exc}", True
-        except (ValueError, TypeError, OSError) as exc:
+        except (EngineError, MethodNotFoundError, ValueError, TypeError, OSError) as exc:
             return f"{_CRON_ERROR}{exc}", True
 
     async def _subprocess(self, args: dict[str, Any]) -> tuple[str, bool]:
         try:
-            result = await self.backend.call("tool.execute", {"params": args, "project": self.project_dir})
-        except (EngineError, InvalidParamsError, MethodNotFoundError, ValueError, TypeError, OSError) as exc:
+            params = {"params": args, "project": read_project(self.project_dir)}
+            result = await self.backend.call("tool.execute", params)
+        except (EngineError, MethodNotFoundError, ValueError, TypeError, OSError) as exc:
             return f"{_SUBPROCESS_ERROR}{exc}", True
         text = result["text"]
         return text, text.startswith(_SUBPROCESS_ERROR)
@@ -249,59 +247,37 @@ class McpTools:
         cwd = args.get("cwd")
         if cwd is None:
             return self.project_dir
-        if not isinstance(cwd, str) or not cwd:
-            raise _RejectedError(f"cwd must be a directory path, got {cwd!r}")
-        return os.path.normpath(os.path.join(self.project_dir, os.path.expanduser(cwd)))
+        path = check_text(cwd, "cwd")
+        return os.path.normpath(os.path.join(self.project_dir, os.path.expanduser(path)))
 
-    def _schedule(self, args: Mapping[str, Any]) -> dict[str, Any]:
-        given = [key for key in _WHEN if args.get(key) is not None]
+    def _schedule(self, args: Mapping[str, Any]) -> Schedule:
+        given = [key for key in _WHEN if key in args]
         if len(given) != 1:
-            raise _RejectedError(f"give exactly one of {', '.join(_WHEN)}; got {', '.join(given) or 'none'}")
+            raise InvalidArgumentError(
+                f"give exactly one of {', '.join(_WHEN)}; got {', '.join(given) or 'none'}"
+            )
         kind = given[0]
-        if args.get("cwd") is not None and kind != "command":
-            raise _RejectedError("cwd goes with command (an on-exit job); leave it out")
-        if args.get("tz") is not None and kind != "cron":
-            raise _RejectedError("tz goes with cron; leave it out")
+        if "cwd" in args and kind != "command":
+            raise InvalidArgumentError("cwd goes with command (an on-exit job); leave it out")
+        if "tz" in args and kind != "cron":
+            raise InvalidArgumentError("tz goes with cron; leave it out")
         value = args[kind]
         if kind == "every_seconds":
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise _RejectedError(f"every_seconds must be a number of seconds, got {value!r}")
-            return {"kind": "every", "every_seconds": value}
-        if not isinstance(value, str) or not value.strip():
-            raise _RejectedError(f"{kind} must be a non-empty string, got {value!r}")
-        if kind == "command":
-            return {"kind": "on_exit", "command": value, "cwd": self._cwd(args)}
+            return Every(every_seconds=read_seconds(value, kind))
+        if kind == "at":
+            return At(at=read_moment(value, kind))
         if kind == "cron":
-            tz = args.get("tz") or "UTC"
-            if not isinstance(tz, str):
-                raise _RejectedError(f"tz must be a time zone name, got {tz!r}")
-            return {"kind": "cron", "expr": value, "tz": tz}
-        try:
-            moment = datetime.fromisoformat(value)
-        except ValueError:
-            raise _RejectedError(f"at must be an ISO 8601 time with an offset, got {value!r}") from None
-        if moment.tzinfo is None:
-            raise _RejectedError(f"at needs a UTC offset, e.g. {value}+00:00")
-        return {"kind": "at", "at": moment.isoformat()}
+            return Cron(expr=check_text(value, kind), tz=args.get("tz") or "UTC")
+        return OnExit(command=check_text(value, kind), cwd=self._cwd(args))
 
-    async def _cron_add(self, args: dict[str, Any]) -> str:
-        unknown = sorted(set(args) - _CRON_ADD_FIELDS)
-        if unknown:
-            raise _RejectedError(
-                f"unknown argument(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_CRON_ADD_FIELDS))}"
-            )
-        text = args.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise _RejectedError(f"text must be a non-empty string, got {text!r}")
-        name = args.get("name")
-        if name is not None and (not isinstance(name, str) or not name.strip()):
-            raise _RejectedError(f"name must be a non-empty string, got {name!r}")
-        params: dict[str, Any] = {
+    async def _cron_add(self, raw: dict[str, Any]) -> str:
+        args = read_fields(raw, "cron_add", _CRON_ADD_FIELDS, what="argument")
+        params: dict[str, object] = {
             "schedule": self._schedule(args),
-            "payload": {"kind": "system_event", "text": text},
+            "payload": SystemEvent(text=check_text(args.get("text"), "text")),
         }
-        if name is not None:
-            params["name"] = name
+        if "name" in args:
+            params["name"] = check_text(args["name"], "name")
         job = await self.backend.call("cron.add", params)
         return "\n".join(
             [
@@ -313,32 +289,23 @@ class McpTools:
             ]
         )
 
-    async def _cron_list(self, args: dict[str, Any]) -> str:
-        if args:
-            raise _RejectedError(f"cron_list takes no arguments, got {', '.join(sorted(args))}")
+    async def _cron_list(self, raw: dict[str, Any]) -> str:
+        read_fields(raw, "cron_list", (), what="argument")
         jobs = await self.backend.call("cron.list", {})
         lines = ["CRON LIST", *(_job_line(job) for job in jobs)]
         if not jobs:
             lines.append("No cron jobs.")
         return "\n".join(lines)
 
-    async def _cron_remove(self, args: dict[str, Any]) -> str:
-        job_id = args.get("id")
-        if set(args) - {"id"}:
-            raise _RejectedError(f"cron_remove takes only id, got {', '.join(sorted(args))}")
-        if not isinstance(job_id, str) or not job_id:
-            raise _RejectedError(f"id must be a job id from cron_add or cron_list, got {job_id!r}")
+    async def _cron_remove(self, raw: dict[str, Any]) -> str:
+        args = read_fields(raw, "cron_remove", ("id",), what="argument")
+        job_id = check_text(args.get("id"), "id")
         await self.backend.call("cron.remove", {"job_id": job_id})
         return f"CRON REMOVED\nid: {job_id}"
 
-    async def _cron_events(self, args: dict[str, Any]) -> str:
-        if set(args) - {"since"}:
-            raise _RejectedError(f"cron_events takes only since, got {', '.join(sorted(args))}")
-        since = args.get("since", 0)
-        if isinstance(since, float) and since.is_integer():
-            since = int(since)
-        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
-            raise _RejectedError(f"since must be an event cursor (a whole number >= 0), got {since!r}")
+    async def _cron_events(self, raw: dict[str, Any]) -> str:
+        args = read_fields(raw, "cron_events", ("since",), what="argument")
+        since = read_whole(args.get("since", 0), "since")
         events = await self.backend.call("events", {"since": since, "limit": EVENTS_PAGE})
         lines = ["CRON EVENTS"]
         for event in events:

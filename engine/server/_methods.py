@@ -1,33 +1,49 @@
 """The RPC method table: every operation of the service, the tool and cron, plus ``status``.
 
-Each method takes named parameters, checked here (a wrong or missing one is an ``INVALID_PARAMS`` error
-naming it, before anything changes) and returns JSON-ready values: subprocesses as
-``SubProcessSummary.to_dict()``, jobs as ``CronJob.to_dict()``, events as ``FiredEvent.to_dict()``.
-``docs/rpc.md`` lists them all.
+Each method declares its named parameters and the reader of :mod:`engine._input` that turns each into a
+typed value. :meth:`Methods.call` reads a request's parameters once (an unknown, missing or wrong one is an
+``INVALID_PARAMS`` error naming it, before anything changes) and runs the method on the typed values;
+:meth:`Methods.run` runs it on values a caller has already typed (the MCP tools). Results are JSON-ready:
+subprocesses as ``SubProcessSummary.to_dict()``, jobs as ``CronJob.to_dict()``, events as
+``FiredEvent.to_dict()``. ``docs/rpc.md`` lists them all.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, final
 
 import attrs
 import trio
 
 from .._engine import Engine
+from .._errors import InvalidArgumentError
+from .._input import (
+    check_env,
+    check_flag,
+    check_read_args,
+    check_strings,
+    check_text,
+    read_fields,
+    read_payload,
+    read_project,
+    read_schedule,
+    read_stream,
+    read_whole,
+    show,
+)
 from .._project import Project
-from ..cron._job import Command, Payload, SystemEvent
+from ..cron._job import Command, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 
-__all__ = ["InvalidParamsError", "MethodNotFoundError", "Methods"]
+__all__ = ["InvalidParamsError", "MethodNotFoundError", "Methods", "to_wire"]
 
-_MAX_INT: Final = 2**53
+#: ``subprocess.read_log``'s default ``max_bytes``.
+READ_LOG_MAX_BYTES: Final = 32768
 
 
-class InvalidParamsError(Exception):
+class InvalidParamsError(InvalidArgumentError):
     """Raised by :meth:`Methods.call` when a parameter is missing, unknown or of the wrong type."""
 
 
@@ -35,142 +51,92 @@ class MethodNotFoundError(Exception):
     """Raised by :meth:`Methods.call` for a method name the table does not have."""
 
 
-@final
-@attrs.define
-class _Params:
-    """The named parameters of one call, read with type checks that name the offending field."""
-
-    values: Mapping[str, Any]
-    prefix: str = ""
-
-    def _missing(self, name: str) -> InvalidParamsError:
-        return InvalidParamsError(f"missing parameter {self.prefix}{name}")
-
-    def _wrong(self, name: str, what: str) -> InvalidParamsError:
-        return InvalidParamsError(f"{self.prefix}{name} must be {what}, got {self.values[name]!r}")
-
-    def has(self, name: str) -> bool:
-        return self.values.get(name) is not None
-
-    def text(self, name: str) -> str:
-        if not self.has(name):
-            raise self._missing(name)
-        value = self.values[name]
-        if not isinstance(value, str) or not value:
-            raise self._wrong(name, "a non-empty string")
-        return value
-
-    def opt_text(self, name: str) -> str | None:
-        return self.text(name) if self.has(name) else None
-
-    def whole(self, name: str, minimum: int = 0) -> int:
-        if not self.has(name):
-            raise self._missing(name)
-        value = self.values[name]
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _MAX_INT:
-            raise self._wrong(name, f"a whole number >= {minimum}")
-        return value
-
-    def opt_whole(self, name: str, minimum: int = 0) -> int | None:
-        return self.whole(name, minimum) if self.has(name) else None
-
-    def number(self, name: str) -> float:
-        if not self.has(name):
-            raise self._missing(name)
-        value = self.values[name]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self._wrong(name, "a number")
-        return float(value)
-
-    def flag(self, name: str, default: bool) -> bool:
-        if not self.has(name):
-            return default
-        value = self.values[name]
-        if not isinstance(value, bool):
-            raise self._wrong(name, "true or false")
-        return value
-
-    def str_list(self, name: str, *, required: bool = False) -> list[str]:
-        if not self.has(name):
-            if required:
-                raise self._missing(name)
-            return []
-        value = self.values[name]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self._wrong(name, "an array of strings")
-        if required and not value:
-            raise self._wrong(name, "a non-empty array of strings")
-        return value
-
-    def str_map(self, name: str) -> dict[str, str]:
-        if not self.has(name):
-            return {}
-        value = self.values[name]
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise self._wrong(name, "an object of string values")
-        return value
-
-    def sub(self, name: str) -> _Params:
-        if not self.has(name):
-            raise self._missing(name)
-        value = self.values[name]
-        if not isinstance(value, dict):
-            raise self._wrong(name, "a JSON object")
-        return _Params(value, prefix=f"{self.prefix}{name}.")
-
-    def project(self, name: str = "project") -> Project:
-        path = self.text(name)
-        if not os.path.isabs(path):
-            raise self._wrong(name, "an absolute directory path")
-        try:
-            return Project.from_directory(path)
-        except ValueError as exc:
-            raise InvalidParamsError(f"{self.prefix}{name}: {exc}") from None
-
-    def moment(self, name: str) -> datetime:
-        text = self.text(name)
-        try:
-            return datetime.fromisoformat(text)
-        except ValueError:
-            raise self._wrong(name, "an ISO 8601 date and time with a UTC offset") from None
+Reader = Callable[[object, str], object]
+Handler = Callable[..., Awaitable[object]]
 
 
-Handler = Callable[["Methods", _Params], Awaitable[object]]
-_TABLE: dict[str, tuple[Handler, frozenset[str]]] = {}
+@attrs.frozen
+class _Param:
+    """One named parameter: the reader that types it, and whether the method needs it."""
+
+    read: Reader
+    required: bool = False
 
 
-def _method(name: str, *params: str) -> Callable[[Handler], Handler]:
+@attrs.frozen
+class _Entry:
+    """One method: its handler (typed keyword arguments), its parameters, and a check across them."""
+
+    handler: Handler
+    params: Mapping[str, _Param]
+    check: Callable[[Mapping[str, object]], None] | None = None
+
+
+_TABLE: dict[str, _Entry] = {}
+
+
+def _method(
+    method: str, /, *, check: Callable[[Mapping[str, object]], None] | None = None, **params: _Param
+) -> Callable[[Handler], Handler]:
+    """Register ``method``: its handler takes each parameter, typed by its reader, by keyword."""
+
     def register(handler: Handler) -> Handler:
-        _TABLE[name] = (handler, frozenset(params))
+        _TABLE[method] = _Entry(handler, params, check)
         return handler
 
     return register
 
 
-def _schedule(p: _Params) -> Schedule:
-    kind = p.text("kind")
-    if kind == "at":
-        return At(at=p.moment("at"))
-    if kind == "every":
-        return Every(
-            every_seconds=p.number("every_seconds"), anchor=p.moment("anchor") if p.has("anchor") else None
-        )
-    if kind == "cron":
-        return Cron(expr=p.text("expr"), tz=p.opt_text("tz") or "UTC")
-    if kind == "on_exit":
-        return OnExit(command=p.text("command"), cwd=p.opt_text("cwd"))
-    raise InvalidParamsError(f"{p.prefix}kind must be one of at, every, cron, on_exit, got {kind!r}")
+def _need(read: Reader) -> _Param:
+    return _Param(read, required=True)
 
 
-def _payload(p: _Params) -> Payload:
-    kind = p.text("kind")
-    if kind == "system_event":
-        return SystemEvent(text=p.text("text"))
-    if kind == "command":
-        return Command(argv=tuple(p.str_list("argv", required=True)), cwd=p.opt_text("cwd"))
-    raise InvalidParamsError(f"{p.prefix}kind must be system_event or command, got {kind!r}")
+def _may(read: Reader) -> _Param:
+    return _Param(read)
+
+
+def _positive(value: object, field: str) -> int:
+    return read_whole(value, field, 1)
+
+
+def _offset(value: object, field: str) -> int:
+    return read_whole(value, field, 0)
+
+
+def _tool_params(value: object, field: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"{field} must be a JSON object of tool parameters, got {show(value)}")
+    return value  # the tool reads its own parameters
+
+
+def _read(method: str, entry: _Entry, params: Mapping[str, Any]) -> dict[str, object]:
+    given = read_fields(params, method, entry.params, what="parameter")
+    for name, param in entry.params.items():
+        if param.required and name not in given:
+            raise InvalidArgumentError(f"missing parameter {name}")
+    typed = {name: entry.params[name].read(value, name) for name, value in given.items()}
+    if entry.check is not None:
+        entry.check(typed)
+    return typed
+
+
+def to_wire(params: Mapping[str, object]) -> dict[str, object]:
+    """The JSON form of typed parameters, as :meth:`Methods.call` reads them back.
+
+    Schedules and payloads become their ``to_dict`` objects, a :class:`Project` its directory, tuples lists.
+    """
+    out: dict[str, object] = {}
+    for name, value in params.items():
+        if isinstance(value, At | Every | Cron | OnExit):
+            value = schedule_to_dict(value)
+        elif isinstance(value, SystemEvent | Command):
+            value = payload_to_dict(value)
+        elif isinstance(value, Project):
+            value = value.directory
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[name] = value
+    return out
 
 
 @final
@@ -195,33 +161,44 @@ class Methods:
         return sorted(_TABLE)
 
     async def call(self, method: str, params: Mapping[str, Any]) -> object:
-        """Run ``method`` with ``params`` and return its JSON-ready result.
+        """Read ``params`` (JSON values) for ``method``, run it and return its JSON-ready result.
 
         Cancellation: as the engine operation behind the method (``kill`` and ``halt`` still end and
         reap the process tree).
 
         Raises:
             MethodNotFoundError: no such method.
-            InvalidParamsError: a parameter is unknown, missing or of the wrong type; nothing changed.
+            InvalidParamsError: a parameter is unknown, missing or invalid (named); nothing changed.
+            InvalidScheduleError: a schedule or payload its class refused; nothing changed.
             EngineError: the engine's own error (``SpawnError``, ``JobNotFoundError``, ...).
-            ValueError, TypeError: a value the engine refused.
         """
+        entry = self._entry(method)
+        try:
+            typed = _read(method, entry, params)
+        except InvalidArgumentError as exc:
+            raise InvalidParamsError(str(exc)) from None
+        return await entry.handler(self, **typed)
+
+    async def run(self, method: str, params: Mapping[str, object]) -> object:
+        """Run ``method`` on parameters that are already typed (a :class:`Schedule`, a :class:`Project`).
+
+        For callers that read their own input with :mod:`engine._input` (the MCP tools): nothing is read
+        twice. A parameter the method does not take is a ``TypeError``.
+
+        Cancellation, errors: as :meth:`call`.
+        """
+        return await self._entry(method).handler(self, **params)
+
+    def _entry(self, method: str) -> _Entry:
         entry = _TABLE.get(method)
         if entry is None:
-            raise MethodNotFoundError(f"unknown method {method!r}; methods: {', '.join(self.names())}")
-        handler, allowed = entry
-        unknown = sorted(set(params) - allowed)
-        if unknown:
-            accepted = ", ".join(sorted(allowed)) or "none"
-            raise InvalidParamsError(
-                f"{method} got unknown parameter(s) {', '.join(unknown)}; accepted: {accepted}"
-            )
-        return await handler(self, _Params(params))
+            raise MethodNotFoundError(f"unknown method {show(method)}; methods: {', '.join(self.names())}")
+        return entry
 
     # ---- status ------------------------------------------------------------------------------------
 
     @_method("status")
-    async def _status(self, p: _Params) -> object:
+    async def _status(self) -> object:
         records = self.engine.service.ps()
         jobs = await self.engine.cron.list()
         return {
@@ -237,62 +214,80 @@ class Methods:
 
     # ---- subprocesses ------------------------------------------------------------------------------
 
-    @_method("subprocess.create", "project", "command", "args", "env")
-    async def _create(self, p: _Params) -> object:
-        project = p.project()
-        command, args, env = p.text("command"), p.str_list("args"), p.str_map("env")
+    @_method(
+        "subprocess.create",
+        project=_need(read_project),
+        command=_need(check_text),
+        args=_may(check_strings),
+        env=_may(check_env),
+    )
+    async def _create(
+        self, project: Project, command: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> object:
         sp = await self.engine.service.create(project, command, args, env=env or None)
         return self.engine.service.summarize(sp).to_dict()
 
-    @_method("subprocess.list", "project")
-    async def _list(self, p: _Params) -> object:
+    @_method("subprocess.list", project=_may(read_project))
+    async def _list(self, project: Project | None = None) -> object:
         await trio.lowlevel.checkpoint()
         service = self.engine.service
-        project_id = p.project().id if p.has("project") else None
         return [
             service.summarize(sp).to_dict()
             for sp in service.ps()
-            if project_id is None or sp.project.id == project_id
+            if project is None or sp.project.id == project.id
         ]
 
-    @_method("subprocess.summarize", "pid")
-    async def _summarize(self, p: _Params) -> object:
+    @_method("subprocess.summarize", pid=_need(_positive))
+    async def _summarize(self, pid: int) -> object:
         await trio.lowlevel.checkpoint()
         service = self.engine.service
-        return service.summarize(service.lookup(p.whole("pid", 1))).to_dict()
+        return service.summarize(service.lookup(pid)).to_dict()
 
-    @_method("subprocess.kill", "pid")
-    async def _kill(self, p: _Params) -> object:
-        pid = p.whole("pid", 1)
+    @_method("subprocess.kill", pid=_need(_positive))
+    async def _kill(self, pid: int) -> object:
         return {"pid": pid, "stopped": await self.engine.service.kill_pid(pid)}
 
-    @_method("subprocess.halt", "pid")
-    async def _halt(self, p: _Params) -> object:
-        pid = p.whole("pid", 1)
+    @_method("subprocess.halt", pid=_need(_positive))
+    async def _halt(self, pid: int) -> object:
         return {"pid": pid, "stopped": await self.engine.service.halt_pid(pid)}
 
-    @_method("subprocess.kill_project", "project", "project_id")
-    async def _kill_project(self, p: _Params) -> object:
-        if p.has("project") == p.has("project_id"):
-            raise InvalidParamsError("give exactly one of project (a directory) and project_id")
-        project_id = p.project().id if p.has("project") else p.text("project_id")
-        await self.engine.service.kill_project(project_id)
-        return {"project_id": project_id}
+    @_method(
+        "subprocess.kill_project",
+        check=lambda p: _one_of(p, "project", "project_id"),
+        project=_may(read_project),
+        project_id=_may(check_text),
+    )
+    async def _kill_project(self, project: Project | None = None, project_id: str | None = None) -> object:
+        target = project.id if project is not None else project_id
+        assert target is not None
+        await self.engine.service.kill_project(target)
+        return {"project_id": target}
 
     @_method("subprocess.kill_all")
-    async def _kill_all(self, p: _Params) -> object:
+    async def _kill_all(self) -> object:
         return {"verified": await self.engine.service.kill_all()}
 
-    @_method("subprocess.read_log", "pid", "stream", "offset", "limit", "tail", "max_bytes")
-    async def _read_log(self, p: _Params) -> object:
-        pid = p.whole("pid", 1)
-        stream = p.opt_text("stream") or "stdout"
-        if stream not in ("stdout", "stderr"):
-            raise InvalidParamsError(f"stream must be stdout or stderr, got {stream!r}")
-        offset, limit, tail = p.opt_whole("offset", 0), p.opt_whole("limit", 1), p.opt_whole("tail", 1)
-        max_bytes = p.opt_whole("max_bytes", 1) or 32768
-        if tail is not None and (offset is not None or limit is not None):
-            raise InvalidParamsError("give tail alone, or offset and/or limit, not both")
+    @_method(
+        "subprocess.read_log",
+        check=lambda p: check_read_args(
+            p.get("offset"), p.get("limit"), p.get("tail"), p.get("max_bytes", READ_LOG_MAX_BYTES)
+        ),
+        pid=_need(_positive),
+        stream=_may(read_stream),
+        offset=_may(_offset),
+        limit=_may(_positive),
+        tail=_may(_positive),
+        max_bytes=_may(_positive),
+    )
+    async def _read_log(
+        self,
+        pid: int,
+        stream: str = "stdout",
+        offset: int | None = None,
+        limit: int | None = None,
+        tail: int | None = None,
+        max_bytes: int = READ_LOG_MAX_BYTES,
+    ) -> object:
         service = self.engine.service
         sp = service.lookup(pid)
         running = sp.running  # before the read: "not running" and a drained read mean the end
@@ -304,75 +299,83 @@ class Methods:
     # ---- the tool ----------------------------------------------------------------------------------
 
     @_method("tool.definition")
-    async def _tool_definition(self, p: _Params) -> object:
+    async def _tool_definition(self) -> object:
         await trio.lowlevel.checkpoint()
         return self.engine.tool.definition
 
-    @_method("tool.execute", "params", "project")
-    async def _tool_execute(self, p: _Params) -> object:
-        params = p.sub("params").values
-        text = await self.engine.tool.execute(params, p.project())
+    @_method("tool.execute", params=_need(_tool_params), project=_need(read_project))
+    async def _tool_execute(self, params: Mapping[str, object], project: Project) -> object:
+        text = await self.engine.tool.execute(params, project)
         return {"text": text, "is_error": text.startswith("SUBPROCESS ERROR: ")}
 
     # ---- cron --------------------------------------------------------------------------------------
 
-    @_method("cron.add", "schedule", "payload", "name", "enabled", "delete_after_run")
-    async def _cron_add(self, p: _Params) -> object:
-        schedule, payload = _schedule(p.sub("schedule")), _payload(p.sub("payload"))
+    @_method(
+        "cron.add",
+        schedule=_need(read_schedule),
+        payload=_need(read_payload),
+        name=_may(check_text),
+        enabled=_may(check_flag),
+        delete_after_run=_may(check_flag),
+    )
+    async def _cron_add(
+        self,
+        schedule: Schedule,
+        payload: Payload,
+        name: str | None = None,
+        enabled: bool = True,
+        delete_after_run: bool = False,
+    ) -> object:
         job = await self.engine.cron.add(
-            schedule,
-            payload,
-            name=p.opt_text("name"),
-            enabled=p.flag("enabled", True),
-            delete_after_run=p.flag("delete_after_run", False),
+            schedule, payload, name=name, enabled=enabled, delete_after_run=delete_after_run
         )
         return job.to_dict()
 
-    @_method("cron.update", "job_id", "schedule", "payload", "name", "enabled", "delete_after_run")
-    async def _cron_update(self, p: _Params) -> object:
-        changes: dict[str, object] = {}
-        if p.has("schedule"):
-            changes["schedule"] = _schedule(p.sub("schedule"))
-        if p.has("payload"):
-            changes["payload"] = _payload(p.sub("payload"))
-        if p.has("name"):
-            changes["name"] = p.text("name")
-        for flag in ("enabled", "delete_after_run"):
-            if p.has(flag):
-                changes[flag] = p.flag(flag, False)
-        return (await self.engine.cron.update(p.text("job_id"), **changes)).to_dict()
+    @_method(
+        "cron.update",
+        job_id=_need(check_text),
+        schedule=_may(read_schedule),
+        payload=_may(read_payload),
+        name=_may(check_text),
+        enabled=_may(check_flag),
+        delete_after_run=_may(check_flag),
+    )
+    async def _cron_update(self, job_id: str, **changes: object) -> object:
+        return (await self.engine.cron.update(job_id, **changes)).to_dict()
 
-    @_method("cron.list", "include_disabled")
-    async def _cron_list(self, p: _Params) -> object:
-        jobs = await self.engine.cron.list(include_disabled=p.flag("include_disabled", True))
+    @_method("cron.list", include_disabled=_may(check_flag))
+    async def _cron_list(self, include_disabled: bool = True) -> object:
+        jobs = await self.engine.cron.list(include_disabled=include_disabled)
         return [job.to_dict() for job in jobs]
 
-    @_method("cron.get", "job_id")
-    async def _cron_get(self, p: _Params) -> object:
-        return (await self.engine.cron.get(p.text("job_id"))).to_dict()
+    @_method("cron.get", job_id=_need(check_text))
+    async def _cron_get(self, job_id: str) -> object:
+        return (await self.engine.cron.get(job_id)).to_dict()
 
-    @_method("cron.remove", "job_id")
-    async def _cron_remove(self, p: _Params) -> object:
-        job_id = p.text("job_id")
+    @_method("cron.remove", job_id=_need(check_text))
+    async def _cron_remove(self, job_id: str) -> object:
         await self.engine.cron.remove(job_id)
         return {"job_id": job_id, "removed": True}
 
-    @_method("cron.enable", "job_id")
-    async def _cron_enable(self, p: _Params) -> object:
-        return (await self.engine.cron.enable(p.text("job_id"))).to_dict()
+    @_method("cron.enable", job_id=_need(check_text))
+    async def _cron_enable(self, job_id: str) -> object:
+        return (await self.engine.cron.enable(job_id)).to_dict()
 
-    @_method("cron.disable", "job_id")
-    async def _cron_disable(self, p: _Params) -> object:
-        return (await self.engine.cron.disable(p.text("job_id"))).to_dict()
+    @_method("cron.disable", job_id=_need(check_text))
+    async def _cron_disable(self, job_id: str) -> object:
+        return (await self.engine.cron.disable(job_id)).to_dict()
 
-    @_method("cron.run_now", "job_id")
-    async def _cron_run_now(self, p: _Params) -> object:
-        job_id = p.text("job_id")
+    @_method("cron.run_now", job_id=_need(check_text))
+    async def _cron_run_now(self, job_id: str) -> object:
         await self.engine.cron.run_now(job_id)
         return {"job_id": job_id}
 
-    @_method("events", "since", "limit")
-    async def _events(self, p: _Params) -> object:
-        since, limit = p.opt_whole("since", 0) or 0, p.opt_whole("limit", 1)
+    @_method("events", since=_may(_offset), limit=_may(_positive))
+    async def _events(self, since: int = 0, limit: int | None = None) -> object:
         events = await self.engine.cron.events(since)
         return [event.to_dict() for event in events[:limit]]
+
+
+def _one_of(typed: Mapping[str, object], first: str, second: str) -> None:
+    if (first in typed) == (second in typed):
+        raise InvalidArgumentError(f"give exactly one of {first} (a directory) and {second}")

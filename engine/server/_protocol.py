@@ -1,8 +1,8 @@
 """JSON-RPC 2.0 framing of the engine's socket: one JSON value per line, both ways.
 
 A request is one line of UTF-8 JSON ending with ``\\n``; so is every response. This module only uses the
-standard library (plus :mod:`engine._errors`, itself standard-library only), so the synchronous client and
-a future asyncio client share it with the Trio server.
+standard library (plus :mod:`engine._errors` and :mod:`engine._input`, themselves standard-library only), so
+the synchronous client and a future asyncio client share it with the Trio server.
 
 Error codes: the five standard ones (``-32700`` ... ``-32603``) and, in the range JSON-RPC leaves to
 implementations (``-32000`` ... ``-32099``), one code per engine exception type, with the type's name in
@@ -21,6 +21,7 @@ from typing import Any, Final
 from .._errors import (
     EngineError,
     EngineLockedError,
+    InvalidArgumentError,
     InvalidScheduleError,
     JobNotFoundError,
     LimitExceededError,
@@ -28,6 +29,7 @@ from .._errors import (
     StoreError,
     SubProcessNotFoundError,
 )
+from .._input import string_problem
 
 __all__ = [
     "APPLICATION_CODES",
@@ -68,6 +70,7 @@ APPLICATION_CODES: Final[tuple[tuple[type[EngineError], int], ...]] = (
     (InvalidScheduleError, -32005),
     (StoreError, -32006),
     (EngineLockedError, -32007),
+    (InvalidArgumentError, -32008),
     (EngineError, -32000),
 )
 
@@ -147,7 +150,9 @@ def decode_line(line: bytes) -> object:
 
 
 def _valid_id(value: object) -> bool:
-    return value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+    if isinstance(value, str):
+        return string_problem(value) is None  # it goes back in the answer, which is UTF-8
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def parse_request(line: bytes) -> Request:
@@ -169,7 +174,7 @@ def parse_request(line: bytes) -> Request:
         raise ProtocolError(INVALID_REQUEST, "a request must be a JSON object")
     request_id = value.get("id")
     if not _valid_id(request_id):
-        raise ProtocolError(INVALID_REQUEST, "id must be a string, an integer or null")
+        raise ProtocolError(INVALID_REQUEST, "id must be a string (UTF-8 text), an integer or null")
     if value.get("jsonrpc") != "2.0":
         raise ProtocolError(INVALID_REQUEST, 'jsonrpc must be "2.0"', request_id)
     method = value.get("method")
