@@ -1,4 +1,4 @@
-"""Delivery of fires: the event log, ``on_fire``, acknowledgement and redelivery (design section 5).
+"""Delivery of fires: the event log, ``on_fire``, acknowledgement, redelivery (docs/design.md, invariant 5).
 
 A committed fire (a :class:`PendingFire` on its job's row) is *recorded*: appended to the event log as a
 :class:`FiredEvent`, in the transaction that clears the job's pending fire. What happens next depends on

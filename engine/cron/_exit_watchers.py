@@ -1,4 +1,4 @@
-"""On-exit watchers: run a job's command, and fire the job once when it exits (design section 5).
+"""On-exit watchers: run a job's command, and fire the job once when it exits (docs/design.md, invariant 5).
 
 Each enabled :class:`OnExit` job gets a slot with an arm token (``_arming``) and a watcher task in the
 engine's nursery. The task runs the command under our exit-recording shim (``_shim``), in scope
@@ -403,15 +403,16 @@ class CronExitWatchers:
         if watch.run is not None and watch.run.state is not RunState.EXITED:
             await self.supervisor.cancel(watch.run)
         if watch.adopted is not None:
-            record = watch.adopted
-            await trio.to_thread.run_sync(
-                functools.partial(
-                    _end_record,
-                    record,
-                    grace_seconds=self.supervisor.grace_seconds,
-                    kill_wait_seconds=self.supervisor.kill_wait_seconds,
-                )
-            )
+            await self._end_group(watch.adopted)
+
+    async def _end_group(self, record: GroupRecord) -> None:
+        """End a command this engine did not spawn (adopted) by escalation, in a worker thread."""
+        grace, kill_wait = self.supervisor.grace_seconds, self.supervisor.kill_wait_seconds
+
+        def end() -> None:
+            end_processes(find_record_processes([record]), grace_seconds=grace, kill_wait_seconds=kill_wait)
+
+        await trio.to_thread.run_sync(end)
 
     # -- watch state in the store ------------------------------------------------------------------
 
@@ -464,14 +465,7 @@ class CronExitWatchers:
             )
             if not current:  # the job changed or went away meanwhile: end the old command, forget it
                 if alive:
-                    await trio.to_thread.run_sync(
-                        functools.partial(
-                            _end_record,
-                            state.group_record(),
-                            grace_seconds=self.supervisor.grace_seconds,
-                            kill_wait_seconds=self.supervisor.kill_wait_seconds,
-                        )
-                    )
+                    await self._end_group(state.group_record())
                 with contextlib.suppress(OSError, JobNotFoundError):
                     await self.store.set_watch_state(job_id, None)
                 continue
@@ -509,8 +503,3 @@ def _exited(job: CronJob, *, fire: PendingFire, now: datetime) -> CronJob:
         last_error=f"{fire.command!r} ended: exit {fire.exit_code}, signal {fire.signal}" if failed else None,
         consecutive_errors=job.consecutive_errors + 1 if failed else 0,
     )
-
-
-def _end_record(record: GroupRecord, *, grace_seconds: float, kill_wait_seconds: float) -> None:
-    targets = find_record_processes([record])
-    end_processes(targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)

@@ -42,6 +42,7 @@ logger = logging.getLogger("engine.cron")
 STORE_FILE_NAME = "cron.sqlite3"
 
 _T = TypeVar("_T")
+_R = TypeVar("_R")
 
 #: The columns of an event as :func:`_event_from_row` reads them.
 _EVENT_COLUMNS = "cursor, job_id, " + ", ".join(PENDING_FIRE_FIELDS)
@@ -60,26 +61,26 @@ def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
     return value
 
 
-def _pending_from_text(text: str | None, job_id: str) -> PendingFire | None:
-    data = _loads(text, "pending fire", job_id)
+def _record_from_text(
+    text: str | None, what: str, job_id: str, parse: Callable[[dict[str, Any]], _R]
+) -> _R | None:
+    """The record in a JSON column (``parse`` reads it), or ``None``; an unreadable one is logged."""
+    data = _loads(text, what, job_id)
     if data is None:
         return None
     try:
-        return PendingFire.from_dict(data)
+        return parse(data)
     except ValueError as exc:
-        logger.error("cron store: the pending fire of job %s is unreadable (%s); skipped", job_id, exc)
+        logger.error("cron store: the %s of job %s is unreadable (%s); skipped", what, job_id, exc)
         return None
+
+
+def _pending_from_text(text: str | None, job_id: str) -> PendingFire | None:
+    return _record_from_text(text, "pending fire", job_id, PendingFire.from_dict)
 
 
 def _watch_state_from_text(text: str | None, job_id: str) -> WatchState | None:
-    data = _loads(text, "watch state", job_id)
-    if data is None:
-        return None
-    try:
-        return WatchState.from_dict(data)
-    except ValueError as exc:
-        logger.error("cron store: the watch state of job %s is unreadable (%s); skipped", job_id, exc)
-        return None
+    return _record_from_text(text, "watch state", job_id, WatchState.from_dict)
 
 
 @attrs.define(eq=False)
