@@ -54,14 +54,14 @@ class EngineConfig:
         subreaper: make the engine a child subreaper where Linux allows.
         store_factory: makes the cron job store from the state dir (``None``: SQLite at
             ``<state_dir>/cron.sqlite3``); tests pass a store that fails on purpose.
-        wall_clock: returns the wall time, aware, for cron maths (``None``: the system clock);
+        wall_clock: returns the wall time, aware, for cron maths and job times (``None``: the system clock);
             tests steer it.
-        fire_observers: called with each fired event as it is recorded in the event log (``serve`` and
-            ``mcp`` log ``fired`` through one); an observer must not block.
         watch_retry_seconds: waits between an exit watcher's persist (or spawn) attempts, in seconds;
             the last one repeats (design: 1 s, 5 s, 30 s, 5 min); the watchers' ``RetryPolicy``.
         watch_hooks: test hooks of the exit watchers by point name (``after_spawn``, ``before_persist``,
             ``after_persist``, ``before_fire``): ``async def hook(job_id) -> None``.
+        fire_observers: called with each fired event as it is recorded in the event log (``serve`` and
+            ``mcp`` log ``fired`` through one); an observer must not block.
         guardian: start the guardian process that ends the children if the engine dies (records of
             live groups are kept in the state dir either way, for the next engine's start-up sweep).
     """
