@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING
 import attrs
 import platformdirs
 
+from ._retry import DEFAULT_RETRY_SECONDS, check_delays
+
 if TYPE_CHECKING:
+    from .cron._events import FiredEvent
     from .cron._protocol import JobStore
 
 __all__ = ["EngineConfig"]
@@ -51,12 +54,14 @@ class EngineConfig:
         subreaper: make the engine a child subreaper where Linux allows.
         store_factory: makes the cron job store from the state dir (``None``: SQLite at
             ``<state_dir>/cron.sqlite3``); tests pass a store that fails on purpose.
-        wall_clock: returns the wall time, aware, for cron maths (``None``: the system clock);
+        wall_clock: returns the wall time, aware, for cron maths and job times (``None``: the system clock);
             tests steer it.
         watch_retry_seconds: waits between an exit watcher's persist (or spawn) attempts, in seconds;
-            the last one repeats (design: 1 s, 5 s, 30 s, 5 min).
+            the last one repeats (design: 1 s, 5 s, 30 s, 5 min); the watchers' ``RetryPolicy``.
         watch_hooks: test hooks of the exit watchers by point name (``after_spawn``, ``before_persist``,
             ``after_persist``, ``before_fire``): ``async def hook(job_id) -> None``.
+        fire_observers: called with each fired event as it is recorded in the event log (``serve`` and
+            ``mcp`` log ``fired`` through one); an observer must not block.
         guardian: start the guardian process that ends the children if the engine dies (records of
             live groups are kept in the state dir either way, for the next engine's start-up sweep).
     """
@@ -76,9 +81,10 @@ class EngineConfig:
     store_factory: Callable[[str], JobStore] | None = None
     wall_clock: Callable[[], datetime] | None = None
     watch_retry_seconds: tuple[float, ...] = attrs.field(
-        default=(1.0, 5.0, 30.0, 300.0), converter=tuple, validator=attrs.validators.min_len(1)
+        default=DEFAULT_RETRY_SECONDS, converter=tuple, validator=check_delays
     )
     watch_hooks: Mapping[str, Callable[[str], Awaitable[None]]] | None = None
+    fire_observers: tuple[Callable[[FiredEvent], None], ...] = ()
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

@@ -15,6 +15,7 @@ import trio
 from ._config import EngineConfig
 from ._errors import EngineLockedError
 from ._guardian_link import GuardianLink
+from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
 from ._sweep import sweep_records
@@ -116,6 +117,7 @@ async def open_engine(
                 store=config.store_factory(state_dir) if config.store_factory is not None else None,
                 now=config.wall_clock,
                 on_fire=on_fire,
+                fire_observers=config.fire_observers,
             ) as cron,
             trio.open_nursery() as watch_nursery,
         ):
@@ -128,7 +130,8 @@ async def open_engine(
                 state_dir=state_dir,
                 shell=config.exit_watch_shell or resolve_exit_watch_shell(),
                 nursery=watch_nursery,
-                retry_seconds=config.watch_retry_seconds,
+                retry=RetryPolicy(config.watch_retry_seconds),
+                now=cron.now,
                 hooks=config.watch_hooks or {},
             )
             # Adopt what a crashed engine left before the first reconcile, which arms the rest.

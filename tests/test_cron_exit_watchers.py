@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from datetime import UTC, datetime
 from pathlib import Path
 
 import attrs
@@ -358,3 +359,28 @@ def _no_leftovers() -> object:
     kill_leftovers(rf"sleep 33[5-7]\.1{SESSION}")
     kill_pids(pgrep_env(COMMAND_VAR, "echo gen-"))
     assert os.getpid() > 0
+
+
+# ---- the wall clock is the engine's (EngineConfig.wall_clock), never read directly ---------------
+
+
+async def test_exit_watcher_uses_the_engine_wall_clock(tmp_path: Path) -> None:
+    wall = datetime(2031, 1, 2, 3, 4, 5, tzinfo=UTC)
+    missing = tmp_path / "later"
+    async with engine_with(tmp_path / "s", wall_clock=lambda: wall) as engine:
+        failing = await engine.cron.add(
+            OnExit(command="true", cwd=str(tmp_path)), SystemEvent("x"), enabled=False
+        )
+        missing.mkdir()
+        job = await engine.cron.add(
+            OnExit(command="exit 4", cwd=str(missing)), SystemEvent("y"), enabled=False
+        )
+        missing.rmdir()  # its spawn fails: the error is stored with the engine's time
+        await engine.cron.enable(job.id)
+        await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
+        assert (await engine.cron.get(job.id)).updated_at == wall
+        await engine.cron.enable(failing.id)
+        await wait_events(engine, 1)
+        done = await engine.cron.get(failing.id)
+        await engine.cron.remove(job.id)
+    assert done.last_run_at == wall and done.updated_at == wall and not done.enabled

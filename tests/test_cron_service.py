@@ -37,7 +37,7 @@ from engine.cron import CronService, open_cron_service
 from engine.cron._events import text_fire
 
 from .children import SESSION, mark, pgrep, wait_until
-from .test_cron_store import FullDiskConnection
+from .test_cron_store import FullDiskConnection, exited
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 REPO = Path(__file__).resolve().parent.parent
@@ -332,7 +332,7 @@ async def test_service_pending_fire_left_by_crash_is_delivered_at_start(
     )
     await store.insert_job(job)
     fire = text_fire("watch", "the command exited 0")
-    await store.commit_exit("w1", fire)
+    await store.commit_fire("w1", exited, fire)
     await store.aclose()
 
     delivered: list[FiredEvent] = []
@@ -342,18 +342,18 @@ async def test_service_pending_fire_left_by_crash_is_delivered_at_start(
 
     async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
         await trio.sleep(1)
-        assert [e.fire_id for e in delivered] == [fire["fire_id"]]
+        assert [e.fire_id for e in delivered] == [fire.fire_id]
         assert len(await cron.events()) == 1
         assert not (await cron.get("w1")).enabled
         # the watchers' path: a committed exit, then deliver
         fire2 = text_fire("watch", "second")
-        await cron.store.commit_exit("w1", fire2)
+        await cron.store.commit_fire("w1", exited, fire2)
         await cron.store.record_event("w1", fire2)  # ... and the engine "crashes" before clearing
     async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
         await trio.sleep(1)
         # at least once when embedded: the same fire id again, never a second log entry
-        assert [e.fire_id for e in delivered] == [fire["fire_id"], fire2["fire_id"]]
-        assert [e.fire_id for e in await cron.events()] == [fire["fire_id"], fire2["fire_id"]]
+        assert [e.fire_id for e in delivered] == [fire.fire_id, fire2.fire_id]
+        assert [e.fire_id for e in await cron.events()] == [fire.fire_id, fire2.fire_id]
         assert await cron.store.pending_fires() == []
 
 
@@ -522,10 +522,11 @@ async def test_service_removed_job_with_a_committed_fire_still_delivers_it(
     async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
         job = await cron.add(OnExit("true", cwd=str(tmp_path)), SystemEvent("done"), enabled=False)
         fire = text_fire(job.name, "exited before the removal")
-        await cron.store.commit_exit(job.id, fire)  # an exit watcher committed it, then the job is removed
+        # an exit watcher committed it, then the job is removed
+        await cron.store.commit_fire(job.id, exited, fire)
         await cron.remove(job.id)
-        assert [e.fire_id for e in got] == [fire["fire_id"]]
-        assert [e.fire_id for e in await cron.events()] == [fire["fire_id"]]
+        assert [e.fire_id for e in got] == [fire.fire_id]
+        assert [e.fire_id for e in await cron.events()] == [fire.fire_id]
         assert await cron.store.unacked_events() == []
         # a fire committed after the removal (a run that ended late) is not logged
         assert await cron.fire_pending(job.id, text_fire(job.name, "too late")) is None

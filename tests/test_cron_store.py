@@ -27,6 +27,7 @@ from engine import (
 )
 from engine.cron._events import exit_fire, text_fire
 from engine.cron._job import JobStatus
+from engine.cron._watch_state import WatchState
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
@@ -51,6 +52,11 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteJobStore]:
         yield s
     finally:
         await s.aclose()
+
+
+def exited(j: CronJob) -> CronJob:
+    """What an on-exit job's exit commits with its fire: the job disabled, no next run."""
+    return attrs.evolve(j, enabled=False, next_run_at=None)
 
 
 def job(job_id: str = "j1", **kw: Any) -> CronJob:
@@ -119,13 +125,13 @@ async def test_store_migrates_version_1_keeping_jobs_and_events(tmp_path: Path) 
     for j, pending in ((job("a"), None), (job("b"), interrupted)):
         conn.execute(
             "INSERT INTO jobs (id, data, pending_fire) VALUES (?, ?, ?)",
-            (j.id, json.dumps(j.to_dict()), None if pending is None else json.dumps(pending)),
+            (j.id, json.dumps(j.to_dict()), None if pending is None else json.dumps(pending.to_dict())),
         )
     for job_id, fire in (("a", delivered), ("b", interrupted)):  # v1 embedded: logged, b not yet cleared
         conn.execute(
             "INSERT INTO events (job_id, fire_id, job_name, text, stdout_tail, stderr_tail, truncated) "
             "VALUES (?, ?, ?, ?, '', '', 0)",
-            (job_id, fire["fire_id"], fire["job_name"], fire["text"]),
+            (job_id, fire.fire_id, fire.job_name, fire.text),
         )
     conn.commit()
     conn.close()
@@ -136,7 +142,7 @@ async def test_store_migrates_version_1_keeping_jobs_and_events(tmp_path: Path) 
         events = await s.events()
         assert [e.text for e in events] == ["delivered", "on_fire never returned"]
         # events of v1 count as delivered, but for the one whose fire is still pending
-        assert [e.fire_id for e in await s.unacked_events()] == [interrupted["fire_id"]]
+        assert [e.fire_id for e in await s.unacked_events()] == [interrupted.fire_id]
         assert await s.record_event("b", interrupted) == events[1]  # recognised, not logged twice
         assert await s.pending_fires() == []
     finally:
@@ -172,7 +178,7 @@ async def test_store_unknown_job_raises_job_not_found(store: SqliteJobStore) -> 
     with pytest.raises(JobNotFoundError):
         await store.delete_job("nope")
     with pytest.raises(JobNotFoundError):
-        await store.commit_exit("nope", text_fire("n", "t"))
+        await store.commit_fire("nope", exited, text_fire("n", "t"))
 
 
 async def test_store_unreadable_row_is_skipped(
@@ -219,7 +225,7 @@ async def test_store_failed_write_raises_store_error_and_keeps_nothing(tmp_path:
                 await s.insert_job(job("lost"))
             assert isinstance(info.value, OSError)
             with pytest.raises(StoreError):
-                await s.commit_exit("kept", text_fire("kept", "exit"))
+                await s.commit_fire("kept", exited, text_fire("kept", "exit"))
             with pytest.raises(StoreError):
                 await s.deliver_fire("kept", text_fire("kept", "x"))
         finally:
@@ -232,15 +238,15 @@ async def test_store_failed_write_raises_store_error_and_keeps_nothing(tmp_path:
         await s.aclose()
 
 
-async def test_store_commit_exit_then_deliver_fire(store: SqliteJobStore) -> None:
+async def test_store_commit_fire_then_deliver_fire(store: SqliteJobStore) -> None:
     await store.insert_job(job("w", schedule=OnExit("true"), next_run_at=None))
     fire = text_fire("w", "the command exited")
-    disabled = await store.commit_exit("w", fire)
+    disabled = await store.commit_fire("w", exited, fire)
     assert not disabled.enabled
     [(pending_job, pending)] = await store.pending_fires()
     assert pending_job == disabled and pending == fire
     event = await store.deliver_fire("w", fire)
-    assert event.cursor == 1 and event.fire_id == fire["fire_id"] and event.job_id == "w"
+    assert event.cursor == 1 and event.fire_id == fire.fire_id and event.job_id == "w"
     assert await store.pending_fires() == []
     # delivered again (a crash replay): the same event, not a second one
     assert await store.deliver_fire("w", fire) == event
@@ -264,7 +270,6 @@ async def test_store_record_event_clears_pending_and_stays_unacked_until_acked(
     await store.deliver_fire("e", second)  # the standalone path acks a logged event
     assert await store.unacked_events() == []
     assert await store.events() == [a, b]
-    await store.clear_pending_fire("gone", "x")  # a gone job is fine
 
 
 async def test_store_deliver_fire_acks_at_once(store: SqliteJobStore) -> None:
@@ -304,7 +309,10 @@ async def test_store_events_since_cursor_in_order(store: SqliteJobStore, tmp_pat
 
 async def test_store_watch_state(store: SqliteJobStore) -> None:
     await store.insert_job(job("w", schedule=OnExit("sleep 1"), next_run_at=None))
-    state = {"pid": 4242, "start_time": 123, "exit_file": "/x"}
+    state = WatchState(
+        arm_id="a1", pid=4242, sid=4242, start_time=123, marker="t:1", exit_file="/x",
+        command="sleep 1", cwd=None, started_at=T0,
+    )  # fmt: skip
     await store.set_watch_state("w", state)
     assert await store.watch_states() == {"w": state}
     await store.set_watch_state("w", None)
@@ -319,7 +327,7 @@ async def test_store_delete_logs_the_undelivered_fire(store: SqliteJobStore, ack
     fire = text_fire("d", "pending")
     await store.commit_fire("d", lambda j: j, fire)
     removed, event = await store.delete_job("d", acked=acked)
-    assert removed == job("d") and event is not None and event.fire_id == fire["fire_id"]
+    assert removed == job("d") and event is not None and event.fire_id == fire.fire_id
     assert await store.list_jobs() == [] and await store.events() == [event]
     assert await store.unacked_events() == ([] if acked else [event])
     await store.insert_job(job("q"))

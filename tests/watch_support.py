@@ -11,6 +11,7 @@ from typing import Any
 import trio
 
 from engine import CronJob, Engine, EngineConfig, FiredEvent, SqliteJobStore, open_engine
+from engine.cron._events import PendingFire
 from engine.cron._protocol import JobChange
 
 from .children import wait_until
@@ -32,7 +33,7 @@ class FlakyStore(SqliteJobStore):
         self.failing = set()
         self.commit_attempts = 0
 
-    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
+    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: PendingFire) -> CronJob:
         self.commit_attempts += 1
         if job_id in self.failing or "*" in self.failing:
             await trio.lowlevel.checkpoint()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import os
 import shlex
-from typing import Any
 
 import trio
 
 from .._errors import SpawnError
 from .._supervisor import SpawnSpec, Supervisor
-from ._events import exit_fire
+from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
 
 __all__ = ["command_log_paths", "run_command"]
@@ -25,7 +24,7 @@ def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
 
 async def run_command(
     supervisor: Supervisor, state_dir: str, job: CronJob, payload: Command
-) -> tuple[dict[str, Any], str | None]:
+) -> tuple[PendingFire, str | None]:
     """Run ``payload`` for ``job`` to its end; return its pending fire and what failed (``None``: exit 0).
 
     The command runs in scope ``cron:<job id>`` with its output in a fresh pair of log files. A program

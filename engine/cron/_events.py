@@ -1,9 +1,9 @@
-"""Fired events: what one fire of a job tells the agent, and how a pending fire is built.
+"""Fired events: what one fire of a job tells the agent, and the pending fire it is made from.
 
-A fire goes through two states. First a *pending fire*: a JSON-able ``dict`` with every
-:class:`FiredEvent` field except ``cursor`` and ``job_id``, committed on the job's row (``pending_fire``).
-Then, delivered, a :class:`FiredEvent` in the event log with its cursor. The ``fire_id`` stays the same
-from one to the other, so a delivery repeated after a crash is recognised.
+A fire goes through two states. First a :class:`PendingFire`: every field of the event but its place in
+the log, committed on the job's row (``pending_fire``). Then, recorded, a :class:`FiredEvent`: the same
+fields plus ``cursor`` and ``job_id``. The ``fire_id`` stays the same from one to the other, so a delivery
+repeated after a crash is recognised.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import attrs
 __all__ = [
     "PENDING_FIRE_FIELDS",
     "FiredEvent",
+    "PendingFire",
     "exit_fire",
     "format_exit_text",
     "new_fire_id",
@@ -26,35 +27,38 @@ __all__ = [
     "text_fire",
 ]
 
-#: The keys of a pending fire, in the order of :class:`FiredEvent`.
-PENDING_FIRE_FIELDS = (
-    "fire_id",
-    "job_name",
-    "text",
-    "command",
-    "exit_code",
-    "signal",
-    "reason",
-    "duration_seconds",
-    "stdout_tail",
-    "stderr_tail",
-    "truncated",
-)
-
 #: Default tail of each stream in a fired event.
 TAIL_LINES = 50
 TAIL_BYTES = 4096
 
 
+def _non_empty(_inst: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not value:
+        raise ValueError(f"{attribute.name} must be a non-empty string")
+
+
+def _optional_float(value: object) -> object:
+    """Whole-number durations (from JSON) as floats; anything else is left to the validator."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def _optional_int(_inst: object, attribute: attrs.Attribute[int | None], value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{attribute.name} must be an integer or None, got {value!r}")
+
+
+_str = attrs.validators.instance_of(str)
+_optional_str = attrs.validators.optional(_str)
+
+
 @attrs.frozen
-class FiredEvent:
-    """One fire of a job, as kept in the event log.
+class PendingFire:
+    """A fire committed on its job's row and not yet in the event log: every field of a
+    :class:`FiredEvent` but ``cursor`` and ``job_id``.
 
     Attributes:
-        cursor: position in the event log; increases with every event (``events(since=cursor)``).
         fire_id: unique id of this fire; a fire delivered again after a crash keeps it.
-        job_id: the job that fired.
-        job_name: its name at the time.
+        job_name: the job's name at the time.
         text: what the agent is told.
         command: the command that ran (``Command`` payloads, on-exit jobs), else ``None``.
         exit_code: the command's exit code, or ``None``.
@@ -66,38 +70,85 @@ class FiredEvent:
         truncated: whether either tail was cut.
     """
 
-    cursor: int
-    fire_id: str
-    job_id: str
-    job_name: str
-    text: str
-    command: str | None = None
-    exit_code: int | None = None
-    signal: int | None = None
-    reason: str | None = None
-    duration_seconds: float | None = None
-    stdout_tail: str = ""
-    stderr_tail: str = ""
-    truncated: bool = False
+    fire_id: str = attrs.field(validator=[_str, _non_empty])
+    job_name: str = attrs.field(validator=_str)
+    text: str = attrs.field(validator=_str)
+    command: str | None = attrs.field(default=None, validator=_optional_str)
+    exit_code: int | None = attrs.field(default=None, validator=_optional_int)
+    signal: int | None = attrs.field(default=None, validator=_optional_int)
+    reason: str | None = attrs.field(default=None, validator=_optional_str)
+    duration_seconds: float | None = attrs.field(
+        default=None,
+        converter=_optional_float,
+        validator=attrs.validators.optional(attrs.validators.instance_of(float)),
+    )
+    stdout_tail: str = attrs.field(default="", validator=_str)
+    stderr_tail: str = attrs.field(default="", validator=_str)
+    truncated: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict of every field."""
-        return attrs.asdict(self)
+        """The JSON form the store keeps (every field, in order)."""
+        return {name: getattr(self, name) for name in PENDING_FIRE_FIELDS}
 
     @classmethod
-    def from_fields(cls, cursor: int, job_id: str, fields: Mapping[str, Any]) -> FiredEvent:
-        """An event from a pending fire's fields plus its place in the log.
+    def from_dict(cls, data: Mapping[str, Any]) -> PendingFire:
+        """A pending fire from :meth:`to_dict`'s form (other keys are ignored).
 
         Raises:
-            ValueError: a field is missing or of the wrong type.
+            ValueError: a field is missing or invalid.
         """
         try:
-            event = cls(cursor=cursor, job_id=job_id, **{k: fields[k] for k in PENDING_FIRE_FIELDS})
+            return cls(**{name: data[name] for name in PENDING_FIRE_FIELDS})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a valid fire: {exc}") from exc
+
+
+#: The fields of a pending fire, in order (also the event log's columns after ``cursor, job_id``).
+PENDING_FIRE_FIELDS: tuple[str, ...] = tuple(field.name for field in attrs.fields(PendingFire))
+
+
+@attrs.frozen
+class FiredEvent(PendingFire):
+    """One fire of a job, as kept in the event log: a recorded :class:`PendingFire` and its place.
+
+    Attributes:
+        cursor: position in the event log; increases with every event (``events(since=cursor)``).
+        job_id: the job that fired.
+
+    The other attributes are those of :class:`PendingFire`.
+    """
+
+    cursor: int = attrs.field(kw_only=True, validator=attrs.validators.instance_of(int))
+    job_id: str = attrs.field(kw_only=True, validator=_str)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every field: ``cursor``, ``fire_id``, ``job_id``, then the rest."""
+        fields = super().to_dict()
+        return {"cursor": self.cursor, "fire_id": fields.pop("fire_id"), "job_id": self.job_id, **fields}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> FiredEvent:
+        """An event from :meth:`to_dict`'s form.
+
+        Raises:
+            ValueError: a field is missing or invalid.
+        """
+        fire = PendingFire.from_dict(data)
+        try:
+            return cls.from_pending(fire, cursor=data["cursor"], job_id=data["job_id"])
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"not a valid fire: {exc!r}") from exc
-        if not isinstance(event.fire_id, str) or not event.fire_id or not isinstance(event.text, str):
-            raise ValueError("a fire needs a fire_id and a text")
-        return event
+            raise ValueError(f"not a valid event: {exc}") from exc
+
+    @classmethod
+    def from_pending(cls, fire: PendingFire, *, cursor: int, job_id: str) -> FiredEvent:
+        """The event of ``fire``, recorded at ``cursor`` for ``job_id``."""
+        return cls(
+            cursor=cursor, job_id=job_id, **{name: getattr(fire, name) for name in PENDING_FIRE_FIELDS}
+        )
+
+    def pending(self) -> PendingFire:
+        """The pending fire this event recorded."""
+        return PendingFire(**{name: getattr(self, name) for name in PENDING_FIRE_FIELDS})
 
 
 def new_fire_id() -> str:
@@ -105,21 +156,9 @@ def new_fire_id() -> str:
     return secrets.token_hex(12)
 
 
-def text_fire(job_name: str, text: str, *, fire_id: str | None = None) -> dict[str, Any]:
+def text_fire(job_name: str, text: str, *, fire_id: str | None = None) -> PendingFire:
     """The pending fire of a job that only delivers ``text`` (a ``SystemEvent``)."""
-    return {
-        "fire_id": fire_id or new_fire_id(),
-        "job_name": job_name,
-        "text": text,
-        "command": None,
-        "exit_code": None,
-        "signal": None,
-        "reason": None,
-        "duration_seconds": None,
-        "stdout_tail": "",
-        "stderr_tail": "",
-        "truncated": False,
-    }
+    return PendingFire(fire_id=fire_id or new_fire_id(), job_name=job_name, text=text)
 
 
 def read_tail(
@@ -202,7 +241,7 @@ def exit_fire(
     fire_id: str | None = None,
     max_lines: int = TAIL_LINES,
     max_bytes: int = TAIL_BYTES,
-) -> dict[str, Any]:
+) -> PendingFire:
     """The pending fire of a command that ended, with the tails of its logs (``Command``, on-exit).
 
     Args:
@@ -233,16 +272,16 @@ def exit_fire(
         stderr_cut_bytes=err_cut,
         intro=intro,
     )
-    return {
-        "fire_id": fire_id or new_fire_id(),
-        "job_name": job_name,
-        "text": text,
-        "command": command,
-        "exit_code": exit_code,
-        "signal": signal,
-        "reason": reason,
-        "duration_seconds": duration_seconds,
-        "stdout_tail": out,
-        "stderr_tail": err,
-        "truncated": bool(out_cut or err_cut),
-    }
+    return PendingFire(
+        fire_id=fire_id or new_fire_id(),
+        job_name=job_name,
+        text=text,
+        command=command,
+        exit_code=exit_code,
+        signal=signal,
+        reason=reason,
+        duration_seconds=duration_seconds,
+        stdout_tail=out,
+        stderr_tail=err,
+        truncated=bool(out_cut or err_cut),
+    )

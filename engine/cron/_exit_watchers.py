@@ -1,4 +1,4 @@
-"""On-exit watchers: run a job's command, and fire the job once when it exits (design section 5).
+"""On-exit watchers: run a job's command, and fire the job once when it exits (docs/design.md, invariant 5).
 
 Each enabled :class:`OnExit` job gets a slot with an arm token (``_arming``) and a watcher task in the
 engine's nursery. The task runs the command under our exit-recording shim (``_shim``), in scope
@@ -7,7 +7,7 @@ exits, the job is disabled and its pending fire written in one transaction (**pe
 fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task that
 lost its slot never persists and never fires.
 
-Across restarts: the store keeps a ``watch_state`` per watched job (pid, start time, exit file). A crashed
+Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). A crashed
 engine leaves the command running (``outlive_engine_crash``); the next engine adopts it if it is alive,
 reads the shim's exit file if it ended meanwhile, and reports "watch lost across restart" (job disabled,
 nothing fired) if neither. A graceful shutdown ends the commands and clears the watch states; the jobs
@@ -24,23 +24,25 @@ import shutil
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from datetime import UTC, datetime
-from typing import Any, final
+from datetime import datetime
+from typing import final
 
 import attrs
 import trio
 
 from .._errors import JobNotFoundError, SpawnError
-from .._procfs import is_alive
+from .._retry import RetryPolicy
 from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor
 from .._sweep import GroupRecord, end_processes, find_record_processes
 from ._arming import ArmTable, watchable
-from ._events import exit_fire
+from ._events import PendingFire, exit_fire
 from ._job import CronJob, JobStatus, SystemEvent
 from ._protocol import JobStore
 from ._schedule import OnExit
+from ._service import utc_now
 from ._shell import watch_argv
 from ._shim import read_exit_file
+from ._watch_state import WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
 
@@ -56,7 +58,9 @@ HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "
 _SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim.py")
 _LOGS = "watch-logs"
 
-FirePending = Callable[[str, dict[str, Any]], Awaitable[object]]
+FirePending = Callable[[str, PendingFire], Awaitable[object]]
+#: What the shim recorded of a command's end (``exit_code`` or ``signal``, ``ended_at``, ...).
+ExitRecord = Mapping[str, object]
 
 
 @attrs.frozen
@@ -100,7 +104,9 @@ class CronExitWatchers:
         supervisor: runs the watched commands.
         state_dir: where the watch logs and exit files live.
         shell: argv prefix of the commands (``EngineConfig.exit_watch_shell``).
-        retry_seconds: waits between persist (or spawn) attempts; the last one repeats.
+        nursery: where the watcher tasks run.
+        retry: the waits between persist (or spawn) attempts (``EngineConfig.watch_retry_seconds``).
+        now: the wall clock, aware (``CronService.now``), for the jobs' ``last_run_at`` and ``updated_at``.
         hooks: named test hooks, see :data:`HOOK_POINTS`.
     """
 
@@ -110,7 +116,8 @@ class CronExitWatchers:
     state_dir: str
     shell: tuple[str, ...]
     nursery: trio.Nursery
-    retry_seconds: tuple[float, ...] = (1.0, 5.0, 30.0, 300.0)
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    now: Callable[[], datetime] = utc_now
     hooks: Mapping[str, WatchHook] = attrs.field(factory=dict)
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
@@ -184,11 +191,22 @@ class CronExitWatchers:
 
     # -- tasks -------------------------------------------------------------------------------------
 
-    def _start(self, job: CronJob, token: int, *, adopted: Mapping[str, Any] | None = None) -> None:
-        arm_id = str(adopted["arm_id"]) if adopted is not None else uuid.uuid4().hex[:12]
+    def _start(
+        self,
+        job: CronJob,
+        token: int,
+        *,
+        adopted: WatchState | None = None,
+        recorded: ExitRecord | None = None,
+    ) -> None:
+        """Start a watcher: a fresh command, or (``adopted``) one a crashed engine left, running or
+        already ended with its exit ``recorded``."""
+        arm_id = adopted.arm_id if adopted is not None else uuid.uuid4().hex[:12]
         watch = _Watch(job.id, token, arm_id)
         self._watches[(job.id, token)] = watch
-        self.nursery.start_soon(self._watch, job, watch, adopted, name=f"watch on-exit job {job.id}")
+        self.nursery.start_soon(
+            self._watch, job, watch, adopted, recorded, name=f"watch on-exit job {job.id}"
+        )
 
     def _stop(self, job_id: str, token: int) -> None:
         watch = self._watches.get((job_id, token))
@@ -203,19 +221,22 @@ class CronExitWatchers:
     def _owns(self, watch: _Watch) -> bool:
         return self._table.owns(watch.job_id, watch.token)
 
-    async def _watch(self, job: CronJob, watch: _Watch, adopted: Mapping[str, Any] | None) -> None:
+    async def _watch(
+        self, job: CronJob, watch: _Watch, adopted: WatchState | None, recorded: ExitRecord | None
+    ) -> None:
         paths = _Paths.of(self.state_dir, job.id, watch.arm_id)
         try:
             with watch.scope:
-                if adopted is not None and adopted.get("recorded"):
-                    record: Mapping[str, object] | None = adopted["recorded"]
+                record: ExitRecord | None
+                if recorded:
+                    record = recorded
                 elif adopted is not None:
                     record = await self._wait_adopted(watch, adopted)
                 else:
                     record = await self._run(job, watch, paths)
                 if record is None or not self._owns(watch):
                     return
-                started_at = adopted.get("started_at") if adopted is not None else None
+                started_at = adopted.started_at if adopted is not None else None
                 await self._hook("after_exit", job.id)
                 await self._complete(watch, paths, record, started_at)
         finally:
@@ -227,7 +248,7 @@ class CronExitWatchers:
             self._table.release(watch.job_id, watch.token)
             watch.done.set()
 
-    async def _run(self, job: CronJob, watch: _Watch, paths: _Paths) -> Mapping[str, object] | None:
+    async def _run(self, job: CronJob, watch: _Watch, paths: _Paths) -> ExitRecord | None:
         """Spawn the command (retrying failed spawns) and wait for its exit; the shim's record."""
         assert isinstance(job.schedule, OnExit)
         cwd = job.schedule.cwd or os.getcwd()
@@ -242,21 +263,23 @@ class CronExitWatchers:
             replace_existing_scope=True,
             outlive_engine_crash=True,
         )
-        attempt = 0
-        while True:
+
+        async def spawn() -> ManagedRun:
             try:
                 if shutil.which(self.shell[0]) is None:
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
                 await trio.to_thread.run_sync(self._prepare_files, job.id, paths)
-                watch.run = await self.supervisor.spawn(spec)
-                break
+                return await self.supervisor.spawn(spec)
             except SpawnError as exc:
                 message = f"cannot start the watched command: {exc}; retrying"
                 if self._errors.get(job.id) != message:  # shown in the job's last_error too, once
-                    self._failing(job.id, message)
+                    self._errors[job.id] = message
                     await self._store_error(job.id, message)
-                await trio.sleep(self.retry_seconds[min(attempt, len(self.retry_seconds) - 1)])
-                attempt += 1
+                raise
+
+        watch.run = await self.retry.run(
+            f"on-exit job {job.id}: starting the watched command", spawn, retry_on=SpawnError, logger=logger
+        )
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
             return None
         self._errors.pop(job.id, None)
@@ -281,29 +304,28 @@ class CronExitWatchers:
         for path in (paths.stdout, paths.stderr):
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
 
-    async def _wait_adopted(self, watch: _Watch, state: Mapping[str, Any]) -> Mapping[str, object] | None:
+    async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
-        pid = int(state["pid"])
-        watch.adopted = GroupRecord(pid, int(state["sid"]), int(state["start_time"]), str(state["marker"]))
+        watch.adopted = state.group_record()
         try:
-            pidfd = os.pidfd_open(pid)
+            pidfd = os.pidfd_open(state.pid)
         except ProcessLookupError:
             pidfd = -1
         if pidfd >= 0:
             try:
-                if is_alive(pid, watch.adopted.start_time):
+                if state.alive():
                     await trio.lowlevel.wait_readable(pidfd)
             finally:
                 trio.lowlevel.notify_closing(pidfd)
                 os.close(pidfd)
         watch.adopted = None
-        record = await trio.to_thread.run_sync(read_exit_file, str(state["exit_file"]))
+        record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
         if record is None:
             await self._report_lost(watch.job_id, "the adopted command ended without recording its exit")
         return record
 
     async def _complete(
-        self, watch: _Watch, paths: _Paths, record: Mapping[str, object], started_at: object
+        self, watch: _Watch, paths: _Paths, record: ExitRecord, started_at: datetime | None
     ) -> None:
         """Persist the exit (retrying the persist, never the command), then fire."""
         job = self._table.begin_commit(watch.job_id, watch.token)
@@ -312,10 +334,10 @@ class CronExitWatchers:
         await self._hook("before_persist", job.id)
         exit_code, signal = _outcome(record)
         duration = record.get("duration_seconds")
-        if not isinstance(duration, float) and isinstance(started_at, str):
+        if not isinstance(duration, float) and started_at is not None:
             ended = record.get("ended_at")
             if isinstance(ended, float):
-                duration = ended - datetime.fromisoformat(started_at).timestamp()
+                duration = ended - started_at.timestamp()
         reason = str(record.get("reason") or ("signal" if signal is not None else "exit"))
         assert isinstance(job.schedule, OnExit)
         intro = job.payload.text if isinstance(job.payload, SystemEvent) else None
@@ -338,25 +360,28 @@ class CronExitWatchers:
             fire_id=f"exit-{job.id}-{watch.arm_id}",
         )
         fire = await trio.to_thread.run_sync(build)
-        attempt = 0
-        while True:
+
+        async def persist() -> bool:
+            """One attempt; ``False``: this watcher must not persist (slot lost, job gone, successor)."""
+            if self._table.begin_commit(watch.job_id, watch.token) is None:  # (again, after a failure)
+                return False
             try:
-                await self.store.commit_fire(job.id, functools.partial(_exited, fire=fire), fire)
-                break
+                exited = functools.partial(_exited, fire=fire, now=self.now())
+                await self.store.commit_fire(job.id, exited, fire)
             except JobNotFoundError:
                 self._table.end_commit(job.id, watch.token, committed=False)
-                return
+                return False
             except OSError as exc:
-                self._failing(job.id, f"persisting the exit failed ({exc}); retrying; it fires once stored")
+                self._errors[job.id] = f"persisting the exit failed ({exc}); retrying; it fires once stored"
                 successor = self._table.end_commit(job.id, watch.token, committed=False)
                 if successor is not None:
                     self._start(*successor)
-                    return
-                await trio.sleep(self.retry_seconds[min(attempt, len(self.retry_seconds) - 1)])
-                attempt += 1
-                newest = self._table.begin_commit(watch.job_id, watch.token)
-                if newest is None:
-                    return
+                    return False
+                raise
+            return True
+
+        if not await self.retry.run(f"on-exit job {job.id}: persisting the exit", persist, logger=logger):
+            return
         self._table.end_commit(job.id, watch.token, committed=True)
         watch.completed = True
         self._errors.pop(job.id, None)
@@ -366,31 +391,28 @@ class CronExitWatchers:
         await self.fire_pending(job.id, fire)
 
     async def _store_error(self, job_id: str, message: str) -> None:
+        now = self.now()
+
         def change(job: CronJob) -> CronJob:
-            return attrs.evolve(
-                job, last_status=JobStatus.ERROR, last_error=message, updated_at=datetime.now(UTC)
-            )
+            return attrs.evolve(job, last_status=JobStatus.ERROR, last_error=message, updated_at=now)
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
-
-    def _failing(self, job_id: str, message: str) -> None:
-        self._errors[job_id] = message
-        logger.error("on-exit job %s: %s", job_id, message)
 
     async def _end_command(self, watch: _Watch) -> None:
         if watch.run is not None and watch.run.state is not RunState.EXITED:
             await self.supervisor.cancel(watch.run)
         if watch.adopted is not None:
-            record = watch.adopted
-            await trio.to_thread.run_sync(
-                functools.partial(
-                    _end_record,
-                    record,
-                    grace_seconds=self.supervisor.grace_seconds,
-                    kill_wait_seconds=self.supervisor.kill_wait_seconds,
-                )
-            )
+            await self._end_group(watch.adopted)
+
+    async def _end_group(self, record: GroupRecord) -> None:
+        """End a command this engine did not spawn (adopted) by escalation, in a worker thread."""
+        grace, kill_wait = self.supervisor.grace_seconds, self.supervisor.kill_wait_seconds
+
+        def end() -> None:
+            end_processes(find_record_processes([record]), grace_seconds=grace, kill_wait_seconds=kill_wait)
+
+        await trio.to_thread.run_sync(end)
 
     # -- watch state in the store ------------------------------------------------------------------
 
@@ -400,17 +422,7 @@ class CronExitWatchers:
     async def _save_state(self, watch: _Watch, job: CronJob, paths: _Paths) -> None:
         run = watch.run
         assert run is not None and isinstance(job.schedule, OnExit)
-        state = {
-            "arm_id": watch.arm_id,
-            "pid": run.pid,
-            "sid": run.pid,
-            "start_time": run.start_time,
-            "marker": run.marker,
-            "exit_file": paths.exit_file,
-            "command": job.schedule.command,
-            "cwd": job.schedule.cwd,
-            "started_at": run.started_at.isoformat(),
-        }
+        state = WatchState.of_run(run, job.schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
         async with self._state_lock(job.id):
             if not self._owns(watch):
                 return
@@ -443,31 +455,24 @@ class CronExitWatchers:
         jobs = {job.id: job for job in await self.store.list_jobs()}
         for job_id, state in states.items():
             job = jobs.get(job_id)
-            alive = _state_alive(state)
-            record = read_exit_file(str(state.get("exit_file", "")))
+            alive = state.alive()
+            record = read_exit_file(state.exit_file)
             current = (
                 job is not None
                 and watchable(job)
                 and isinstance(job.schedule, OnExit)
-                and (job.schedule.command, job.schedule.cwd) == (state.get("command"), state.get("cwd"))
+                and state.targets(job.schedule)
             )
             if not current:  # the job changed or went away meanwhile: end the old command, forget it
                 if alive:
-                    await trio.to_thread.run_sync(
-                        functools.partial(
-                            _end_record,
-                            _record_of(state),
-                            grace_seconds=self.supervisor.grace_seconds,
-                            kill_wait_seconds=self.supervisor.kill_wait_seconds,
-                        )
-                    )
+                    await self._end_group(state.group_record())
                 with contextlib.suppress(OSError, JobNotFoundError):
                     await self.store.set_watch_state(job_id, None)
                 continue
             assert job is not None
             if alive or record is not None:
                 token = self._table.arm(job)
-                self._start(job, token, adopted={**state, "recorded": None if alive else record})
+                self._start(job, token, adopted=state, recorded=None if alive else record)
             else:
                 await self._report_lost(job_id, "the command was neither running nor recorded")
 
@@ -475,21 +480,19 @@ class CronExitWatchers:
         message = f"watch lost across restart: {why}; the job is disabled and did not fire"
         logger.error("on-exit job %s: %s", job_id, message)
         self._errors[job_id] = message
+        now = self.now()
 
         def change(job: CronJob) -> CronJob:
-            return attrs.evolve(
-                job, enabled=False, last_error=message, updated_at=datetime.now(UTC), next_run_at=None
-            )
+            return attrs.evolve(job, enabled=False, last_error=message, updated_at=now, next_run_at=None)
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
             await self.store.set_watch_state(job_id, None)
 
 
-def _exited(job: CronJob, *, fire: Mapping[str, Any]) -> CronJob:
-    """The job after its watched command exited: disabled (one-shot), with the run's outcome."""
-    failed = fire.get("exit_code") != 0
-    now = datetime.now(UTC)
+def _exited(job: CronJob, *, fire: PendingFire, now: datetime) -> CronJob:
+    """The job after its watched command exited at ``now``: disabled (one-shot), with the run's outcome."""
+    failed = fire.exit_code != 0
     return attrs.evolve(
         job,
         enabled=False,
@@ -497,27 +500,6 @@ def _exited(job: CronJob, *, fire: Mapping[str, Any]) -> CronJob:
         last_run_at=now,
         updated_at=now,
         last_status=JobStatus.ERROR if failed else JobStatus.OK,
-        last_error=f"{fire.get('command')!r} ended: exit {fire.get('exit_code')}, signal {fire.get('signal')}"
-        if failed
-        else None,
+        last_error=f"{fire.command!r} ended: exit {fire.exit_code}, signal {fire.signal}" if failed else None,
         consecutive_errors=job.consecutive_errors + 1 if failed else 0,
     )
-
-
-def _record_of(state: Mapping[str, Any]) -> GroupRecord:
-    pid = int(state.get("pid", 0))
-    return GroupRecord(
-        pid, int(state.get("sid", pid)), int(state.get("start_time", 0)), str(state.get("marker"))
-    )
-
-
-def _state_alive(state: Mapping[str, Any]) -> bool:
-    try:
-        return is_alive(int(state["pid"]), int(state["start_time"]))
-    except (KeyError, TypeError, ValueError):
-        return False
-
-
-def _end_record(record: GroupRecord, *, grace_seconds: float, kill_wait_seconds: float) -> None:
-    targets = find_record_processes([record])
-    end_processes(targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)

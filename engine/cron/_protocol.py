@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
-from ._events import FiredEvent
+from ._events import FiredEvent, PendingFire
 from ._job import CronJob
+from ._watch_state import WatchState
 
 __all__ = ["JobChange", "JobStore"]
 
@@ -53,21 +54,17 @@ class JobStore(Protocol):
         with ``acked`` as given; return the job (``None`` if its row was unreadable) and that event."""
         ...
 
-    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
+    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: PendingFire) -> CronJob:
         """In one transaction, replace the job by ``change(job)`` and set its ``pending_fire``."""
         ...
 
-    async def commit_exit(self, job_id: str, pending_fire: dict[str, Any]) -> CronJob:
-        """In one transaction, disable the job (``next_run_at`` cleared) and set its ``pending_fire``."""
-        ...
-
-    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+    async def record_event(self, job_id: str, fire: PendingFire) -> FiredEvent:
         """In one transaction, append ``fire`` unacknowledged to the event log (unless its ``fire_id`` is
         there) and clear the job's ``pending_fire`` if it is this fire; return the logged event. Raises
         :class:`JobNotFoundError`, appending nothing, if the job is gone."""
         ...
 
-    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+    async def deliver_fire(self, job_id: str, fire: PendingFire) -> FiredEvent:
         """:meth:`record_event`, the event acknowledged at once (standalone: exactly once)."""
         ...
 
@@ -78,17 +75,14 @@ class JobStore(Protocol):
         """The events not acknowledged yet, in cursor order."""
         ...
 
-    async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:
-        """Clear the job's ``pending_fire`` if it is still ``fire_id`` (a gone job is fine)."""
-
-    async def pending_fires(self) -> list[tuple[CronJob, dict[str, Any]]]:
+    async def pending_fires(self) -> list[tuple[CronJob, PendingFire]]:
         """Every job with a committed, undelivered fire, and that fire."""
         ...
 
-    async def set_watch_state(self, job_id: str, state: dict[str, Any] | None) -> None:
+    async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
         """Set (or, with ``None``, clear) the job's watch state."""
 
-    async def watch_states(self) -> dict[str, dict[str, Any]]:
+    async def watch_states(self) -> dict[str, WatchState]:
         """Every job's watch state, by job id."""
         ...
 

@@ -1,4 +1,4 @@
-"""The cron service: the job API, the timer, the run pipeline and delivery of fires.
+"""The cron service: the job API, the timer and the run pipeline.
 
 One :class:`CronService` per engine (``engine.cron``). Its tasks live in a nursery of its own, opened by
 :func:`open_cron_service` inside the engine's, and all stop when the engine closes.
@@ -6,10 +6,8 @@ One :class:`CronService` per engine (``engine.cron``). Its tasks live in a nurse
 Every fire takes the same path. A due time is *claimed* in one store transaction before anything runs
 (``last_run_at`` moves to now, ``next_run_at`` past now): a claimed due time never runs again, a crash
 included. A ``SystemEvent`` job commits its fire in that same transaction; a ``Command`` job commits its
-fire once the command has ended. A committed fire is then *recorded* in the event log and *delivered*
-(see :meth:`CronService.fire_pending`): standalone, recording is the delivery; embedded, ``on_fire`` must
-return before the event counts as delivered (acknowledged), and an unacknowledged event is handed over
-again, in cursor order, with back-off while running and at the next start.
+fire once the command has ended. A committed fire is then recorded in the event log and delivered by
+the service's :class:`Delivery` (``_delivery``; :meth:`CronService.fire_pending`).
 """
 
 from __future__ import annotations
@@ -21,19 +19,21 @@ import logging
 import os
 import secrets
 import shlex
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any, TypeVar, final
+from typing import Any, final
 
 import attrs
 import trio
 
 from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundError
 from .._input import check_flag, check_int, check_text
+from .._retry import RetryPolicy
 from .._supervisor import Supervisor
 from ._command import command_log_paths, run_command
-from ._events import FiredEvent, text_fire
+from ._delivery import Delivery, FireHandler, FireObserver
+from ._events import FiredEvent, PendingFire, text_fire
 from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
 from ._plan import claim, finish, interrupted, is_due, next_wake, schedule_next, should_delete
 from ._protocol import JobStore
@@ -52,17 +52,8 @@ __all__ = ["CronService", "open_cron_service"]
 
 logger = logging.getLogger("engine.cron")
 
-#: ``on_fire`` handlers: awaited with each delivered event (embedded hosts).
-FireHandler = Callable[[FiredEvent], Awaitable[None]]
 #: ``on_jobs_changed`` handlers: awaited with the complete job list after each committed change.
 JobsChangedHandler = Callable[[list[CronJob]], Awaitable[None]]
-
-#: Waits between retries of a failed store write that must not be lost (a committed run's fire), seconds.
-STORE_RETRY_SECONDS = (1.0, 5.0, 30.0, 300.0)
-#: Waits before handing unacknowledged events to a failing ``on_fire`` again, seconds (the last repeats).
-REDELIVER_SECONDS = (1.0, 5.0, 30.0, 300.0)
-
-_R = TypeVar("_R")
 
 _UPDATABLE = ("name", "enabled", "schedule", "payload", "delete_after_run")
 
@@ -100,31 +91,31 @@ class CronService:
         supervisor: runs ``Command`` payloads.
         state_dir: the engine's state directory (``Command`` logs go to ``cron-logs/`` in it).
         now: returns the wall time, aware (tests steer it; the timer itself sleeps on the Trio clock).
-        on_fire: awaited with each delivered :class:`FiredEvent` (embedded hosts), or ``None``.
+        delivery: records fires in the event log and hands them to ``on_fire`` (embedded hosts).
         on_jobs_changed: awaited with the complete job list after every committed add, update, enable,
             disable or removal (and a job deleted after its run), and once at start-up. The exit
             watchers hook ``reconcile`` here. Calls never overlap and each sees the store as it is then.
             An exception from it propagates to the caller of the change, which stays committed.
         recheck_seconds: the longest the timer sleeps before it looks at the wall clock again.
+        retry: the waits between attempts of a store write that must not be lost (a run's result) and
+            between the timer's looks at a failing store.
     """
 
     store: JobStore
     supervisor: Supervisor
     state_dir: str
     now: Callable[[], datetime] = utc_now
-    on_fire: FireHandler | None = None
+    delivery: Delivery = attrs.field(
+        default=attrs.Factory(lambda self: Delivery(self.store), takes_self=True)
+    )
     on_jobs_changed: JobsChangedHandler | None = None
     recheck_seconds: float = 60.0
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
-    _handing: set[int] = attrs.field(init=False, factory=set)
-    _redeliver_needed: bool = attrs.field(init=False, default=False)
-    _redelivering: bool = attrs.field(init=False, default=False)
-    _backlog_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
-    _acked_in_pass: set[int] | None = attrs.field(init=False, default=None)
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
@@ -266,15 +257,12 @@ class CronService:
         check_text(job_id, "job_id")
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.CancelScope(shield=True):  # once the delete ran, the run must be told below
-            _job, event = await self.store.delete_job(job_id, acked=self.on_fire is None)
+            _job, event = await self.store.delete_job(job_id, acked=self.delivery.on_fire is None)
         # No checkpoint from the delete to here: no redelivery pass can take the event meanwhile.
         scope = self._run_scopes.get(job_id)
         if scope is not None:
             scope.cancel()
-        handover = event if self.on_fire is not None else None
-        if handover is not None:
-            self._handing.add(handover.cursor)
-        try:
+        with self.delivery.holding(event):
             busy = self._running.get(job_id)
             if scope is not None and busy is not None:
                 await busy.wait()  # the command is ended by escalation, shielded, in the run's task
@@ -282,11 +270,8 @@ class CronService:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             await self.notify_jobs_changed()
-            if handover is not None:
-                await self._hand_over(handover)
-        finally:
-            if handover is not None:
-                self._handing.discard(handover.cursor)
+            if event is not None:
+                await self.delivery.hand_over(event)
 
     async def get(self, job_id: str) -> CronJob:
         """The job ``job_id``.
@@ -356,136 +341,27 @@ class CronService:
 
     # -- delivery (shared with the exit watchers) ---------------------------------------------------
 
-    async def deliver(self, job_id: str, pending_fire: dict[str, Any]) -> FiredEvent:
-        """Deliver a committed fire of ``job_id`` once (the delivery contract of design section 5).
+    async def fire_pending(self, job_id: str, pending_fire: PendingFire) -> FiredEvent | None:
+        """Record and deliver a committed fire of ``job_id`` (see :class:`Delivery`), then delete a
+        one-shot job with ``delete_after_run``.
 
-        Standalone (no ``on_fire``): the event is appended to the log acknowledged and the job's
-        ``pending_fire`` cleared in one transaction: exactly once. Embedded: the event is appended
-        unacknowledged and ``pending_fire`` cleared in one transaction, ``on_fire`` is awaited, then the
-        event is acknowledged. An unacknowledged event is handed to ``on_fire`` again (at the next start,
-        or by :meth:`fire_pending`'s retries): at least once, deduplicated by ``fire_id``.
-
-        Cancellation: a fire not recorded yet stays pending; a recorded one unacknowledged. Either is
-        delivered at the next start.
-
-        Raises:
-            JobNotFoundError: the job was removed; nothing is logged.
-            StoreError: a store write failed; the fire is still pending (or the event unacknowledged).
-            Exception: whatever ``on_fire`` raised; the event stays unacknowledged.
-        """
-        if self.on_fire is None:
-            return await self.store.deliver_fire(job_id, pending_fire)
-        event = await self.store.record_event(job_id, pending_fire)
-        await self.on_fire(event)
-        await self.store.ack_events([event.cursor])
-        return event
-
-    async def fire_pending(self, job_id: str, pending_fire: dict[str, Any]) -> FiredEvent | None:
-        """Record and deliver a committed fire, retrying failed store writes (1 s, 5 s, 30 s, then 5 min).
-
-        The fire is recorded (:meth:`deliver`'s transaction); embedded, ``on_fire`` is then awaited. If it
-        raises, the error is logged, the event stays unacknowledged, and the unacknowledged events are
-        handed over again in cursor order after 1 s, 5 s, 30 s, then every 5 min while the engine runs,
-        and at the next start. Then a one-shot job with ``delete_after_run`` is deleted.
+        Failed store writes are retried (1 s, 5 s, 30 s, then every 5 min). Embedded, if ``on_fire``
+        raises, the error is logged and the event, unacknowledged, is handed over again with back-off
+        while the engine runs, and at the next start.
 
         Returns:
             The event, or ``None`` if the job was removed (nothing logged) or ``on_fire`` raised.
 
         Cancellation: the fire stays pending (or its event unacknowledged), delivered at the next start.
         """
-        record = self.store.deliver_fire if self.on_fire is None else self.store.record_event
         try:
-            event = await self._retry_store(
-                f"job {job_id}: delivering fire {pending_fire.get('fire_id')}", record, job_id, pending_fire
-            )
+            event = await self.delivery.record(job_id, pending_fire)
         except JobNotFoundError:
-            logger.info(
-                "cron job %s was removed; its fire %s is not delivered", job_id, pending_fire.get("fire_id")
-            )
+            logger.info("cron job %s was removed; its fire %s is not delivered", job_id, pending_fire.fire_id)
             return None
-        handed = self.on_fire is None or await self._hand_over(event)
+        handed = await self.delivery.hand_over(event)
         await self._delete_if_done(job_id)
         return event if handed else None
-
-    async def _retry_store(self, what: str, call: Callable[..., Awaitable[_R]], *args: Any) -> _R:
-        attempt = 0
-        while True:
-            try:
-                return await call(*args)
-            except OSError as exc:
-                delay = STORE_RETRY_SECONDS[min(attempt, len(STORE_RETRY_SECONDS) - 1)]
-                logger.error("cron %s failed (%s); retrying in %s s", what, exc, delay)
-                attempt += 1
-                await trio.sleep(delay)
-
-    async def _hand_over(self, event: FiredEvent) -> bool:
-        """Await ``on_fire(event)`` and acknowledge the event; on an error, log it and schedule a retry."""
-        assert self.on_fire is not None
-        self._handing.add(event.cursor)
-        try:
-            try:
-                await self.on_fire(event)
-            except Exception:
-                logger.exception(
-                    "cron job %s: on_fire failed for fire %s (cursor %s); it is handed over again later "
-                    "(with back-off, and at the next start)",
-                    event.job_id,
-                    event.fire_id,
-                    event.cursor,
-                )
-                self._schedule_redelivery()
-                return False
-            await self._retry_store(
-                f"job {event.job_id}: acknowledging fire {event.fire_id}",
-                self.store.ack_events,
-                [event.cursor],
-            )
-            if self._acked_in_pass is not None:
-                self._acked_in_pass.add(event.cursor)
-            return True
-        finally:
-            self._handing.discard(event.cursor)
-
-    def _schedule_redelivery(self) -> None:
-        self._redeliver_needed = True
-        if not self._redelivering and self._nursery is not None:
-            self._redelivering = True
-            self._nursery.start_soon(self._redeliver, name="cron redelivery")
-
-    async def _hand_over_backlog(self) -> bool:
-        """Hand every unacknowledged event (not being handed over now) to ``on_fire`` in cursor order.
-
-        An event ``on_fire`` refuses does not hold back the ones after it (one bad event must not stop
-        delivery). Returns whether every one was acknowledged.
-        """
-        async with self._backlog_lock:  # one pass at a time
-            try:
-                events = await self.store.unacked_events()
-            except OSError as exc:
-                logger.error("cron: reading the unacknowledged events failed (%s)", exc)
-                self._schedule_redelivery()
-                return False
-            delivered = True
-            self._acked_in_pass = set()
-            try:
-                for event in events:  # skip those handed over (or acked) by a fire meanwhile
-                    if event.cursor not in self._handing and event.cursor not in self._acked_in_pass:
-                        delivered = await self._hand_over(event) and delivered
-            finally:
-                self._acked_in_pass = None
-            return delivered
-
-    async def _redeliver(self) -> None:
-        attempt = 0
-        try:
-            while self._redeliver_needed:
-                await trio.sleep(REDELIVER_SECONDS[min(attempt, len(REDELIVER_SECONDS) - 1)])
-                attempt += 1
-                self._redeliver_needed = False
-                if not await self._hand_over_backlog():
-                    self._redeliver_needed = True
-        finally:
-            self._redelivering = False
 
     async def _delete_if_done(self, job_id: str) -> None:
         try:
@@ -518,6 +394,7 @@ class CronService:
                 return finish(claimed, now, error=None) if isinstance(job.payload, SystemEvent) else claimed
 
             try:
+                fire: PendingFire | None
                 if isinstance(seen.payload, SystemEvent):
                     fire = text_fire(seen.name, seen.payload.text)
                     job = await self.store.commit_fire(job_id, change, fire)
@@ -535,7 +412,7 @@ class CronService:
         raise JobNotFoundError(f"job_id {job_id!r} keeps changing; try run_now again")
 
     async def _run(
-        self, job: CronJob, fire: dict[str, Any] | None, done: trio.Event, scope: trio.CancelScope
+        self, job: CronJob, fire: PendingFire | None, done: trio.Event, scope: trio.CancelScope
     ) -> None:
         try:
             if fire is None:
@@ -556,24 +433,19 @@ class CronService:
             done.set()
             self._changed.set()
 
-    async def _run_command(self, job: CronJob, payload: Command) -> dict[str, Any] | None:
+    async def _run_command(self, job: CronJob, payload: Command) -> PendingFire | None:
         """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
         fire, error = await run_command(self.supervisor, self.state_dir, job, payload)
-        attempt = 0
-        while True:  # persist the result; never run the command again for it
-            now = self._wall()
-            try:
-                await self.store.commit_fire(job.id, functools.partial(finish, now=now, error=error), fire)
-                return fire
-            except JobNotFoundError:  # removed while it ran: a removed job never fires
-                return None
-            except OSError as exc:
-                delay = STORE_RETRY_SECONDS[min(attempt, len(STORE_RETRY_SECONDS) - 1)]
-                logger.error(
-                    "cron job %s: persisting its run failed (%s); retrying in %s s", job.id, exc, delay
-                )
-                attempt += 1
-                await trio.sleep(delay)
+
+        async def persist() -> None:  # retried on a store failure; the command never runs again for it
+            change = functools.partial(finish, now=self._wall(), error=error)
+            await self.store.commit_fire(job.id, change, fire)
+
+        try:
+            await self.retry.run(f"cron job {job.id}: persisting its run", persist, logger=logger)
+        except JobNotFoundError:  # removed while it ran: a removed job never fires
+            return None
+        return fire
 
     # -- the service's life -------------------------------------------------------------------------
 
@@ -590,6 +462,7 @@ class CronService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
+                await nursery.start(self.delivery.run)
                 now = self._wall()
                 for job in await self.store.list_jobs():
                     if job.last_status is JobStatus.RUNNING:
@@ -602,62 +475,57 @@ class CronService:
             finally:
                 self._nursery = None
 
-    async def _recover(self, pending: builtins.list[tuple[CronJob, dict[str, Any]]]) -> None:
+    async def _recover(self, pending: builtins.list[tuple[CronJob, PendingFire]]) -> None:
         """Start-up delivery, before the timer runs: the fires a stopped engine left behind, in order.
 
-        Every pending fire is recorded (standalone: delivered). Embedded, every unacknowledged event is then
-        handed to ``on_fire`` in cursor order; standalone, the log is the delivery, so events an embedded
-        engine left unacknowledged count as delivered.
+        Every pending fire is recorded (standalone: delivered), then the delivery catches up with the
+        events the last engine left unacknowledged (:meth:`Delivery.catch_up`).
         """
         for job, fire in pending:
-            record = self.store.deliver_fire if self.on_fire is None else self.store.record_event
             with contextlib.suppress(JobNotFoundError):
-                await self._retry_store(
-                    f"job {job.id}: recording fire {fire.get('fire_id')}", record, job.id, fire
-                )
+                await self.delivery.record(job.id, fire)
             await self._delete_if_done(job.id)
-        if self.on_fire is not None:
-            await self._hand_over_backlog()
-            return
-        unacked = await self._retry_store(
-            "start-up: reading the unacknowledged events", self.store.unacked_events
-        )
-        if unacked:
-            await self._retry_store(
-                "start-up: acknowledging the events", self.store.ack_events, [e.cursor for e in unacked]
-            )
+        await self.delivery.catch_up()
 
     async def _timer(self) -> None:
-        failures = 0
         while True:
-            changed = self._changed = trio.Event()
-            try:
-                jobs = await self.store.list_jobs()
-                now = self._wall()
-                due = sorted(
-                    (j for j in jobs if j.id not in self._running and is_due(j, now)),
-                    key=lambda j: (j.next_run_at, j.created_at),
-                )
-                for job in due:
-                    with contextlib.suppress(JobNotFoundError):
-                        await self._claim_and_start(job.id, now, forced=False)
-                failures = 0
-            except OSError as exc:
-                delay = STORE_RETRY_SECONDS[min(failures, len(STORE_RETRY_SECONDS) - 1)]
-                failures += 1
-                logger.error("cron timer: the job store failed (%s); looking again in %s s", exc, delay)
-                with trio.move_on_after(delay):
-                    await changed.wait()
-                continue
-            if due:
-                continue
-            wake = next_wake(j for j in jobs if j.id not in self._running)
+            wake = await self.retry.run(
+                "cron timer: reading the job store", self._start_due, logger=logger, sleep=self._wait_changed
+            )
+            changed = self._changed  # made by the look that just succeeded
             if wake is None:
                 await changed.wait()
                 continue
-            delay = min(self.recheck_seconds, max(0.0, (wake - now).total_seconds()))
-            with trio.move_on_at(trio.current_time() + delay):
+            with trio.move_on_after(wake):
                 await changed.wait()
+
+    async def _start_due(self) -> float | None:
+        """One look of the timer: start every due job; return how long to sleep (``None``: until a change).
+
+        Raises:
+            OSError: the store failed (the timer waits, then looks again; a change wakes it early).
+        """
+        self._changed = trio.Event()
+        jobs = await self.store.list_jobs()
+        now = self._wall()
+        due = sorted(
+            (j for j in jobs if j.id not in self._running and is_due(j, now)),
+            key=lambda j: (j.next_run_at, j.created_at),
+        )
+        for job in due:
+            with contextlib.suppress(JobNotFoundError):
+                await self._claim_and_start(job.id, now, forced=False)
+        if due:
+            return 0.0  # look again at once
+        wake = next_wake(j for j in jobs if j.id not in self._running)
+        if wake is None:
+            return None
+        return min(self.recheck_seconds, max(0.0, (wake - now).total_seconds()))
+
+    async def _wait_changed(self, seconds: float) -> None:
+        """The timer's back-off after a store failure: ``seconds``, or until a job changes."""
+        with trio.move_on_after(seconds):
+            await self._changed.wait()
 
 
 @asynccontextmanager
@@ -669,6 +537,7 @@ async def open_cron_service(
     now: Callable[[], datetime] | None = None,
     on_fire: FireHandler | None = None,
     on_jobs_changed: JobsChangedHandler | None = None,
+    fire_observers: Iterable[FireObserver] = (),
 ) -> AsyncIterator[CronService]:
     """Open the store, start a :class:`CronService` (start-up recovery done), and stop it on exit.
 
@@ -679,6 +548,7 @@ async def open_cron_service(
         now: the wall clock (``None``: the system's, aware UTC).
         on_fire: awaited with each delivered event (embedded hosts).
         on_jobs_changed: see :attr:`CronService.on_jobs_changed`.
+        fire_observers: called with each event as it is recorded in the event log (``serve`` logs it).
 
     Cancellation: leaving the block stops the timer and every run (``Command`` children ended), then
     closes the store under a shield.
@@ -695,7 +565,7 @@ async def open_cron_service(
                 supervisor=supervisor,
                 state_dir=state_dir,
                 now=now if now is not None else utc_now,
-                on_fire=on_fire,
+                delivery=Delivery(store, on_fire=on_fire, observers=list(fire_observers)),
                 on_jobs_changed=on_jobs_changed,
             )
             await nursery.start(service.run)

@@ -12,8 +12,8 @@ Each event carries ``acked``: whether its delivery is acknowledged. A standalone
 as they are appended (the log is the delivery); an embedded engine's once ``on_fire`` returned. An event
 is only appended for a job that still exists, in the transaction that clears the job's pending fire.
 
-Schema history: 1, the first; 2 adds ``events.acked`` (existing events count as acked, except one whose
-fire is still pending on its job: a version-1 engine stopped between logging it and ``on_fire``).
+The schema and its numbered versions are in ``_migrations``: opening the store brings an older file up to
+date, one step per transaction, and refuses a newer one.
 """
 
 from __future__ import annotations
@@ -29,58 +29,23 @@ import attrs
 import trio
 
 from .._errors import JobNotFoundError, StoreError
-from ._events import PENDING_FIRE_FIELDS, FiredEvent
+from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
 from ._job import CronJob
+from ._migrations import migrate
 from ._protocol import JobChange, JobStore
+from ._watch_state import WatchState
 
 __all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]  # JobStore re-exported
 
 logger = logging.getLogger("engine.cron")
 
 STORE_FILE_NAME = "cron.sqlite3"
-SCHEMA_VERSION = 2
-
 
 _T = TypeVar("_T")
-
-_SCHEMA = """
-CREATE TABLE jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    data TEXT NOT NULL,
-    pending_fire TEXT,
-    watch_state TEXT
-);
-CREATE TABLE events (
-    cursor INTEGER PRIMARY KEY AUTOINCREMENT,
-    fire_id TEXT NOT NULL UNIQUE,
-    job_id TEXT NOT NULL,
-    job_name TEXT NOT NULL,
-    text TEXT NOT NULL,
-    command TEXT,
-    exit_code INTEGER,
-    signal INTEGER,
-    reason TEXT,
-    duration_seconds REAL,
-    stdout_tail TEXT NOT NULL,
-    stderr_tail TEXT NOT NULL,
-    truncated INTEGER NOT NULL,
-    acked INTEGER NOT NULL DEFAULT 1
-);
-"""
+_R = TypeVar("_R")
 
 #: The columns of an event as :func:`_event_from_row` reads them.
 _EVENT_COLUMNS = "cursor, job_id, " + ", ".join(PENDING_FIRE_FIELDS)
-
-
-def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
-    conn.execute("ALTER TABLE events ADD COLUMN acked INTEGER NOT NULL DEFAULT 1")
-    for job_id, text in conn.execute(
-        "SELECT id, pending_fire FROM jobs WHERE pending_fire IS NOT NULL"
-    ).fetchall():
-        pending = _loads(text, "pending fire", job_id)
-        if pending is not None and isinstance(pending.get("fire_id"), str):
-            conn.execute("UPDATE events SET acked = 0 WHERE fire_id = ?", (pending["fire_id"],))
 
 
 def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
@@ -94,6 +59,28 @@ def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
         logger.error("cron store: the %s of job %s is unreadable; skipped", what, job_id)
         return None
     return value
+
+
+def _record_from_text(
+    text: str | None, what: str, job_id: str, parse: Callable[[dict[str, Any]], _R]
+) -> _R | None:
+    """The record in a JSON column (``parse`` reads it), or ``None``; an unreadable one is logged."""
+    data = _loads(text, what, job_id)
+    if data is None:
+        return None
+    try:
+        return parse(data)
+    except ValueError as exc:
+        logger.error("cron store: the %s of job %s is unreadable (%s); skipped", what, job_id, exc)
+        return None
+
+
+def _pending_from_text(text: str | None, job_id: str) -> PendingFire | None:
+    return _record_from_text(text, "pending fire", job_id, PendingFire.from_dict)
+
+
+def _watch_state_from_text(text: str | None, job_id: str) -> WatchState | None:
+    return _record_from_text(text, "watch state", job_id, WatchState.from_dict)
 
 
 @attrs.define(eq=False)
@@ -164,31 +151,7 @@ class SqliteJobStore:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
                 conn.execute("PRAGMA busy_timeout=5000")
-                version = conn.execute("PRAGMA user_version").fetchone()[0]
-                if version > SCHEMA_VERSION:
-                    raise StoreError(
-                        f"the job store {self.path!r} has schema {version}, newer than this engine's "
-                        f"{SCHEMA_VERSION}; upgrade the engine"
-                    )
-                if version < 1:
-                    try:
-                        conn.executescript(
-                            f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version={SCHEMA_VERSION};COMMIT;"
-                        )
-                    except BaseException:
-                        if conn.in_transaction:
-                            conn.rollback()
-                        raise
-                elif version < SCHEMA_VERSION:
-                    conn.execute("BEGIN IMMEDIATE")
-                    try:
-                        _migrate_1_to_2(conn)
-                        conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-                        conn.execute("COMMIT")
-                    except BaseException:
-                        if conn.in_transaction:
-                            conn.rollback()
-                        raise
+                migrate(conn, self.path)
             except (sqlite3.Error, OSError) as exc:
                 conn.close()
                 if isinstance(exc, StoreError):
@@ -291,89 +254,68 @@ class SqliteJobStore:
             row = conn.execute("SELECT data, pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
-            pending = _loads(row[1], "pending fire", job_id)
-            event = None
-            if pending is not None:
-                if all(k in pending for k in PENDING_FIRE_FIELDS):
-                    event = self._append(conn, job_id, pending, acked=acked)
-                else:
-                    logger.error("cron store: the pending fire of job %s lacks fields; dropped", job_id)
+            pending = _pending_from_text(row[1], job_id)
+            event = None if pending is None else self._append(conn, job_id, pending, acked=acked)
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return _job_from_row(job_id, row[0]), event
 
         return await self._call(run, write=True)
 
-    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: dict[str, Any]) -> CronJob:
+    async def commit_fire(self, job_id: str, change: JobChange, pending_fire: PendingFire) -> CronJob:
         """Replace the job by ``change(job)`` and set its ``pending_fire``, in one transaction."""
-        _check_fire(pending_fire)
+        text = json.dumps(pending_fire.to_dict())
 
         def run(conn: sqlite3.Connection) -> CronJob:
             before, _ = self._read(conn, job_id)
             after = change(before)
             self._write(conn, after, before)
-            conn.execute("UPDATE jobs SET pending_fire = ? WHERE id = ?", (json.dumps(pending_fire), job_id))
+            conn.execute("UPDATE jobs SET pending_fire = ? WHERE id = ?", (text, job_id))
             return after
 
         return await self._call(run, write=True)
 
-    async def commit_exit(self, job_id: str, pending_fire: dict[str, Any]) -> CronJob:
-        """Disable the job and set its ``pending_fire``, in one transaction (an on-exit job's exit)."""
-        return await self.commit_fire(
-            job_id, lambda job: attrs.evolve(job, enabled=False, next_run_at=None), pending_fire
-        )
-
     # -- events -------------------------------------------------------------------------------------
 
     @staticmethod
-    def _append(conn: sqlite3.Connection, job_id: str, fire: dict[str, Any], *, acked: bool) -> FiredEvent:
+    def _append(conn: sqlite3.Connection, job_id: str, fire: PendingFire, *, acked: bool) -> FiredEvent:
         row = conn.execute(
-            f"SELECT {_EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire["fire_id"],)
+            f"SELECT {_EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire.fire_id,)
         ).fetchone()
         if row is not None:
             event = _event_from_row(row[:-1])
             if event is None:
-                raise StoreError(f"the logged event of fire {fire['fire_id']!r} is unreadable")
+                raise StoreError(f"the logged event of fire {fire.fire_id!r} is unreadable")
             if acked and not row[-1]:
                 conn.execute("UPDATE events SET acked = 1 WHERE cursor = ?", (event.cursor,))
             return event
-        values = [fire[k] for k in PENDING_FIRE_FIELDS]
+        values = [getattr(fire, name) for name in PENDING_FIRE_FIELDS]
         cur = conn.execute(
-            "INSERT INTO events (job_id, "
-            + ", ".join(PENDING_FIRE_FIELDS)
-            + ", acked) VALUES (?"
-            + ", ?" * len(values)
-            + ", ?)",
+            f"INSERT INTO events (job_id, {', '.join(PENDING_FIRE_FIELDS)}, acked) "
+            f"VALUES (?{', ?' * len(values)}, ?)",
             (job_id, *values, int(acked)),
         )
         assert cur.lastrowid is not None
-        return FiredEvent.from_fields(cur.lastrowid, job_id, fire)
-
-    @staticmethod
-    def _clear(conn: sqlite3.Connection, job_id: str, fire_id: str) -> None:
-        row = conn.execute("SELECT pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if row is None or row[0] is None:
-            return
-        pending = _loads(row[0], "pending fire", job_id)
-        if pending is None or pending.get("fire_id") == fire_id:
-            conn.execute("UPDATE jobs SET pending_fire = NULL WHERE id = ?", (job_id,))
+        return FiredEvent.from_pending(fire, cursor=cur.lastrowid, job_id=job_id)
 
     def _record(
-        self, job_id: str, fire: dict[str, Any], *, acked: bool
+        self, job_id: str, fire: PendingFire, *, acked: bool
     ) -> Callable[[sqlite3.Connection], FiredEvent]:
-        _check_fire(fire)
-
         def run(conn: sqlite3.Connection) -> FiredEvent:
-            if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+            row = conn.execute("SELECT pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
                 raise JobNotFoundError(
-                    f"job_id {job_id!r} names no cron job; its fire {fire['fire_id']!r} is not logged"
+                    f"job_id {job_id!r} names no cron job; its fire {fire.fire_id!r} is not logged"
                 )
             event = self._append(conn, job_id, fire, acked=acked)
-            self._clear(conn, job_id, event.fire_id)
+            if row[0] is not None:  # clear the job's pending fire if it is this one (or unreadable)
+                pending = _loads(row[0], "pending fire", job_id)
+                if pending is None or pending.get("fire_id") == event.fire_id:
+                    conn.execute("UPDATE jobs SET pending_fire = NULL WHERE id = ?", (job_id,))
             return event
 
         return run
 
-    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+    async def record_event(self, job_id: str, fire: PendingFire) -> FiredEvent:
         """Append ``fire`` unacknowledged and clear the job's pending fire if it is this one, atomically.
 
         An event already logged with this ``fire_id`` is returned as it is (acked or not). The embedded
@@ -384,7 +326,7 @@ class SqliteJobStore:
         """
         return await self._call(self._record(job_id, fire, acked=False), write=True)
 
-    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
+    async def deliver_fire(self, job_id: str, fire: PendingFire) -> FiredEvent:
         """Append ``fire`` acknowledged (deduplicated by ``fire_id``), clearing the pending fire, at once.
 
         The standalone delivery: exactly once.
@@ -393,10 +335,6 @@ class SqliteJobStore:
             JobNotFoundError: the job is gone; nothing is appended.
         """
         return await self._call(self._record(job_id, fire, acked=True), write=True)
-
-    async def clear_pending_fire(self, job_id: str, fire_id: str) -> None:
-        """Clear the job's pending fire if it is ``fire_id``."""
-        await self._call(lambda conn: self._clear(conn, job_id, fire_id), write=True)
 
     async def ack_events(self, cursors: Iterable[int]) -> None:
         """Mark the events at ``cursors`` delivered (unknown cursors are ignored)."""
@@ -418,30 +356,30 @@ class SqliteJobStore:
 
         return await self._call(run, write=False)
 
-    async def pending_fires(self) -> list[tuple[CronJob, dict[str, Any]]]:
+    async def pending_fires(self) -> list[tuple[CronJob, PendingFire]]:
         """Every readable job with a committed, undelivered fire, and that fire, oldest job first."""
 
-        def run(conn: sqlite3.Connection) -> list[tuple[CronJob, dict[str, Any]]]:
+        def run(conn: sqlite3.Connection) -> list[tuple[CronJob, PendingFire]]:
             rows = conn.execute(
                 "SELECT id, data, pending_fire FROM jobs WHERE pending_fire IS NOT NULL ORDER BY seq"
             ).fetchall()
             found = []
             for job_id, data, text in rows:
                 job = _job_from_row(job_id, data)
-                fire = _loads(text, "pending fire", job_id)
+                fire = _pending_from_text(text, job_id)
                 if job is not None and fire is not None:
                     found.append((job, fire))
             return found
 
         return await self._call(run, write=False)
 
-    async def set_watch_state(self, job_id: str, state: dict[str, Any] | None) -> None:
+    async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
         """Set (``None``: clear) the watch state of job ``job_id``.
 
         Raises:
             JobNotFoundError: no such job.
         """
-        text = None if state is None else json.dumps(state)
+        text = None if state is None else json.dumps(state.to_dict())
 
         def run(conn: sqlite3.Connection) -> None:
             if conn.execute("UPDATE jobs SET watch_state = ? WHERE id = ?", (text, job_id)).rowcount == 0:
@@ -449,12 +387,12 @@ class SqliteJobStore:
 
         await self._call(run, write=True)
 
-    async def watch_states(self) -> dict[str, dict[str, Any]]:
+    async def watch_states(self) -> dict[str, WatchState]:
         """Every job's watch state, by job id (unreadable ones skipped)."""
 
-        def run(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
+        def run(conn: sqlite3.Connection) -> dict[str, WatchState]:
             rows = conn.execute("SELECT id, watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
-            states = {job_id: _loads(text, "watch state", job_id) for job_id, text in rows}
+            states = {job_id: _watch_state_from_text(text, job_id) for job_id, text in rows}
             return {k: v for k, v in states.items() if v is not None}
 
         return await self._call(run, write=False)
@@ -469,13 +407,6 @@ class SqliteJobStore:
             return [e for e in (_event_from_row(r) for r in rows) if e is not None]
 
         return await self._call(run, write=False)
-
-
-def _check_fire(fire: dict[str, Any]) -> None:
-    missing = [k for k in PENDING_FIRE_FIELDS if k not in fire]
-    if missing:
-        raise ValueError(f"a pending fire needs the fields {missing}")
-    json.dumps(fire)  # must be JSON-able: fail before the transaction
 
 
 def _job_from_row(job_id: str, data: str) -> CronJob | None:
@@ -494,7 +425,7 @@ def _event_from_row(row: tuple[Any, ...]) -> FiredEvent | None:
     fields = dict(zip(PENDING_FIRE_FIELDS, rest, strict=True))
     fields["truncated"] = bool(fields["truncated"])
     try:
-        return FiredEvent.from_fields(cursor, job_id, fields)
+        return FiredEvent.from_pending(PendingFire.from_dict(fields), cursor=cursor, job_id=job_id)
     except ValueError as exc:
         logger.error("cron store: event %s is unreadable (%s); skipped", cursor, exc)
         return None

@@ -8,8 +8,9 @@
 
 Every record of the ``engine`` loggers goes through :class:`LogfmtFormatter`; the engine's own events
 carry their fields in ``extra={"fields": {...}}`` and their event name as the message. Sources: a
-supervisor observer (:class:`RunLogger`: spawned, escalated, exited) and the job store
-(:class:`LoggingJobStore`: fired, as each event is appended to the event log).
+supervisor observer (:class:`RunLogger`: spawned, escalated, exited) and a fire observer of the cron
+service (:func:`log_fired`: fired, as each event is recorded in the event log;
+``EngineConfig.fire_observers``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from typing import IO, Any, Final
 
 from .._supervisor import ManagedRun
 from ..cron._events import FiredEvent
-from ..cron._store import SqliteJobStore
 
-__all__ = ["LogfmtFormatter", "LoggingJobStore", "RunLogger", "configure_logging", "log_event"]
+__all__ = ["LogfmtFormatter", "RunLogger", "configure_logging", "log_event", "log_fired"]
 
 #: The logger of the standalone engine's own events.
 logger: Final = logging.getLogger("engine.serve")
@@ -111,7 +111,8 @@ class RunLogger:
         )
 
 
-def _log_fired(event: FiredEvent) -> None:
+def log_fired(event: FiredEvent) -> None:
+    """A fire observer logging ``fired`` for every event recorded in the event log."""
     log_event(
         "fired",
         job_id=event.job_id,
@@ -123,27 +124,3 @@ def _log_fired(event: FiredEvent) -> None:
         signal=event.signal,
         reason=event.reason,
     )
-
-
-class LoggingJobStore(SqliteJobStore):
-    """The SQLite job store, logging ``fired`` for every event it appends to the event log."""
-
-    __slots__ = ()
-
-    async def deliver_fire(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """As :meth:`SqliteJobStore.deliver_fire`, then log the event.
-
-        Cancellation: as :meth:`SqliteJobStore.deliver_fire`.
-        """
-        event = await super().deliver_fire(job_id, fire)
-        _log_fired(event)
-        return event
-
-    async def record_event(self, job_id: str, fire: dict[str, Any]) -> FiredEvent:
-        """As :meth:`SqliteJobStore.record_event`, then log the event.
-
-        Cancellation: as :meth:`SqliteJobStore.record_event`.
-        """
-        event = await super().record_event(job_id, fire)
-        _log_fired(event)
-        return event

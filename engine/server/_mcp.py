@@ -35,7 +35,7 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineLockedError
-from ._eventlog import LoggingJobStore, RunLogger, log_event
+from ._eventlog import RunLogger, log_event, log_fired
 from ._location import find_socket_path
 from ._mcp_tools import EmbeddedBackend, McpTools, RpcBackend, SocketBackend
 from ._methods import Methods
@@ -153,8 +153,7 @@ async def serve_mcp(config: EngineConfig, project_dir: str) -> str:
     state_dir = config.resolved_state_dir()
     socket_path = find_socket_path(state_dir)
     if not await _answers(socket_path):
-        if config.store_factory is None:
-            config = attrs.evolve(config, store_factory=LoggingJobStore.in_state_dir)
+        config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
         try:
             await _serve_embedded(config, project_dir)
         except EngineLockedError:

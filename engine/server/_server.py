@@ -23,7 +23,7 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import open_engine
 from .._errors import EngineError, EngineLockedError
-from ._eventlog import LoggingJobStore, RunLogger, log_event
+from ._eventlog import RunLogger, log_event, log_fired
 from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, choose_socket_path
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
 from ._protocol import (
@@ -229,7 +229,7 @@ async def serve(
 ) -> None:
     """Run the standalone engine on ``config``'s state directory until SIGINT or SIGTERM.
 
-    Starts :func:`open_engine` (with a job store that logs every fire), listens on the socket, and on
+    Starts :func:`open_engine` (with an observer that logs every fire), listens on the socket, and on
     the first SIGINT or SIGTERM stops listening, ends every connection and closes the engine: every
     child is ended by escalation and reaped. Signals that arrive during the shutdown are absorbed.
 
@@ -240,8 +240,7 @@ async def serve(
         OSError: the socket cannot be made.
     """
     state_dir = config.resolved_state_dir()
-    if config.store_factory is None:
-        config = attrs.evolve(config, store_factory=LoggingJobStore.in_state_dir)
+    config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
     entered = False
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:

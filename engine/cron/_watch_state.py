@@ -1,0 +1,125 @@
+"""The watch state: what an exit watcher keeps in the store to find its command again after a crash.
+
+Written on the job's row (``watch_state``) once the watched command runs, cleared when the watcher is done.
+The next engine reads it back to adopt a command that outlived a crash: the shim's pid, session and start
+time (so a reused pid is never mistaken for it), the run marker of its tree, and the exit file the shim
+writes when the command ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .._procfs import is_alive
+from .._sweep import GroupRecord
+from ._schedule import OnExit
+
+if TYPE_CHECKING:
+    from .._supervisor import ManagedRun
+
+__all__ = ["WatchState"]
+
+
+def _whole(_inst: object, attribute: attrs.Attribute[int], value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"{attribute.name} must be a whole number >= 0, got {value!r}")
+
+
+_str = attrs.validators.instance_of(str)
+
+
+@attrs.frozen
+class WatchState:
+    """One watched command, as its watcher stored it.
+
+    Attributes:
+        arm_id: the arm this command belongs to (names its log and exit files).
+        pid: the shim's pid (it leads the command's process group and session).
+        sid: its session id.
+        start_time: its start time in clock ticks since boot (``/proc/<pid>/stat`` field 22).
+        marker: the run marker in its tree's environment.
+        exit_file: where the shim records how the command ended.
+        command: the job's command when it was started.
+        cwd: the job's working directory then (``None``: the engine's).
+        started_at: aware UTC time of the spawn.
+    """
+
+    arm_id: str = attrs.field(validator=_str)
+    pid: int = attrs.field(validator=_whole)
+    sid: int = attrs.field(validator=_whole)
+    start_time: int = attrs.field(validator=_whole)
+    marker: str = attrs.field(validator=_str)
+    exit_file: str = attrs.field(validator=_str)
+    command: str = attrs.field(validator=_str)
+    cwd: str | None = attrs.field(validator=attrs.validators.optional(_str))
+    started_at: datetime = attrs.field(validator=attrs.validators.instance_of(datetime))
+
+    @classmethod
+    def of_run(cls, run: ManagedRun, schedule: OnExit, *, arm_id: str, exit_file: str) -> WatchState:
+        """The state of ``run``, started for ``schedule`` by arm ``arm_id``."""
+        return cls(
+            arm_id=arm_id,
+            pid=run.pid,
+            sid=run.pid,
+            start_time=run.start_time,
+            marker=run.marker,
+            exit_file=exit_file,
+            command=schedule.command,
+            cwd=schedule.cwd,
+            started_at=run.started_at,
+        )
+
+    def targets(self, schedule: OnExit) -> bool:
+        """Whether this state watches ``schedule``'s command in its working directory."""
+        return (self.command, self.cwd) == (schedule.command, schedule.cwd)
+
+    def group_record(self) -> GroupRecord:
+        """The command's process group, as the start-up sweep and the escalation find it."""
+        return GroupRecord(self.pid, self.sid, self.start_time, self.marker)
+
+    def alive(self) -> bool:
+        """Whether the shim still runs (same pid, same start time, not a zombie)."""
+        return is_alive(self.pid, self.start_time)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form the store keeps."""
+        return {
+            "arm_id": self.arm_id,
+            "pid": self.pid,
+            "sid": self.sid,
+            "start_time": self.start_time,
+            "marker": self.marker,
+            "exit_file": self.exit_file,
+            "command": self.command,
+            "cwd": self.cwd,
+            "started_at": self.started_at.isoformat(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WatchState:
+        """A watch state from :meth:`to_dict`'s form (other keys are ignored).
+
+        Raises:
+            ValueError: a field is missing or invalid.
+        """
+        try:
+            started_at = datetime.fromisoformat(data["started_at"])
+            if started_at.tzinfo is None:
+                raise ValueError(f"started_at must be an aware time, got {data['started_at']!r}")
+            return cls(
+                arm_id=data["arm_id"],
+                pid=data["pid"],
+                sid=data["sid"],
+                start_time=data["start_time"],
+                marker=data["marker"],
+                exit_file=data["exit_file"],
+                command=data["command"],
+                cwd=data["cwd"],
+                started_at=started_at,
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a valid watch state: {exc}") from exc
