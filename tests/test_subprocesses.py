@@ -28,6 +28,7 @@ from engine import (
     SubProcessService,
     TerminationReason,
 )
+from engine._logs import LogPair
 
 from .children import kill_leftovers, open_fds, pgrep, proc_exists, wait_for_state, wait_for_text
 from .service_support import engine_at, fds_pointing_at, log_dir, log_paths, make_project
@@ -270,15 +271,21 @@ async def test_create_moves_kept_logs_aside_when_pid_names_collide(tmp_path: Pat
             await old.wait()
         folder = str(log_dir(project))
         # The kernel handing ``old.pid`` to a new child is what triggers this step; take it directly.
-        claimed = service._claim_names(folder, old.pid)
-        assert claimed == (
+        kept = [sp._logs for sp in service.ps()]
+        new = LogPair.create(folder)
+        new.rename(old.pid, kept)
+        assert new.paths == (
             os.path.join(folder, f"subproc-{old.pid}.stdout.log"),
             os.path.join(folder, f"subproc-{old.pid}.stderr.log"),
         )
         assert old.stdout_path == os.path.join(folder, f"subproc-{old.pid}-1.stdout.log")
         assert await service.get_log(old.pid, "stdout") == "old-output\n"
-        service._claim_names(folder, old.pid)  # free already: nothing moves
+        newer = LogPair.create(folder)
+        newer.rename(old.pid, [*kept, new])  # a third holder: the second moves to the next free number
+        assert new.path("stdout").endswith(f"subproc-{old.pid}-2.stdout.log")
         assert old.stdout_path.endswith("-1.stdout.log")
+        for pair in (new, newer):
+            pair.delete()
 
 
 # ---- logs ------------------------------------------------------------------------------------------
