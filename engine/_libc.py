@@ -12,7 +12,6 @@ third-party dependencies.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 from typing import TYPE_CHECKING
@@ -26,6 +25,8 @@ __all__ = ["function", "libc", "require"]
 @functools.cache
 def libc() -> ctypes.CDLL | None:
     """The C library (with ``use_errno``), loaded on the first call; ``None`` where there is none."""
+    import ctypes.util  # here, not above: it imports subprocess, which the guardian never needs
+
     try:
         return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     except OSError:
