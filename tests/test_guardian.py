@@ -184,9 +184,9 @@ def _start(argv: tuple[str, ...], out: Path) -> tuple[subprocess.Popen[bytes], i
 
 async def test_end_processes_escalates_and_never_touches_a_stranger(tmp_path: Path) -> None:
     """The blocking driver: SIGINT, the grace, SIGKILL for what ignored it; a reused pid is left alone."""
-    stubborn, stubborn_start = _start(ignoring_sigint("335.1"), tmp_path / "stubborn.out")
-    polite, polite_start = _start(("sleep", "335.2"), tmp_path / "polite.out")
-    stranger, stranger_start = _start(("sleep", "335.3"), tmp_path / "stranger.out")
+    stubborn, stubborn_start = _start(ignoring_sigint("340.5"), tmp_path / "stubborn.out")
+    polite, polite_start = _start(("sleep", "340.6"), tmp_path / "polite.out")
+    stranger, stranger_start = _start(("sleep", "340.7"), tmp_path / "stranger.out")
     try:
         await wait_for_text(tmp_path / "stubborn.out", "ready")
         targets = {stubborn.pid: stubborn_start, polite.pid: polite_start, stranger.pid: stranger_start - 1}

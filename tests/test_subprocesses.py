@@ -304,7 +304,7 @@ async def test_create_failure_after_the_spawn_kills_the_child_and_leaves_nothing
         monkeypatch.setattr(LogPair, "rename", full_disk)
         t0 = time.monotonic()
         with pytest.raises(OSError, match="no space left"):
-            await engine.service.create(project, "bash", ["-c", "trap '' INT; sleep 314.3"])
+            await engine.service.create(project, "bash", ["-c", "trap '' INT; sleep 340.1"])
         assert time.monotonic() - t0 < 2.0  # killed at once, not after the 5 s grace
         (pid,) = spawned
         assert not proc_exists(pid)
@@ -315,7 +315,7 @@ async def test_create_failure_after_the_spawn_kills_the_child_and_leaves_nothing
         sp = await engine.service.create(project, "echo", ["after"])  # nothing counts against limits
         with trio.fail_after(10):
             await sp.wait()
-    assert not pgrep(r"sleep 314\.3")
+    assert not pgrep(r"sleep 340\.1")
 
 
 async def _create_with_pid(
@@ -342,7 +342,7 @@ async def test_pid_reused_moves_kept_logs_aside_and_each_project_reads_its_own(t
         with trio.fail_after(10):
             await old.wait()
         pid = old.pid
-        same = await _create_with_pid(service, a, ("bash", "-c", "echo same-project; sleep 314.4"), pid)
+        same = await _create_with_pid(service, a, ("bash", "-c", "echo same-project; sleep 340.2"), pid)
         folder = log_dir(a)
         assert old.stdout_path == str(folder / f"subproc-{pid}-1.stdout.log")
         assert same.stdout_path == str(folder / f"subproc-{pid}.stdout.log")
@@ -350,7 +350,7 @@ async def test_pid_reused_moves_kept_logs_aside_and_each_project_reads_its_own(t
         assert service.lookup(pid) is same  # the live child wins
         assert await service.get_log(pid, "stdout") == "same-project\n"
         await service.halt_subprocess(same)
-        other = await _create_with_pid(service, b, ("bash", "-c", "echo other-project; sleep 314.5"), pid)
+        other = await _create_with_pid(service, b, ("bash", "-c", "echo other-project; sleep 340.3"), pid)
         await wait_for_text(other.stdout_path, "other-project")
         assert service.lookup(pid) is other
         assert service.lookup(pid, project_id=a.id) is same  # project a's newest record
@@ -361,7 +361,7 @@ async def test_pid_reused_moves_kept_logs_aside_and_each_project_reads_its_own(t
         with pytest.raises(SubProcessNotFoundError, match="of project 'nope'"):
             await service.read_log(pid, "stdout", project_id="nope")
         assert await service.get_log(pid, "stdout") == "other-project\n"
-    assert not pgrep(r"sleep 314\.[45]")
+    assert not pgrep(r"sleep 340\.[23]")
 
 
 # ---- logs ------------------------------------------------------------------------------------------

@@ -371,9 +371,9 @@ async def test_open_supervisor_undoes_the_subreaper_only_when_it_set_it(
                 leave.set()  # the one whose set failed leaves first: it must not undo the other's
                 await trio.testing.wait_all_tasks_blocked()
                 assert is_child_subreaper()
-                run = await working.spawn(SpawnSpec(argv=("bash", "-c", "setsid sleep 326.4 & exit 0")))
+                run = await working.spawn(SpawnSpec(argv=("bash", "-c", "setsid sleep 340.4 & exit 0")))
                 assert (await run.wait()).exit_code == 0
-    assert not pgrep(r"sleep 326\.4")
+    assert not pgrep(r"sleep 340\.4")
     assert not is_child_subreaper()
 
 
