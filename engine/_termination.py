@@ -98,8 +98,13 @@ async def _wait_gone(target: LeaderTarget, *, honour_force: bool) -> bool:
 class ProcessTree:
     """The processes one run owns, and the means to end them all.
 
+    It is the escalation target of a run (:class:`LeaderTarget`): :meth:`snapshot`, :meth:`send`,
+    :meth:`kill`, :meth:`gone` and :meth:`remaining` over the group and its escapees, woken by the
+    leader's pidfd; :meth:`terminate` runs the escalation on it.
+
     Attributes:
         pid: the leader's pid (also the process group id).
+        pidfd: the leader's pidfd, or -1 once the leader is reaped.
         start_time: the leader's start time in clock ticks (``/proc/<pid>/stat`` field 22).
         marker: the value of the run marker in this run's environment.
         subreaper: whether the engine is a child subreaper (orphans come to us).
