@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__
+
 if TYPE_CHECKING:
     from ._asyncio import AsyncioEngine as AsyncioEngine
     from ._asyncio import EngineClosedError as EngineClosedError
@@ -65,7 +67,6 @@ if TYPE_CHECKING:
     from .server._client import EngineNotRunningError as EngineNotRunningError
     from .server._protocol import RpcError as RpcError
 
-__version__ = "0.1.0"
 
 #: Every public name and the private module that defines it.
 _EXPORTS: dict[str, str] = {

@@ -7,6 +7,8 @@ naturally catch (``OSError``, ``LookupError``, ``ValueError``, ``RuntimeError``)
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 __all__ = [
     "EngineError",
     "EngineLockedError",
@@ -83,13 +85,24 @@ class EngineLockedError(EngineError, RuntimeError):
     """Raised by ``open_engine`` when another engine holds the state directory's lock."""
 
 
-def unwrap_single(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one leaf exception of a nursery's group, or the group itself when there are several.
+def unwrap_single(group: BaseExceptionGroup[BaseException]) -> NoReturn:
+    """Raise the one leaf exception of a nursery's group, or the group itself when there are several.
 
-    ``open_supervisor`` and ``open_engine`` use it so that an exception raised in the caller's block comes
-    out as itself, not wrapped in an ``ExceptionGroup`` by the nursery around the block.
+    ``open_supervisor`` uses it so that an exception raised in the caller's block comes out as itself,
+    not wrapped in an ``ExceptionGroup`` by the nursery around the block. The leaf keeps what it
+    carried: its ``__cause__``, its ``__context__`` (a ``raise`` inside an ``except`` block would
+    otherwise replace it with the group) and its traceback, to which the re-raise only adds frames;
+    trio's ``raise_single_exception_from_group`` keeps them the same way.
+
+    Raises:
+        BaseException: the leaf, or ``group`` when it holds more than one exception.
     """
     leaf: BaseException = group
     while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
         leaf = leaf.exceptions[0]
-    return leaf
+    context = leaf.__context__
+    try:
+        raise leaf
+    finally:
+        leaf.__context__ = context
+        del leaf, context, group  # no reference cycle through this frame

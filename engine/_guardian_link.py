@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from ._guardian import BOOTSTRAP
-from ._procfs import read_proc
+from ._pidfd import wait_exited
 from ._spawn import spawn_process
 from ._supervisor import ManagedRun
 from ._sweep import GroupRecord, records_dir
@@ -81,9 +81,7 @@ class GuardianLink:
         """Record the run's group and tell the guardian (skipped for ``outlive_engine_crash`` runs)."""
         if run.outlive_engine_crash:
             return
-        info = read_proc(run.pid)
-        sid = info.sid if info is not None else run.pid
-        record = GroupRecord(pgid=run.pgid, sid=sid, start_time=run.start_time, marker=run.marker)
+        record = GroupRecord.of_run(run)
         self._records[run.pid] = record
         record.write(self.state_dir)
         self._send(f"+ {record.line()}")
@@ -117,13 +115,8 @@ class GuardianLink:
                 os.close(self._pipe)
                 self._pipe = -1
             if self.pid is not None and not self._reap_guardian(block=False):
-                pidfd = os.pidfd_open(self.pid)
-                try:
-                    with trio.move_on_after(2.0):
-                        await trio.lowlevel.wait_readable(pidfd)
-                finally:
-                    trio.lowlevel.notify_closing(pidfd)
-                    os.close(pidfd)
+                with trio.move_on_after(2.0):
+                    await wait_exited(self.pid)  # our child, not yet reaped: its pid cannot be reused
                 self._reap_guardian(block=False)
             if self.pid is not None:
                 with contextlib.suppress(ProcessLookupError):

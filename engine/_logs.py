@@ -1,4 +1,9 @@
-"""Subprocess log files: their names, paging reads for agents, and the per-stream size cap.
+"""Subprocess log files: a child's pair of files from creation to deletion, paging reads for agents,
+and the per-stream size cap.
+
+A :class:`LogPair` is the two files of one child: created under temporary names before the spawn, given
+their final names (``subproc-<pid>.stdout.log`` / ``.stderr.log``) once the pid is known, capped while
+the child runs, read, and deleted by ``kill``. Each file is a :class:`LogFile`.
 
 A child writes straight into its log files (the engine never sees its output), so the cap is enforced
 from outside: every so often the engine looks at a file's size and drops its oldest part. Where the
@@ -15,46 +20,51 @@ dropped part (a punched region reads as zeros and is never returned).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
+import functools
+import logging
 import os
 import tempfile
-from typing import IO, Literal
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Literal, final
 
 import attrs
+
+from . import _libc
+from ._logread import count_lines, read_forward, read_tail
+
+if TYPE_CHECKING:
+    from ctypes import _NamedFuncPointer
 
 __all__ = [
     "STREAMS",
     "LogFile",
+    "LogPair",
     "LogSlice",
     "Stream",
     "check_stream",
-    "create_temp_logs",
     "final_log_paths",
-    "prepare_log_dir",
 ]
+
+_log = logging.getLogger("engine.subprocesses")
 
 Stream = Literal["stdout", "stderr"]
 STREAMS: tuple[Stream, Stream] = ("stdout", "stderr")
 
-_CHUNK = 1 << 20
+_COPY_CHUNK = 1 << 20
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 _NO_PUNCH = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP}
 
 
-def _load_fallocate() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # ctypes' private base type
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        func = getattr(libc, "fallocate64", None) or libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    func.restype = ctypes.c_int
+@functools.cache
+def _fallocate() -> _NamedFuncPointer | None:
+    func = _libc.function("fallocate64") or _libc.function("fallocate")
+    if func is not None:
+        func.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        func.restype = ctypes.c_int
     return func
-
-
-_fallocate = _load_fallocate()
 
 
 def check_stream(stream: object) -> Stream:
@@ -66,40 +76,6 @@ def check_stream(stream: object) -> Stream:
     if stream == "stdout" or stream == "stderr":
         return stream
     raise ValueError(f'stream must be "stdout" or "stderr", got {stream!r}')
-
-
-def prepare_log_dir(path: str) -> list[str]:
-    """Create the log folder (mode 0700) and its missing parents; return the folders it created.
-
-    The caller removes the returned folders again (innermost first) when the spawn they were made for
-    fails, so a rejected ``create`` leaves nothing behind.
-    """
-    missing: list[str] = []
-    probe = path
-    while not os.path.isdir(probe):
-        missing.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
-    return missing
-
-
-def create_temp_logs(directory: str) -> tuple[str, str]:
-    """Create two empty files (mode 0600) under temporary names, for a child's stdout and stderr."""
-    paths: list[str] = []
-    try:
-        for stream in STREAMS:
-            fd, path = tempfile.mkstemp(prefix=".subproc-", suffix=f".{stream}.log.tmp", dir=directory)
-            os.close(fd)
-            paths.append(path)
-    except BaseException:
-        for path in paths:
-            _unlink_quietly(path)
-        raise
-    return paths[0], paths[1]
 
 
 def final_log_paths(directory: str, pid: int, generation: int | None = None) -> tuple[str, str]:
@@ -141,24 +117,6 @@ class LogSlice:
     truncated: bool
 
 
-def _complete_utf8_prefix(data: bytes) -> bytes:
-    """``data`` without an incomplete UTF-8 sequence at its end (when a byte cap cut one)."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # a lead byte (or ASCII)
-            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
-            return data[:-back] if need > back and byte >= 0xC0 else data
-    return data
-
-
-def _skip_utf8_continuations(data: bytes) -> int:
-    """How many continuation bytes open ``data`` (at most 3), when a cut landed inside a character."""
-    n = 0
-    while n < min(3, len(data)) and data[n] & 0xC0 == 0x80:
-        n += 1
-    return n
-
-
 @attrs.define(eq=False)
 class LogFile:
     """One stream's log file and what the cap has dropped from it.
@@ -191,7 +149,7 @@ class LogFile:
             st = os.fstat(fd)
             if self.base + st.st_size - self.dropped <= cap_bytes:
                 return 0
-            if self.punch and _fallocate is not None:
+            if self.punch and _fallocate() is not None:
                 dropped = self._punch(fd, st, cap_bytes)
                 if dropped >= 0:
                     return dropped
@@ -201,13 +159,14 @@ class LogFile:
             os.close(fd)
 
     def _punch(self, fd: int, st: os.stat_result, cap_bytes: int) -> int:
-        assert _fallocate is not None
+        fallocate = _fallocate()
+        assert fallocate is not None
         block = max(st.st_blksize, 512)
         start = self.dropped - self.base
         end = (st.st_size - cap_bytes) // block * block
         if end <= start:
             return 0
-        if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
+        if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
             err = ctypes.get_errno()
             if err in _NO_PUNCH:
                 return -1
@@ -228,7 +187,7 @@ class LogFile:
         src = keep_from
         for _ in range(4):
             while src < size:
-                chunk = os.pread(fd, min(_CHUNK, size - src), src)
+                chunk = os.pread(fd, min(_COPY_CHUNK, size - src), src)
                 if not chunk:
                     break
                 os.pwrite(fd, chunk, written)
@@ -247,21 +206,21 @@ class LogFile:
     # ---- reading ---------------------------------------------------------------------------------
 
     def read_all(self) -> str:
-        """Every byte still kept, decoded (invalid UTF-8 replaced).
+        """Every byte still kept, decoded (invalid UTF-8 replaced): :meth:`read` without bounds.
 
         Raises:
             FileNotFoundError: the file is gone.
         """
-        with open(self.path, "rb") as f:
-            f.seek(self.dropped - self.base)
-            return f.read().decode("utf-8", "replace")
+        return self.read(offset=None, limit=None, tail=None, max_bytes=None).text
 
-    def read(self, *, offset: int | None, limit: int | None, tail: int | None, max_bytes: int) -> LogSlice:
-        """Read a bounded slice: forward from ``offset`` (``limit`` lines at most) or the last ``tail`` lines.
+    def read(
+        self, *, offset: int | None, limit: int | None, tail: int | None, max_bytes: int | None
+    ) -> LogSlice:
+        """Read a slice: forward from ``offset`` (``limit`` lines at most) or the last ``tail`` lines.
 
         Without ``offset`` and ``tail`` it reads forward from the oldest kept byte. At most ``max_bytes``
-        bytes are returned; a forward read cut by the cap ends on a whole UTF-8 character, a tail read
-        keeps the newest bytes.
+        bytes are returned (``None``: every kept byte); a forward read cut by the cap ends on a whole
+        UTF-8 character, a tail read keeps the newest bytes.
 
         Raises:
             FileNotFoundError: the file is gone.
@@ -270,11 +229,11 @@ class LogFile:
             size = os.fstat(f.fileno()).st_size
             first = self.dropped - self.base  # physical position of the first kept byte
             if tail is not None:
-                start, data = _read_tail(f, first, size, tail, max_bytes)
+                start, data = read_tail(f, first, size, tail, max_bytes)
             else:
                 want = first if offset is None else min(max(offset - self.base, first), size)
-                start, data = want, _read_forward(f, want, size, limit, max_bytes)
-            lines = _count_lines(f, first, size)
+                start, data = want, read_forward(f, want, size, limit, max_bytes)
+            lines = count_lines(f, first, size)
         end = start + len(data)
         return LogSlice(
             text=data.decode("utf-8", "replace"),
@@ -287,68 +246,150 @@ class LogFile:
         )
 
 
-def _read_forward(f: IO[bytes], start: int, size: int, limit: int | None, max_bytes: int) -> bytes:
-    f.seek(start)
-    data = f.read(min(max_bytes, size - start))
-    if limit is not None:
-        cut = -1
-        for _ in range(limit):
-            cut = data.find(b"\n", cut + 1)
-            if cut < 0:
-                break
-        if cut >= 0:
-            return data[: cut + 1]
-    if start + len(data) < size and len(data) == max_bytes:
-        trimmed = _complete_utf8_prefix(data)
-        if trimmed:
-            return trimmed
-    return data
-
-
-def _read_tail(f: IO[bytes], first: int, size: int, tail: int, max_bytes: int) -> tuple[int, bytes]:
-    """The last ``tail`` lines (a final line without ``\\n`` counts) within ``max_bytes``, read backwards."""
-    floor = max(first, size - max_bytes)
-    pos = size
-    data = b""
-    wanted = tail  # newlines to see: the one before each line shown...
-    if size > first:
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            wanted += 1  # ...plus the file's final one, which ends the last line
-    seen = 0
-    while pos > floor and seen < wanted:
-        step = min(64 * 1024, pos - floor)
-        pos -= step
-        f.seek(pos)
-        chunk = f.read(step)
-        seen += chunk.count(b"\n")
-        data = chunk + data
-    stop = len(data) - 1 if data.endswith(b"\n") else len(data)
-    cut = stop
-    for _ in range(tail):
-        cut = data.rfind(b"\n", 0, cut)
-        if cut < 0:
+def _make_log_dir(path: str) -> list[str]:
+    """Create the log folder (mode 0700) and its missing parents; return the folders made, innermost
+    first."""
+    missing: list[str] = []
+    probe = path
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
             break
-    if cut >= 0:
-        return pos + cut + 1, data[cut + 1 :]
-    if pos > first:  # the byte cap cut into a line: do not start inside a character
-        skip = _skip_utf8_continuations(data)
-        return pos + skip, data[skip:]
-    return pos, data
+        probe = parent
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return missing
 
 
-def _count_lines(f: IO[bytes], first: int, size: int) -> int:
-    if size <= first:
-        return 0
-    f.seek(first)
-    count = 0
-    last = b""
-    remaining = size - first
-    while remaining > 0:
-        chunk = f.read(min(_CHUNK, remaining))
-        if not chunk:
+def _remove_empty_dirs(folders: Iterable[str]) -> None:
+    for folder in folders:  # innermost first; stop at the first that is not empty
+        try:
+            os.rmdir(folder)
+        except OSError:
             break
-        count += chunk.count(b"\n")
-        remaining -= len(chunk)
-        last = chunk[-1:]
-    return count + (0 if last == b"\n" else 1)
+
+
+@final
+@attrs.define(eq=False)
+class LogPair:
+    """The two log files of one child, from creation (before the spawn) to deletion.
+
+    Made by :meth:`create`. The files are created empty (mode 0600, in a folder of mode 0700) under
+    temporary names, given to the child as its stdout and stderr, and renamed to their final names by
+    :meth:`rename` once the pid is known; the child's descriptors follow a rename.
+
+    Attributes:
+        directory: the folder holding both files.
+    """
+
+    directory: str
+    _files: dict[Stream, LogFile] = attrs.field(alias="files")
+    _made: tuple[str, ...] = attrs.field(alias="made", default=())
+
+    @classmethod
+    def create(cls, directory: str) -> LogPair:
+        """Create the folder (and its missing parents) and two empty files under temporary names.
+
+        On failure nothing is left: no file, no folder this call made.
+
+        Raises:
+            OSError: a folder or a file cannot be created.
+        """
+        made = _make_log_dir(directory)
+        paths: list[str] = []
+        try:
+            for stream in STREAMS:
+                fd, path = tempfile.mkstemp(prefix=".subproc-", suffix=f".{stream}.log.tmp", dir=directory)
+                os.close(fd)
+                paths.append(path)
+        except BaseException:
+            for path in paths:
+                _unlink_quietly(path)
+            _remove_empty_dirs(made)
+            raise
+        files = {stream: LogFile(path) for stream, path in zip(STREAMS, paths, strict=True)}
+        return cls(directory=directory, files=files, made=tuple(made))
+
+    def path(self, stream: Stream) -> str:
+        """Where the ``stream`` file is now."""
+        return self._files[stream].path
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        """``(stdout path, stderr path)``, where they are now."""
+        return self._files["stdout"].path, self._files["stderr"].path
+
+    def rename(self, pid: int, others: Iterable[LogPair] = ()) -> None:
+        """Give both files their final names, ``subproc-<pid>.stdout.log`` / ``.stderr.log``.
+
+        Files already holding those names (a kept record of an earlier child that had the same pid)
+        move aside first, to ``subproc-<pid>-<n>.*`` with the first free ``n``; the pair among
+        ``others`` that owns them follows them.
+
+        Raises:
+            OSError: a rename failed; each file is where its path says.
+        """
+        finals = final_log_paths(self.directory, pid)
+        if any(os.path.lexists(p) for p in finals):
+            generation = 1
+            while any(os.path.lexists(p) for p in final_log_paths(self.directory, pid, generation)):
+                generation += 1
+            aside = final_log_paths(self.directory, pid, generation)
+            owners = {log.path: log for pair in others for log in pair._files.values()}
+            for old, new in zip(finals, aside, strict=True):
+                if os.path.lexists(old):
+                    os.rename(old, new)
+                if old in owners:
+                    owners[old].path = new
+        for stream, path in zip(STREAMS, finals, strict=True):
+            log = self._files[stream]
+            os.rename(log.path, path)
+            log.path = path
+
+    def enforce_cap(self, cap_bytes: int) -> int:
+        """Keep each file within about ``cap_bytes`` (see :meth:`LogFile.enforce_cap`); a file that
+        fails is logged and left as it is. Returns the bytes dropped."""
+        dropped = 0
+        for log in self._files.values():
+            try:
+                dropped += log.enforce_cap(cap_bytes)
+            except OSError as exc:
+                _log.warning("log cap of %s failed: %s", log.path, exc)
+        return dropped
+
+    def read(
+        self,
+        stream: Stream,
+        *,
+        offset: int | None = None,
+        limit: int | None = None,
+        tail: int | None = None,
+        max_bytes: int | None = None,
+    ) -> LogSlice:
+        """A slice of the ``stream`` file (see :meth:`LogFile.read`); every kept byte by default.
+
+        Raises:
+            FileNotFoundError: the file is gone.
+        """
+        return self._files[stream].read(offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
+
+    def modified_at(self) -> datetime | None:
+        """The later modification time of the two files (aware UTC), or ``None`` when both are gone."""
+        times = []
+        for log in self._files.values():
+            try:
+                times.append(os.stat(log.path).st_mtime)
+            except OSError:
+                continue
+        return datetime.fromtimestamp(max(times), UTC) if times else None
+
+    def delete(self) -> None:
+        """Delete both files (missing is fine); the folder stays."""
+        for log in self._files.values():
+            _unlink_quietly(log.path)
+
+    def discard(self) -> None:
+        """Undo :meth:`create`: delete both files and the folders it made, when they are empty."""
+        self.delete()
+        _remove_empty_dirs(self._made)

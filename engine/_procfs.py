@@ -8,12 +8,13 @@ ours (design section 8: "a reaped pid is free for reuse").
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
+
+from . import _libc
 
 __all__ = [
     "RUN_MARKER_VAR",
@@ -21,6 +22,7 @@ __all__ = [
     "children_of",
     "engine_children",
     "is_alive",
+    "is_child_subreaper",
     "read_marker",
     "read_proc",
     "scan_processes",
@@ -228,13 +230,7 @@ _subreaper_before = 0
 
 
 def _prctl() -> Callable[..., int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        prctl: Callable[..., int] = libc.prctl
-        return prctl
-    except (OSError, AttributeError):
-        return None
+    return _libc.function("prctl")
 
 
 def set_child_subreaper(enable: bool) -> bool:
@@ -265,3 +261,12 @@ def set_child_subreaper(enable: bool) -> bool:
             if _subreaper_users == 0 and not _subreaper_before:
                 prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         return _subreaper_users > 0 or bool(_subreaper_before)
+
+
+def is_child_subreaper() -> bool:
+    """Whether this process is a child subreaper right now (``PR_GET_CHILD_SUBREAPER``)."""
+    prctl = _prctl()
+    if prctl is None:
+        return False
+    value = ctypes.c_int(0)
+    return prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0) == 0 and bool(value.value)

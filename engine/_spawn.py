@@ -15,18 +15,16 @@ the Trio thread instead of paying a worker-thread hop.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno as errno_mod
 import os
 import signal
 import stat
 from collections.abc import Mapping, Sequence
 
+from . import _libc
 from ._errors import SpawnError
 
 __all__ = ["resolve_executable", "spawn_process"]
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 # glibc's flag values (<spawn.h>); musl uses the same numbers.
 _POSIX_SPAWN_SETSIGDEF = 0x04
@@ -161,6 +159,7 @@ def spawn_process(
     Raises:
         SpawnError: the executable is missing, not executable, a directory, has a missing interpreter, or
             the cwd is not a directory. Nothing is left running.
+        OSError: ``ENOSYS`` when no C library can be loaded.
     """
     if not os.path.isdir(cwd):
         raise SpawnError(
@@ -170,45 +169,46 @@ def spawn_process(
             reason="bad cwd",
         )
     path = resolve_executable(argv[0], cwd, env.get("PATH"))
+    libc = _libc.require()
 
     fa = ctypes.create_string_buffer(_FILE_ACTIONS_SIZE)
     attr = ctypes.create_string_buffer(_ATTR_SIZE)
     sigdef = ctypes.create_string_buffer(_SIGSET_SIZE)
     sigmask = ctypes.create_string_buffer(_SIGSET_SIZE)
-    _check(_libc.posix_spawn_file_actions_init(fa), "posix_spawn_file_actions_init")
-    _check(_libc.posix_spawnattr_init(attr), "posix_spawnattr_init")
+    _check(libc.posix_spawn_file_actions_init(fa), "posix_spawn_file_actions_init")
+    _check(libc.posix_spawnattr_init(attr), "posix_spawnattr_init")
     try:
-        _libc.sigemptyset(sigdef)
+        libc.sigemptyset(sigdef)
         for sig in _DEFAULT_SIGNALS:
-            _libc.sigaddset(sigdef, sig)
-        _libc.sigemptyset(sigmask)
-        _check(_libc.posix_spawnattr_setsigdefault(attr, sigdef), "setsigdefault")
-        _check(_libc.posix_spawnattr_setsigmask(attr, sigmask), "setsigmask")
+            libc.sigaddset(sigdef, sig)
+        libc.sigemptyset(sigmask)
+        _check(libc.posix_spawnattr_setsigdefault(attr, sigdef), "setsigdefault")
+        _check(libc.posix_spawnattr_setsigmask(attr, sigmask), "setsigmask")
         flags = _POSIX_SPAWN_SETSID | _POSIX_SPAWN_SETSIGDEF | _POSIX_SPAWN_SETSIGMASK
-        _check(_libc.posix_spawnattr_setflags(attr, ctypes.c_short(flags)), "setflags")
+        _check(libc.posix_spawnattr_setflags(attr, ctypes.c_short(flags)), "setflags")
 
         devnull = b"/dev/null"
         if stdin_fd is None:
-            rc = _libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0)
+            rc = libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0)
         else:
-            rc = _libc.posix_spawn_file_actions_adddup2(fa, stdin_fd, 0)
+            rc = libc.posix_spawn_file_actions_adddup2(fa, stdin_fd, 0)
         _check(rc, "file action stdin")
         for target, fd in ((1, stdout_fd), (2, stderr_fd)):
             if fd is None:
-                rc = _libc.posix_spawn_file_actions_addopen(fa, target, devnull, os.O_WRONLY, 0)
+                rc = libc.posix_spawn_file_actions_addopen(fa, target, devnull, os.O_WRONLY, 0)
             else:
-                rc = _libc.posix_spawn_file_actions_adddup2(fa, fd, target)
+                rc = libc.posix_spawn_file_actions_adddup2(fa, fd, target)
             _check(rc, "file action")
-        _check(_libc.posix_spawn_file_actions_addclosefrom_np(fa, 3), "addclosefrom_np")
-        _check(_libc.posix_spawn_file_actions_addchdir_np(fa, os.fsencode(cwd)), "addchdir_np")
+        _check(libc.posix_spawn_file_actions_addclosefrom_np(fa, 3), "addclosefrom_np")
+        _check(libc.posix_spawn_file_actions_addchdir_np(fa, os.fsencode(cwd)), "addchdir_np")
 
         c_argv = _cstrings(argv)
         c_env = _cstrings([f"{k}={v}" for k, v in env.items()])
         pid = ctypes.c_int(0)
-        rc = _libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), fa, attr, c_argv, c_env)
+        rc = libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), fa, attr, c_argv, c_env)
     finally:
-        _libc.posix_spawn_file_actions_destroy(fa)
-        _libc.posix_spawnattr_destroy(attr)
+        libc.posix_spawn_file_actions_destroy(fa)
+        libc.posix_spawnattr_destroy(attr)
     if rc != 0:
         raise _describe_exec_failure(rc, argv[0], path)
     return pid.value

@@ -10,10 +10,11 @@ exit) for inspection. A background task, running only while some child is alive,
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import logging
+import functools
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import final
@@ -24,22 +25,11 @@ import trio
 from ._config import EngineConfig
 from ._errors import LimitExceededError, SpawnError, SubProcessNotFoundError
 from ._input import check_argv, check_env, check_read_args
-from ._logs import (
-    STREAMS,
-    LogFile,
-    LogSlice,
-    Stream,
-    check_stream,
-    create_temp_logs,
-    final_log_paths,
-    prepare_log_dir,
-)
+from ._logs import LogPair, LogSlice, Stream, check_stream
 from ._project import Project
 from ._supervisor import ManagedRun, RunExit, RunState, SpawnSpec, Supervisor, TerminationReason
 
 __all__ = ["SubProcess", "SubProcessService", "SubProcessSummary", "open_subprocess_service"]
-
-_log = logging.getLogger("engine.subprocesses")
 
 #: How often the log-cap task looks at the files of live children (the design's floor is 1 s).
 CAP_POLL_SECONDS = 1.0
@@ -64,7 +54,7 @@ class SubProcess:
     args: tuple[str, ...]
     created_at: datetime
     _run: ManagedRun = attrs.field(alias="run", repr=False)
-    _logs: dict[Stream, LogFile] = attrs.field(alias="logs", repr=False)
+    _logs: LogPair = attrs.field(alias="logs", repr=False)
     _changed_at: datetime = attrs.field(
         init=False, default=attrs.Factory(lambda self: self.created_at, takes_self=True)
     )
@@ -90,12 +80,12 @@ class SubProcess:
     @property
     def stdout_path(self) -> str:
         """Absolute path of the stdout log."""
-        return self._logs["stdout"].path
+        return self._logs.path("stdout")
 
     @property
     def stderr_path(self) -> str:
         """Absolute path of the stderr log."""
-        return self._logs["stderr"].path
+        return self._logs.path("stderr")
 
     async def wait(self) -> RunExit:
         """Wait until the process and its tree have ended, and return how it ended.
@@ -228,6 +218,10 @@ class SubProcessService:
         follow the rename. When a kept record already owns those names, its files move aside to
         ``subproc-<pid>-<n>.*`` first.
 
+        A failure at any step leaves nothing of this call: after the spawn (a rename that fails) the
+        child is killed at once (``cancel(force=True)``, shielded), and the files and the folders this
+        call made are removed.
+
         Cancellation: before the spawn nothing is left behind; once spawned the record is registered
         (the remaining steps do not block).
 
@@ -236,6 +230,7 @@ class SubProcessService:
                 ``env`` is not a mapping of variable names to strings.
             LimitExceededError: ``max_processes_per_project`` or ``max_processes`` would be exceeded.
             SpawnError: the program or the project directory cannot be used; no record, no file is left.
+            OSError: a log folder or file cannot be made or renamed; no record, no file is left.
             RuntimeError: the service is stopped.
         """
         if not isinstance(project, Project):
@@ -247,58 +242,52 @@ class SubProcessService:
             raise RuntimeError("the subprocess service is stopped; start a new engine to create processes")
         _check_directory(project)
         directory = os.path.join(project.directory, self._config.gadget_dir_name, "subprocess-logs")
-        scope = project.scope_key
-        self._pending[project.id] = self._pending.get(project.id, 0) + 1
-        made: list[str] = []
-        temps: tuple[str, str] | None = None
-        try:
-            made = prepare_log_dir(directory)
-            temps = create_temp_logs(directory)
-            run = await self._supervisor.spawn(
-                SpawnSpec(
-                    argv=argv,
-                    cwd=project.directory,
-                    env=extra_env,
-                    stdout=temps[0],
-                    stderr=temps[1],
-                    scope_key=scope,
+        # As trio's open_process does: every step registers its undo, and a failure at any step, after
+        # the spawn too, runs them all (end the child, delete the files and the folders made here).
+        async with contextlib.AsyncExitStack() as undo:
+            with self._reserve(project):
+                logs = LogPair.create(directory)
+                undo.callback(logs.discard)
+                run = await self._supervisor.spawn(
+                    SpawnSpec(
+                        argv=argv,
+                        cwd=project.directory,
+                        env=extra_env,
+                        stdout=logs.path("stdout"),
+                        stderr=logs.path("stderr"),
+                        scope_key=project.scope_key,
+                    )
                 )
-            )
-        except BaseException:
-            for path in temps or ():
-                _unlink_quietly(path)
-            for folder in made:  # innermost first; only the ones this call made, and only when empty
-                try:
-                    os.rmdir(folder)
-                except OSError:
-                    break
-            raise
+                undo.push_async_callback(self._end_now, run)
+                logs.rename(run.pid, (sp._logs for sp in self._records))
+                sp = SubProcess(
+                    pid=run.pid,
+                    project=project,
+                    command=cmd,
+                    args=tuple(args),
+                    created_at=run.started_at,
+                    run=run,
+                    logs=logs,
+                )
+                self._records.append(sp)
+            undo.pop_all()
+        self._start_capper()
+        return sp
+
+    @contextlib.contextmanager
+    def _reserve(self, project: Project) -> Iterator[None]:
+        """Count a create under way against the project's limits until it has a record or failed."""
+        self._pending[project.id] = self._pending.get(project.id, 0) + 1
+        try:
+            yield
         finally:
             self._pending[project.id] -= 1
             if not self._pending[project.id]:
                 del self._pending[project.id]
-        paths = self._claim_names(directory, run.pid)
-        try:
-            for temp, path in zip(temps, paths, strict=True):
-                os.rename(temp, path)
-        except OSError:
-            with trio.CancelScope(shield=True):
-                await self._supervisor.cancel(run, force=True)
-            for path in (*temps, *paths):
-                _unlink_quietly(path)
-            raise
-        sp = SubProcess(
-            pid=run.pid,
-            project=project,
-            command=cmd,
-            args=tuple(args),
-            created_at=run.started_at,
-            run=run,
-            logs={stream: LogFile(path) for stream, path in zip(STREAMS, paths, strict=True)},
-        )
-        self._records.append(sp)
-        self._start_capper()
-        return sp
+
+    async def _end_now(self, run: ManagedRun) -> None:
+        with trio.CancelScope(shield=True):
+            await self._supervisor.cancel(run, force=True)
 
     def _check_limits(self, project: Project) -> None:
         live = [sp for sp in self._records if sp.running]
@@ -316,39 +305,37 @@ class SubProcessService:
                 f"{self._config.max_processes}); kill or halt one, or raise the setting"
             )
 
-    def _claim_names(self, directory: str, pid: int) -> tuple[str, str]:
-        """The final log names for ``pid``, after moving any files holding them to ``subproc-<pid>-<n>``."""
-        paths = final_log_paths(directory, pid)
-        if not any(os.path.lexists(p) for p in paths):
-            return paths
-        generation = 1
-        while any(os.path.lexists(p) for p in final_log_paths(directory, pid, generation)):
-            generation += 1
-        aside = final_log_paths(directory, pid, generation)
-        owners = {log.path: log for sp in self._records for log in sp._logs.values()}
-        for old, new in zip(paths, aside, strict=True):
-            if os.path.lexists(old):
-                os.rename(old, new)
-            if old in owners:
-                owners[old].path = new
-        return paths
-
     # ---- looking ---------------------------------------------------------------------------------
 
     def ps(self) -> list[SubProcess]:
         """Every managed subprocess, live or kept (halted, finished), oldest first."""
         return list(self._records)
 
-    def lookup(self, pid: int) -> SubProcess:
+    def lookup(self, pid: int, *, project_id: str | None = None) -> SubProcess:
         """The record ``pid`` names: the live child holding it, else the newest kept record.
 
+        Args:
+            pid: the child's pid.
+            project_id: only this project's records (``None``: every project's). A project reading its
+                own kept record gets it even while another project's live child holds the pid.
+
         Raises:
-            SubProcessNotFoundError: no managed subprocess has this pid (or it was killed).
+            SubProcessNotFoundError: no managed subprocess (of that project) has this pid, or it was
+                killed.
         """
-        matches = [] if isinstance(pid, bool) else [sp for sp in self._records if sp.pid == pid]
+        matches = (
+            []
+            if isinstance(pid, bool)
+            else [
+                sp
+                for sp in self._records
+                if sp.pid == pid and (project_id is None or sp.project.id == project_id)
+            ]
+        )
         if not matches:
+            whose = "" if project_id is None else f" of project {project_id!r}"
             raise SubProcessNotFoundError(
-                f"no managed subprocess has pid {pid!r} (never created here, or killed); "
+                f"no managed subprocess{whose} has pid {pid!r} (never created here, or killed); "
                 "list the subprocesses to see which are managed"
             )
         live = [sp for sp in matches if sp.running]
@@ -357,12 +344,9 @@ class SubProcessService:
     def summarize(self, sp: SubProcess) -> SubProcessSummary:
         """A serialisable snapshot of ``sp``; ``updated_at`` also looks at its log files' mtime."""
         updated = sp._last_change()
-        for log in sp._logs.values():
-            try:
-                mtime = datetime.fromtimestamp(os.stat(log.path).st_mtime, UTC)
-            except OSError:
-                continue
-            updated = max(updated, mtime)
+        modified = sp._logs.modified_at()
+        if modified is not None:
+            updated = max(updated, modified)
         ex = sp.exit
         return SubProcessSummary(
             pid=sp.pid,
@@ -411,8 +395,7 @@ class SubProcessService:
         if sp._removed:
             return
         sp._removed = True
-        for log in sp._logs.values():
-            _unlink_quietly(log.path)
+        sp._logs.delete()
         self._records.remove(sp)
 
     async def kill_subprocess(self, sp: SubProcess) -> bool:
@@ -525,13 +508,8 @@ class SubProcessService:
             SubProcessNotFoundError: no managed subprocess has this pid, or its log file is gone.
         """
         name = check_stream(stream)
-        sp = self.lookup(pid)
-        log = sp._logs[name]
-        async with self._log_lock:
-            try:
-                return await trio.to_thread.run_sync(log.read_all)
-            except FileNotFoundError:
-                raise _gone(sp, name) from None
+        got = await self._read(self.lookup(pid), name)
+        return got.text
 
     async def read_log(
         self,
@@ -542,55 +520,51 @@ class SubProcessService:
         limit: int | None = None,
         tail: int | None = None,
         max_bytes: int = 32768,
+        project_id: str | None = None,
     ) -> LogSlice:
-        """A bounded slice of one log of the record ``pid`` names; see :meth:`read_subprocess_log`.
-
-        Cancellation: as :meth:`get_log`.
-        """
-        name = check_stream(stream)
-        check_read_args(offset, limit, tail, max_bytes)
-        return await self.read_subprocess_log(
-            self.lookup(pid), name, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
-        )
-
-    async def read_subprocess_log(
-        self,
-        sp: SubProcess,
-        stream: str,
-        *,
-        offset: int | None = None,
-        limit: int | None = None,
-        tail: int | None = None,
-        max_bytes: int = 32768,
-    ) -> LogSlice:
-        """Read a bounded slice of ``sp``'s log: forward from ``offset`` or the last ``tail`` lines.
+        """Read a bounded slice of one log of the record ``pid`` names: forward from ``offset`` or the
+        last ``tail`` lines.
 
         Args:
-            sp: the record.
+            pid: the child's pid (see :meth:`lookup`).
             stream: ``"stdout"`` or ``"stderr"``.
             offset: logical byte offset to read forward from (the default: the oldest kept byte).
                 Offsets in the part the log cap dropped start at the first kept byte.
             limit: at most this many lines (forward reads only).
             tail: the last this many lines (not with ``offset`` or ``limit``).
             max_bytes: at most this many bytes of text.
+            project_id: only this project's records (see :meth:`lookup`).
 
         Cancellation: as :meth:`get_log`.
 
         Raises:
             ValueError, TypeError: a bad stream or a bad combination or value of the numbers.
-            SubProcessNotFoundError: ``sp`` was killed, or its log file is gone.
+            SubProcessNotFoundError: no managed subprocess (of that project) has this pid, or its log
+                file is gone.
         """
         name = check_stream(stream)
         check_read_args(offset, limit, tail, max_bytes)
-        self._require(sp)
-        log = sp._logs[name]
+        sp = self.lookup(pid, project_id=project_id)
+        return await self._read(sp, name, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
+
+    async def _read(
+        self,
+        sp: SubProcess,
+        stream: Stream,
+        *,
+        offset: int | None = None,
+        limit: int | None = None,
+        tail: int | None = None,
+        max_bytes: int | None = None,
+    ) -> LogSlice:
+        read = functools.partial(
+            sp._logs.read, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
+        )
         async with self._log_lock:
             try:
-                return await trio.to_thread.run_sync(
-                    lambda: log.read(offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
-                )
+                return await trio.to_thread.run_sync(read)
             except FileNotFoundError:
-                raise _gone(sp, name) from None
+                raise _gone(sp, stream) from None
 
     # ---- the log cap -----------------------------------------------------------------------------
 
@@ -618,11 +592,7 @@ class SubProcessService:
 
         def enforce() -> None:
             for sp in records:
-                for log in sp._logs.values():
-                    try:
-                        log.enforce_cap(cap)
-                    except OSError as exc:
-                        _log.warning("log cap of %s failed: %s", log.path, exc)
+                sp._logs.enforce_cap(cap)
 
         async with self._log_lock:
             await trio.to_thread.run_sync(enforce)
@@ -636,15 +606,8 @@ class SubProcessService:
 
 
 def _gone(sp: SubProcess, stream: Stream) -> SubProcessNotFoundError:
-    path = sp._logs[stream].path
+    path = sp._logs.path(stream)
     return SubProcessNotFoundError(f"the {stream} log of subprocess {sp.pid} is gone ({path})")
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 @asynccontextmanager

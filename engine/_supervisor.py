@@ -505,7 +505,7 @@ async def open_supervisor(
             finally:
                 sup._close()
     except BaseExceptionGroup as group:
-        raise unwrap_single(group) from None
+        unwrap_single(group)
     finally:
-        if subreaper:
+        if active:  # undo only what this call did: a failed set counted no user
             set_child_subreaper(False)

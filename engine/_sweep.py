@@ -9,8 +9,10 @@ matches, so a pid reused by someone else is never signalled:
   keeps a pid reserved while any process still uses it as its group id): nothing is ours;
 - the leader pid free: processes with the recorded pgid and sid are our group's members.
 
-Escapees are found by the run marker in their environment and by ``/proc`` parent links.
-Everything here is synchronous (it runs in the guardian, or in a worker thread of the engine).
+Escapees are found by the run marker in their environment and by ``/proc`` parent links. The
+processes found are ended by the escalation of ``_escalation``, driven here by polling with
+``time.sleep``. Everything here is synchronous (it runs in the guardian, or in a worker thread of the
+engine) and uses the standard library only.
 """
 
 from __future__ import annotations
@@ -21,11 +23,22 @@ import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+from ._escalation import Escalation, EscalationTarget, Steps, WaitGone, advance, escalate
 from ._procfs import children_map, read_marker, read_proc, scan_processes
 
-__all__ = ["GroupRecord", "end_processes", "find_record_processes", "load_records", "sweep_records"]
+if TYPE_CHECKING:
+    from ._supervisor import ManagedRun
+
+__all__ = [
+    "GroupRecord",
+    "drive_blocking",
+    "end_processes",
+    "find_record_processes",
+    "load_records",
+    "sweep_records",
+]
 
 _RECORDS = "groups"
 
@@ -44,6 +57,13 @@ class GroupRecord(NamedTuple):
     sid: int
     start_time: int
     marker: str
+
+    @classmethod
+    def of_run(cls, run: ManagedRun) -> GroupRecord:
+        """The record of a supervised run's group (its session read from ``/proc``, else the pgid)."""
+        info = read_proc(run.pid)
+        sid = info.sid if info is not None else run.pgid
+        return cls(pgid=run.pgid, sid=sid, start_time=run.start_time, marker=run.marker)
 
     def line(self) -> str:
         """The record as one line: ``pgid sid start_time marker``."""
@@ -125,21 +145,66 @@ def find_record_processes(records: Iterable[GroupRecord]) -> dict[int, int]:
     return found
 
 
-def _alive(targets: dict[int, int]) -> dict[int, int]:
-    out = {}
-    for pid, start in targets.items():
-        info = read_proc(pid)
-        if info is not None and info.start_time == start and not info.zombie:
-            out[pid] = start
-    return out
+#: The blocking driver's poll step.
+_POLL_SECONDS = 0.02
 
 
-def _send(targets: dict[int, int], sig: int) -> None:
-    for pid, start in targets.items():
-        info = read_proc(pid)
-        if info is not None and info.start_time == start:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+class _RecordedProcesses:
+    """An escalation target: a fixed set of processes named by ``(pid, start_time)``.
+
+    The set was found once (:func:`find_record_processes`), so a new look adds nothing; a pid whose
+    start time changed belongs to someone else and is dropped, never signalled. A zombie counts as
+    gone: its parent reaps it, not us.
+    """
+
+    __slots__ = ("_alive",)
+
+    def __init__(self, targets: dict[int, int]) -> None:
+        self._alive = dict(targets)
+
+    def snapshot(self, *, fresh: bool) -> None:
+        pass
+
+    def send(self, sig: int) -> None:
+        for pid, start in self._alive.items():
+            info = read_proc(pid)
+            if info is not None and info.start_time == start:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    def kill(self) -> None:
+        self.send(signal.SIGKILL)
+
+    def remaining(self) -> list[int]:
+        alive = {}
+        for pid, start in self._alive.items():
+            info = read_proc(pid)
+            if info is not None and info.start_time == start and not info.zombie:
+                alive[pid] = start
+        self._alive = alive
+        return sorted(alive)
+
+    def gone(self) -> bool:
+        return not self.remaining()
+
+
+def drive_blocking(target: EscalationTarget, steps: Steps) -> Escalation:
+    """Run the escalation ``steps`` on ``target``, blocking: each wait polls ``target.gone()`` every
+    20 ms until it says gone or the request's time is up."""
+    answer = advance(steps, None)
+    while isinstance(answer, WaitGone):
+        answer = advance(steps, _wait_gone(target, answer.seconds))
+    return answer
+
+
+def _wait_gone(target: EscalationTarget, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not target.gone():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(_POLL_SECONDS, left))
+    return True
 
 
 def end_processes(targets: dict[int, int], *, grace_seconds: float, kill_wait_seconds: float) -> list[int]:
@@ -147,24 +212,23 @@ def end_processes(targets: dict[int, int], *, grace_seconds: float, kill_wait_se
 
     Blocks (polling every 20 ms). A zombie counts as gone: its parent reaps it, not us.
 
+    Args:
+        targets: the processes, ``{pid: start_time}``.
+        grace_seconds: the longest wait after SIGINT.
+        kill_wait_seconds: the longest wait after SIGKILL.
+
     Returns:
         The pids still alive at the end.
     """
-    _send(targets, signal.SIGINT)
-    _send(targets, signal.SIGCONT)
-    deadline = time.monotonic() + grace_seconds
-    alive = _alive(targets)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = _alive(alive)
-    if not alive:
-        return []
-    _send(alive, signal.SIGKILL)
-    deadline = time.monotonic() + kill_wait_seconds
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = _alive(alive)
-    return sorted(alive)
+    target = _RecordedProcesses(targets)
+    steps = escalate(
+        target,
+        grace_seconds=grace_seconds,
+        kill_wait_seconds=kill_wait_seconds,
+        force=False,
+        now=time.monotonic,
+    )
+    return list(drive_blocking(target, steps).survivors)
 
 
 def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: float) -> tuple[int, list[int]]:
@@ -184,9 +248,3 @@ def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: fl
     for rec in records:
         rec.remove(state_dir)
     return len(targets), survivors
-
-
-def read_leader(pid: int) -> tuple[int, int] | None:
-    """``(sid, start_time)`` of a live process, for a record."""
-    info = read_proc(pid)
-    return None if info is None else (info.sid, info.start_time)

@@ -1,11 +1,13 @@
-"""Ending a run's whole process tree: group signalling, the descendant snapshot, escalation and reaping.
+"""Ending a run's whole process tree: group signalling, the descendant snapshot, and the Trio driver of
+the escalation.
 
 A run is its leader (the child we spawned, leader of a new session and process group), every other
 member of that group, and the *escapees*: descendants that left the group (``setsid``) and are found by
 walking ``/proc`` parent links and, for orphans re-parented to the engine, by the run marker in their
-environment. Escalation is SIGINT -> grace period -> SIGKILL -> wait, on all of them, until all are gone,
-as trio's ``run_process`` does for a single child with ``deliver_cancel`` but on the whole tree
-(trio signals only the leader and stops as soon as it exits).
+environment. :class:`ProcessTree` is that tree as an escalation target (``_escalation``), and
+:func:`drive_escalation` runs the escalation on it under Trio, as trio's ``run_process`` does for a
+single child with ``deliver_cancel`` but on the whole tree (trio signals only the leader and stops as
+soon as it exits).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import os
 import signal
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
+from typing import Protocol
 
 import attrs
 import trio
 
+from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance, escalate
+from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
     ProcInfo,
     children_map,
@@ -29,7 +34,7 @@ from ._procfs import (
     scan_processes,
 )
 
-__all__ = ["ProcessTree"]
+__all__ = ["LeaderTarget", "ProcessTree", "drive_escalation"]
 
 #: Polling steps inside an escalation: start fast (a cooperative child dies within a millisecond), back
 #: off to the design's ceiling of 20 ms.
@@ -39,12 +44,67 @@ _MAX_STEP_SECONDS = 0.02
 _SHARED_CHILDREN_SECONDS = 0.002
 
 
+class LeaderTarget(EscalationTarget, Protocol):
+    """An escalation target led by a child of the engine, which the Trio driver can wait on.
+
+    Attributes:
+        pidfd: the leader's pidfd (readable once it exits), or -1 once it is reaped.
+        force: set (by another task) to cut the grace period short and kill now.
+    """
+
+    @property
+    def pidfd(self) -> int: ...
+
+    @property
+    def force(self) -> bool: ...
+
+
+async def drive_escalation(target: LeaderTarget, steps: Steps) -> Escalation:
+    """Run the escalation ``steps`` on ``target`` under Trio.
+
+    Each wait polls :meth:`~EscalationTarget.gone`, sleeping on the leader's pidfd (so a leader's exit
+    is seen at once) in steps that start at 0.5 ms and double up to 20 ms; a grace wait ends early when
+    :attr:`LeaderTarget.force` is set.
+
+    Cancellation: callers run this inside a shielded cancel scope; it is bounded by the waits the steps
+    request.
+    """
+    answer = advance(steps, None)
+    while isinstance(answer, WaitGone):
+        gone = False
+        with trio.move_on_after(answer.seconds):
+            gone = await _wait_gone(target, honour_force=answer.phase is Phase.GRACE)
+        answer = advance(steps, gone)
+    return answer
+
+
+async def _wait_gone(target: LeaderTarget, *, honour_force: bool) -> bool:
+    """Poll until the target is gone; ``False`` at once when ``honour_force`` and force is set.
+    Callers bound it with ``trio.move_on_after``."""
+    step = _FIRST_STEP_SECONDS
+    while not target.gone():
+        if honour_force and target.force:
+            return False
+        if target.pidfd >= 0:
+            with trio.move_on_after(step):
+                await wait_pidfd(target.pidfd)
+        else:
+            await trio.sleep(step)
+        step = min(step * 2, _MAX_STEP_SECONDS)
+    return True
+
+
 @attrs.define(eq=False)
 class ProcessTree:
     """The processes one run owns, and the means to end them all.
 
+    It is the escalation target of a run (:class:`LeaderTarget`): :meth:`snapshot`, :meth:`send`,
+    :meth:`kill`, :meth:`gone` and :meth:`remaining` over the group and its escapees, woken by the
+    leader's pidfd; :meth:`terminate` runs the escalation on it.
+
     Attributes:
         pid: the leader's pid (also the process group id).
+        pidfd: the leader's pidfd, or -1 once the leader is reaped.
         start_time: the leader's start time in clock ticks (``/proc/<pid>/stat`` field 22).
         marker: the value of the run marker in this run's environment.
         subreaper: whether the engine is a child subreaper (orphans come to us).
@@ -86,14 +146,13 @@ class ProcessTree:
         Cancellation: safe; the leader stays unreaped and can be waited for again.
         """
         while not self.poll_leader():
-            await trio.lowlevel.wait_readable(self.pidfd)
+            await wait_pidfd(self.pidfd)
 
     def close(self) -> None:
         """Close the pidfd (idempotent)."""
         if self.pidfd >= 0:
             fd, self.pidfd = self.pidfd, -1
-            trio.lowlevel.notify_closing(fd)
-            os.close(fd)
+            close_pidfd(fd)
 
     # ---- the rest of the tree --------------------------------------------------------------------
 
@@ -265,50 +324,28 @@ class ProcessTree:
                 alive.add(pid)
         return sorted(alive)
 
-    def _any_remaining(self) -> bool:
-        """Whether anything of the tree is alive: :meth:`remaining` as a yes/no.
+    def kill(self) -> None:
+        """SIGKILL the group and every tracked escapee."""
+        self.send(signal.SIGKILL)
 
-        While the leader lives the answer is yes without a ``/proc`` scan (one scan costs about 10 us
+    def gone(self) -> bool:
+        """Whether nothing of the tree is alive: :meth:`remaining` as a yes/no.
+
+        While the leader lives the answer is no without a ``/proc`` scan (one scan costs about 10 us
         per process on the machine); the scan, with its reaping of adopted zombies, runs once the
         leader is gone.
         """
         if not self.poll_leader():
-            return True
-        return bool(self.remaining())
-
-    async def wait_gone(self, *, honour_force: bool) -> bool:
-        """Poll (in steps of at most 20 ms) until nothing of the tree is alive.
-
-        Returns ``False`` early when ``honour_force`` and :attr:`force` was set. Callers bound it with
-        ``trio.move_on_after``.
-        """
-        step = _FIRST_STEP_SECONDS
-        while self._any_remaining():
-            if honour_force and self.force:
-                return False
-            if self.pidfd >= 0:
-                with trio.move_on_after(step):
-                    await trio.lowlevel.wait_readable(self.pidfd)
-            else:
-                await trio.sleep(step)
-            step = min(step * 2, _MAX_STEP_SECONDS)
-        return True
-
-    async def _wait_tree_gone(self, sig: int, *, honour_force: bool) -> bool:
-        """:meth:`wait_gone`, then one more look for processes that left the group or were forked since
-        the last snapshot; those get ``sig`` too and are waited for in turn."""
-        while True:
-            if not await self.wait_gone(honour_force=honour_force):
-                return False
-            self.snapshot()
-            if not self.remaining():
-                return True
-            self.send(sig)
+            return False
+        return not self.remaining()
 
     async def terminate(
         self, *, grace_seconds: float, kill_wait_seconds: float
     ) -> tuple[bool, tuple[int, ...]]:
         """Escalate SIGINT -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` over the whole tree.
+
+        The steps are ``_escalation.escalate``'s; :func:`drive_escalation` waits. Once it is done the
+        leader is reaped (it was sent SIGKILL if it was still alive), so it is never a survivor.
 
         Cancellation: callers run this inside a shielded cancel scope; it is bounded by the two durations
         plus the final reap of the leader after SIGKILL, which is not bounded.
@@ -316,22 +353,14 @@ class ProcessTree:
         Returns:
             ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end.
         """
-        # The first look may share a list of the engine's children read a moment ago by another
-        # escalation; the look that declares the tree gone (`_wait_tree_gone`) always reads afresh.
-        self.snapshot(fresh=False)
-        if not self.force:
-            self.send(signal.SIGINT)
-            self.send(signal.SIGCONT)  # a stopped process acts on SIGINT only once continued
-            with trio.move_on_after(grace_seconds):
-                if await self._wait_tree_gone(signal.SIGINT, honour_force=True):
-                    return False, ()
-        self.snapshot()  # children forked while handling SIGINT
-        if not self._any_remaining():
-            return False, ()
-        self.send(signal.SIGKILL)
-        with trio.move_on_after(kill_wait_seconds):
-            await self._wait_tree_gone(signal.SIGKILL, honour_force=False)
-        survivors = [pid for pid in self.remaining() if pid != self.pid]
+        steps = escalate(
+            self,
+            grace_seconds=grace_seconds,
+            kill_wait_seconds=kill_wait_seconds,
+            force=self.force,
+            now=trio.current_time,
+        )
+        escalated, survivors = await drive_escalation(self, steps)
         if self.status is None:
             await self.wait_leader()  # the final reap after SIGKILL
-        return True, tuple(survivors)
+        return escalated, tuple(pid for pid in survivors if pid != self.pid)

@@ -226,13 +226,15 @@ class SubprocessTool:
         got: LogSlice
         if offset is None and limit is None:
             lines = LOG_DEFAULT_LINES if tail is None else read_whole(tail, "tail", 1)
-            got = await self.service.read_subprocess_log(sp, which, tail=lines, max_bytes=LOG_MAX_BYTES)
+            got = await self.service.read_log(
+                sp.pid, which, tail=lines, max_bytes=LOG_MAX_BYTES, project_id=sp.project.id
+            )
             note = _tail_note(got)
         else:
             start = None if offset is None else read_whole(offset, "offset", 0)
             count = LOG_DEFAULT_LINES if limit is None else read_whole(limit, "limit", 1)
-            got = await self.service.read_subprocess_log(
-                sp, which, offset=start, limit=count, max_bytes=LOG_MAX_BYTES
+            got = await self.service.read_log(
+                sp.pid, which, offset=start, limit=count, max_bytes=LOG_MAX_BYTES, project_id=sp.project.id
             )
             note = _forward_note(got)
         if got.dropped_bytes:

@@ -14,9 +14,9 @@ import trio
 
 from engine import EngineConfig, SpawnSpec, open_engine
 from engine._procfs import read_proc
-from engine._sweep import GroupRecord, records_dir
+from engine._sweep import GroupRecord, end_processes, records_dir
 
-from .children import SESSION, kill_leftovers, mark, pgrep, wait_until
+from .children import SESSION, ignoring_sigint, kill_leftovers, mark, pgrep, wait_for_text, wait_until
 
 ROOT = Path(__file__).parent.parent
 STUBBORN = f"sleep {mark('331.1')} & setsid sleep {mark('331.2')} & trap '' INT; sleep {mark('331.3')}; wait"
@@ -180,3 +180,36 @@ async def test_guardian_serve_sigkill_ends_project_children_keeps_watched_comman
         if served.proc.poll() is None:
             served.kill_hard()
         kill_leftovers(rf"sleep 331\.[1-4]{SESSION}|sleep 4\.5{SESSION}")
+
+
+def _start(argv: tuple[str, ...], out: Path) -> tuple[subprocess.Popen[bytes], int]:
+    with open(out, "wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, start_new_session=True)
+    info = read_proc(proc.pid)
+    assert info is not None
+    return proc, info.start_time
+
+
+@pytest.mark.serial
+async def test_end_processes_escalates_and_never_touches_a_stranger(tmp_path: Path) -> None:
+    """The blocking driver: SIGINT, the grace, SIGKILL for what ignored it; a reused pid is left alone."""
+    stubborn, stubborn_start = _start(ignoring_sigint(mark("340.5")), tmp_path / "stubborn.out")
+    polite, polite_start = _start(("sleep", mark("340.6")), tmp_path / "polite.out")
+    stranger, stranger_start = _start(("sleep", mark("340.7")), tmp_path / "stranger.out")
+    try:
+        await wait_for_text(tmp_path / "stubborn.out", "ready")
+        targets = {stubborn.pid: stubborn_start, polite.pid: polite_start, stranger.pid: stranger_start - 1}
+        t0 = time.monotonic()
+        survivors = await trio.to_thread.run_sync(
+            lambda: end_processes(targets, grace_seconds=0.5, kill_wait_seconds=2.0)
+        )
+        elapsed = time.monotonic() - t0
+        assert survivors == []
+        assert 0.5 <= elapsed < 1.5
+        assert stubborn.wait(timeout=1) == -signal.SIGKILL
+        assert polite.wait(timeout=1) == -signal.SIGINT
+        assert stranger.poll() is None
+    finally:
+        for proc in (stubborn, polite, stranger):
+            proc.kill()
+            proc.wait()

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import LogSlice
-from engine._logs import LogFile, check_stream, final_log_paths
+from engine._logs import LogFile, LogPair, check_stream, final_log_paths
 
 from .children import py
 from .service_support import engine_at, make_project
@@ -53,6 +55,51 @@ def test_check_stream_names_allowed_values() -> None:
             assert '"stdout" or "stderr"' in str(exc)
         else:
             raise AssertionError(bad)
+
+
+# ---- the pair -----------------------------------------------------------------------------------------
+
+
+def test_log_pair_create_rename_read_delete(tmp_path: Path) -> None:
+    folder = tmp_path / "project" / ".gadget" / "subprocess-logs"
+    pair = LogPair.create(str(folder))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert all(os.path.basename(p).startswith(".subproc-") for p in pair.paths)
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in pair.paths)
+    with open(pair.path("stdout"), "ab") as out:  # the child's descriptor follows the rename
+        pair.rename(4242)
+        out.write(b"one\ntwo\n")
+    assert pair.paths == final_log_paths(str(folder), 4242)
+    assert sorted(os.listdir(folder)) == ["subproc-4242.stderr.log", "subproc-4242.stdout.log"]
+    assert pair.read("stdout").text == "one\ntwo\n"
+    assert pair.read("stdout", tail=1, max_bytes=100).text == "two\n"
+    assert pair.read("stderr").total_bytes == 0
+    modified = pair.modified_at()
+    assert modified is not None and modified.tzinfo is not None
+    pair.delete()
+    assert os.listdir(folder) == [] and pair.modified_at() is None
+    with pytest.raises(FileNotFoundError):
+        pair.read("stdout")
+
+
+def test_log_pair_discard_removes_only_the_folders_it_made(tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    pair = LogPair.create(str(tmp_path / "project" / ".gadget" / "subprocess-logs"))
+    pair.discard()
+    assert os.listdir(tmp_path) == ["project"] and os.listdir(tmp_path / "project") == []
+    existing = tmp_path / "logs"
+    existing.mkdir()
+    (existing / "other.log").write_text("kept")
+    LogPair.create(str(existing)).discard()
+    assert os.listdir(existing) == ["other.log"]
+
+
+def test_log_pair_create_failure_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / ".gadget").write_text("a file where the folder should be")
+    with pytest.raises(OSError):
+        LogPair.create(str(tmp_path / "project" / ".gadget" / "subprocess-logs"))
+    assert os.listdir(tmp_path / "project") == [".gadget"]
 
 
 # ---- reading ------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Also the cases SP-01, SP-02, SP-11, SP-14 and SP-15 of ``cases.md``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -29,6 +30,7 @@ from engine import (
     SubProcessService,
     TerminationReason,
 )
+from engine._logs import LogPair
 
 from .children import (
     SESSION,
@@ -284,15 +286,100 @@ async def test_create_moves_kept_logs_aside_when_pid_names_collide(tmp_path: Pat
             await old.wait()
         folder = str(log_dir(project))
         # The kernel handing ``old.pid`` to a new child is what triggers this step; take it directly.
-        claimed = service._claim_names(folder, old.pid)
-        assert claimed == (
+        kept = [sp._logs for sp in service.ps()]
+        new = LogPair.create(folder)
+        new.rename(old.pid, kept)
+        assert new.paths == (
             os.path.join(folder, f"subproc-{old.pid}.stdout.log"),
             os.path.join(folder, f"subproc-{old.pid}.stderr.log"),
         )
         assert old.stdout_path == os.path.join(folder, f"subproc-{old.pid}-1.stdout.log")
         assert await service.get_log(old.pid, "stdout") == "old-output\n"
-        service._claim_names(folder, old.pid)  # free already: nothing moves
+        newer = LogPair.create(folder)
+        newer.rename(old.pid, [*kept, new])  # a third holder: the second moves to the next free number
+        assert new.path("stdout").endswith(f"subproc-{old.pid}-2.stdout.log")
         assert old.stdout_path.endswith("-1.stdout.log")
+        for pair in (new, newer):
+            pair.delete()
+
+
+async def test_create_failure_after_the_spawn_kills_the_child_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = make_project(tmp_path)
+    spawned: list[int] = []
+
+    def full_disk(self: LogPair, pid: int, others: object = ()) -> None:
+        spawned.append(pid)
+        raise OSError(errno.ENOSPC, "no space left on device")
+
+    async with engine_at(tmp_path, grace_seconds=5.0) as engine:
+        fds = open_fds()
+        monkeypatch.setattr(LogPair, "rename", full_disk)
+        t0 = time.monotonic()
+        with pytest.raises(OSError, match="no space left"):
+            await engine.service.create(project, "bash", ["-c", f"trap '' INT; sleep {mark('340.1')}"])
+        assert time.monotonic() - t0 < 2.0  # killed at once, not after the 5 s grace
+        (pid,) = spawned
+        assert not proc_exists(pid)
+        assert engine.service.ps() == [] and engine.supervisor.runs() == []
+        assert not (Path(project.directory) / ".gadget").exists()  # files and the folders made
+        assert open_fds() == fds
+        monkeypatch.undo()
+        sp = await engine.service.create(project, "echo", ["after"])  # nothing counts against limits
+        with trio.fail_after(10):
+            await sp.wait()
+    assert not pgrep(rf"sleep 340\.1{SESSION}")
+
+
+async def _create_with_pid(
+    service: SubProcessService, project: Project, argv: tuple[str, ...], pid: int
+) -> SubProcess:
+    """Create a child that gets ``pid`` (the kernel hands out ``ns_last_pid + 1`` next)."""
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        sp = await service.create(project, argv[0], argv[1:])
+        if sp.pid == pid:
+            return sp
+        await service.kill_subprocess(sp)  # another process of the machine took it first
+    pytest.skip(f"pid {pid} kept being taken by other processes")
+
+
+async def test_pid_reused_moves_kept_logs_aside_and_each_project_reads_its_own(tmp_path: Path) -> None:
+    if not os.access("/proc/sys/kernel/ns_last_pid", os.W_OK):
+        pytest.skip("choosing the next pid needs CAP_SYS_ADMIN")
+    a, b = make_project(tmp_path, "a"), make_project(tmp_path, "b")
+    async with engine_at(tmp_path) as engine:
+        service = engine.service
+        old = await service.create(a, "echo", ["old-output"])
+        with trio.fail_after(10):
+            await old.wait()
+        pid = old.pid
+        same = await _create_with_pid(
+            service, a, ("bash", "-c", f"echo same-project; sleep {mark('340.2')}"), pid
+        )
+        folder = log_dir(a)
+        assert old.stdout_path == str(folder / f"subproc-{pid}-1.stdout.log")
+        assert same.stdout_path == str(folder / f"subproc-{pid}.stdout.log")
+        await wait_for_text(same.stdout_path, "same-project")
+        assert service.lookup(pid) is same  # the live child wins
+        assert await service.get_log(pid, "stdout") == "same-project\n"
+        await service.halt_subprocess(same)
+        other = await _create_with_pid(
+            service, b, ("bash", "-c", f"echo other-project; sleep {mark('340.3')}"), pid
+        )
+        await wait_for_text(other.stdout_path, "other-project")
+        assert service.lookup(pid) is other
+        assert service.lookup(pid, project_id=a.id) is same  # project a's newest record
+        mine = await service.read_log(pid, "stdout", project_id=a.id)
+        assert mine.text == "same-project\n"
+        text = await engine.tool.execute({"cmd": "log", "pid": pid, "which": "stdout"}, a)
+        assert "same-project" in text and "other-project" not in text
+        with pytest.raises(SubProcessNotFoundError, match="of project 'nope'"):
+            await service.read_log(pid, "stdout", project_id="nope")
+        assert await service.get_log(pid, "stdout") == "other-project\n"
+    assert not pgrep(rf"sleep 340\.[23]{SESSION}")
 
 
 # ---- logs ------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,11 @@ from engine import (
     SpawnSpec,
     Supervisor,
     TerminationReason,
+    _procfs,
     open_supervisor,
 )
+from engine._errors import unwrap_single
+from engine._procfs import is_child_subreaper
 
 from .children import SESSION, cooperative, mark, open_fds, pgrep, proc_exists, py, wait_for_text, wait_until
 
@@ -296,6 +300,97 @@ async def test_open_supervisor_exit_reaps_every_child(how: str) -> None:
             await body()
     assert not pgrep(rf"sleep 326\.[123]{SESSION}")
     assert not any(proc_exists(p) for p in pids)
+
+
+def _lookup(table: dict[str, int], key: str) -> int:
+    return table[key]
+
+
+async def test_open_supervisor_error_keeps_its_cause_context_and_traceback() -> None:
+    with pytest.raises(ValueError, match="bad config") as caught:
+        async with open_supervisor(grace_seconds=0.3):
+            try:
+                _lookup({}, "port")
+            except KeyError as exc:
+                raise ValueError("bad config") from exc
+    error = caught.value
+    assert isinstance(error.__cause__, KeyError) and error.__suppress_context__
+    assert error.__context__ is error.__cause__  # not the nursery's group
+    names = [entry.name for entry in caught.traceback]
+    assert "test_open_supervisor_error_keeps_its_cause_context_and_traceback" in names
+    with pytest.raises(RuntimeError) as implicit:
+        async with open_supervisor(grace_seconds=0.3):
+            try:
+                _lookup({}, "port")
+            except KeyError:
+                raise RuntimeError("while looking up")  # noqa: B904  # the implicit context is checked
+    assert isinstance(implicit.value.__context__, KeyError) and not implicit.value.__suppress_context__
+    assert implicit.value.__cause__ is None
+    # The leaf's own traceback is kept: the frame that raised the KeyError is still reachable.
+    key_error = implicit.value.__context__
+    assert "_lookup" in [frame.name for frame in traceback.extract_tb(key_error.__traceback__)]
+
+
+def test_unwrap_single_raises_the_leaf_with_what_it_carried() -> None:
+    def fail() -> None:
+        try:
+            _lookup({}, "x")
+        except KeyError:
+            raise ValueError("leaf")  # noqa: B904  # the implicit context is what is checked
+
+    try:
+        fail()
+    except ValueError as exc:
+        leaf = exc
+    group = BaseExceptionGroup("outer", [BaseExceptionGroup("inner", [leaf])])
+    with pytest.raises(ValueError) as caught:
+        try:
+            raise group
+        except BaseExceptionGroup as raised:
+            unwrap_single(raised)
+    assert caught.value is leaf
+    assert isinstance(leaf.__context__, KeyError) and leaf.__cause__ is None
+    assert "fail" in [frame.name for frame in traceback.extract_tb(leaf.__traceback__)]
+    several = ExceptionGroup("two", [ValueError("a"), KeyError("b")])
+    with pytest.raises(ExceptionGroup) as both:
+        unwrap_single(several)
+    assert both.value is several
+
+
+async def test_open_supervisor_undoes_the_subreaper_only_when_it_set_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = _procfs._prctl()
+    assert real is not None and not is_child_subreaper()
+
+    def refusing(option: int, *args: object) -> int:
+        return -1 if option == 36 else real(option, *args)  # PR_SET_CHILD_SUBREAPER fails
+
+    opened, leave = trio.Event(), trio.Event()
+
+    async def failed_one() -> None:
+        async with open_supervisor(grace_seconds=0.3) as failed:
+            assert not failed.subreaper
+            opened.set()
+            await leave.wait()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            monkeypatch.setattr(_procfs, "_prctl", lambda: refusing)
+            nursery.start_soon(failed_one)
+            await opened.wait()
+            monkeypatch.undo()
+            async with open_supervisor(grace_seconds=0.3) as working:
+                assert working.subreaper and is_child_subreaper()
+                leave.set()  # the one whose set failed leaves first: it must not undo the other's
+                await trio.testing.wait_all_tasks_blocked()
+                assert is_child_subreaper()
+                run = await working.spawn(
+                    SpawnSpec(argv=("bash", "-c", f"setsid sleep {mark('340.4')} & exit 0"))
+                )
+                assert (await run.wait()).exit_code == 0
+    assert not pgrep(rf"sleep 340\.4{SESSION}")
+    assert not is_child_subreaper()
 
 
 async def test_spawn_after_close_is_refused() -> None:

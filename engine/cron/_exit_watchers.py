@@ -31,6 +31,7 @@ import attrs
 import trio
 
 from .._errors import JobNotFoundError, SpawnError
+from .._pidfd import wait_exited
 from .._retry import RetryPolicy
 from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor
 from .._sweep import GroupRecord, end_processes, find_record_processes
@@ -307,17 +308,7 @@ class CronExitWatchers:
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
         watch.adopted = state.group_record()
-        try:
-            pidfd = os.pidfd_open(state.pid)
-        except ProcessLookupError:
-            pidfd = -1
-        if pidfd >= 0:
-            try:
-                if state.alive():
-                    await trio.lowlevel.wait_readable(pidfd)
-            finally:
-                trio.lowlevel.notify_closing(pidfd)
-                os.close(pidfd)
+        await wait_exited(state.pid, start_time=state.start_time)
         watch.adopted = None
         record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
         if record is None:

@@ -291,8 +291,8 @@ class Methods:
         service = self.engine.service
         sp = service.lookup(pid)
         running = sp.running  # before the read: "not running" and a drained read mean the end
-        piece = await service.read_subprocess_log(
-            sp, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
+        piece = await service.read_log(
+            pid, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
         )
         return {**attrs.asdict(piece), "pid": sp.pid, "stream": stream, "running": running}
 
