@@ -305,8 +305,15 @@ class EngineCgroup:
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
 
     @classmethod
-    def open(cls, cgroup2: Cgroup2, state_dir: str) -> EngineCgroup:
+    def open(cls, cgroup2: Cgroup2, state_dir: str, *, record: bool = True) -> EngineCgroup:
         """Create (or reuse) the parent cgroup of ``state_dir`` and record it in the state directory.
+
+        Args:
+            cgroup2: the hierarchy (:func:`find_cgroup2`).
+            state_dir: the engine's state directory; the parent is named after it.
+            record: write the parent's path to ``<state_dir>/cgroup.path`` for the guardian and the next
+                engine's sweep (``False`` for a supervisor without a state directory, whose key is only
+                a name).
 
         Raises:
             CgroupError: the hierarchy is not writable by this process, or lacks ``cgroup.kill`` (Linux
@@ -326,7 +333,8 @@ class EngineCgroup:
                 _safe_dir(path)
             if not os.path.exists(os.path.join(path, "cgroup.kill")):
                 raise CgroupError(errno.ENOTSUP, f"{path} has no cgroup.kill (needs Linux 5.14 or newer)")
-            _record_parent(state_dir, path)
+            if record:
+                _record_parent(state_dir, path)
         except OSError as exc:
             os.close(home_procs)
             if isinstance(exc, CgroupError):

@@ -1,9 +1,13 @@
-"""Waiting for cgroup leaves to empty, without polling: one inotify instance for the whole engine.
+"""Waiting for cgroup leaves to change, without polling: one inotify instance for the whole engine.
 
 The kernel reports a change of a leaf's ``cgroup.events`` (``populated 1`` -> ``0``) as ``IN_MODIFY`` on
 that file. One task reads the inotify descriptor and wakes the tasks waiting on the leaves that changed,
 so a thousand escalations waiting at once share one descriptor and cost nothing while they wait (trio
 lets only one task wait on a descriptor; hence the reader task).
+
+Each watched leaf has a *generation*, counted up at every change: a waiter notes the generation, looks
+at the leaf, and waits for a newer generation, so a change between its look and its wait is never
+missed.
 """
 
 from __future__ import annotations
@@ -17,8 +21,23 @@ import trio
 from inotify_simple import INotify, flags
 
 from ._cgroup import Leaf
+from ._errors import unwrap_single
 
 __all__ = ["LeafWatcher", "open_leaf_watcher"]
+
+
+@attrs.define(eq=False)
+class _Watched:
+    wd: int
+    path: str
+    generation: int = 0
+    changed: trio.Event = attrs.field(factory=trio.Event)
+    removed: bool = False
+
+    def bump(self) -> None:
+        self.generation += 1
+        changed, self.changed = self.changed, trio.Event()
+        changed.set()
 
 
 @final
@@ -27,52 +46,69 @@ class LeafWatcher:
     """Wakes the tasks waiting for a leaf's ``cgroup.events`` to change. Made by :func:`open_leaf_watcher`."""
 
     _inotify: INotify = attrs.field(alias="inotify")
-    _wds: dict[str, int] = attrs.field(init=False, factory=dict)
-    _paths: dict[int, str] = attrs.field(init=False, factory=dict)
-    _changed: dict[int, trio.Event] = attrs.field(init=False, factory=dict)
+    _by_path: dict[str, _Watched] = attrs.field(init=False, factory=dict)
+    _by_wd: dict[int, _Watched] = attrs.field(init=False, factory=dict)
 
     def __repr__(self) -> str:
-        return f"<LeafWatcher {len(self._wds)} leaves watched, {len(self._changed)} waiting>"
+        return f"<LeafWatcher {len(self._by_path)} leaves watched>"
 
-    def _watch(self, leaf: Leaf) -> int | None:
-        wd = self._wds.get(leaf.events_path)
-        if wd is None:
+    def _watched(self, leaf: Leaf) -> _Watched | None:
+        found = self._by_path.get(leaf.events_path)
+        if found is None:
             try:
                 wd = self._inotify.add_watch(leaf.events_path, flags.MODIFY)
             except FileNotFoundError:
                 return None  # the leaf was removed: it is empty
-            self._wds[leaf.events_path] = wd
-            self._paths[wd] = leaf.events_path
-        return wd
+            found = self._by_wd.get(wd)
+            if found is None or found.removed:  # a new watch (wd numbers are not reused at once)
+                found = _Watched(wd=wd, path=leaf.events_path)
+                self._by_wd[wd] = found
+            self._by_path[leaf.events_path] = found
+        return found
 
-    async def wait_changed(self, leaf: Leaf) -> None:
-        """Wait for the next change of ``leaf``'s ``cgroup.events`` (or its removal).
+    def generation(self, leaf: Leaf) -> int:
+        """The leaf's change count now; the watch is in place from this call on (-1: no such leaf)."""
+        found = self._watched(leaf)
+        return -1 if found is None else found.generation
 
-        Callers look at the leaf, then wait, then look again; the watch is in place before their first
-        look when they call :meth:`watch` first (as :meth:`wait_empty` does), so no change is missed.
+    async def wait_changed(self, leaf: Leaf, since: int) -> None:
+        """Wait until the leaf changed after :meth:`generation` returned ``since`` (or it was removed).
 
-        Cancellation: safe; nothing changes.
+        Cancellation: safe; callers bound it with ``trio.move_on_after``.
         """
-        wd = self._watch(leaf)
-        if wd is None:
-            await trio.lowlevel.checkpoint()
-            return
-        await self._changed.setdefault(wd, trio.Event()).wait()
+        found = self._watched(leaf)
+        while found is not None and not found.removed and found.generation == since:
+            await found.changed.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
 
-    def watch(self, leaf: Leaf) -> None:
-        """Start watching ``leaf`` now, so a change after this call wakes a later :meth:`wait_changed`."""
-        wd = self._watch(leaf)
-        if wd is not None:
-            self._changed.setdefault(wd, trio.Event())
+    def poke(self, leaf: Leaf) -> None:
+        """Wake the waiters of ``leaf`` as if it changed (a forced kill: they look again now)."""
+        found = self._by_path.get(leaf.events_path)
+        if found is not None:
+            found.bump()
+
+    def forget(self, leaf: Leaf) -> None:
+        """Stop watching ``leaf`` (it is about to be removed; the kernel drops the watch then anyway)."""
+        found = self._by_path.pop(leaf.events_path, None)
+        if found is not None and not found.removed:
+            found.removed = True
+            found.bump()
+            self._by_wd.pop(found.wd, None)
+            try:
+                self._inotify.rm_watch(found.wd)
+            except OSError:
+                pass  # already dropped by the kernel
 
     async def wait_empty(self, leaf: Leaf) -> None:
         """Return once no live process is in ``leaf`` (``populated 0``, or the leaf removed).
 
         Cancellation: safe; callers bound it with ``trio.move_on_after``.
         """
-        self.watch(leaf)
-        while leaf.populated():
-            await self.wait_changed(leaf)
+        while True:
+            since = self.generation(leaf)
+            if not leaf.populated():
+                break
+            await self.wait_changed(leaf, since)
         await trio.lowlevel.checkpoint()
 
     async def _read_events(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -81,13 +117,15 @@ class LeafWatcher:
         while True:
             await trio.lowlevel.wait_readable(fd)
             for event in self._inotify.read(timeout=0):
-                waiting = self._changed.pop(event.wd, None)
-                if waiting is not None:
-                    waiting.set()
+                found = self._by_wd.get(event.wd)
+                if found is None:
+                    continue
                 if event.mask & flags.IGNORED:  # the leaf was removed: the kernel dropped the watch
-                    path = self._paths.pop(event.wd, None)
-                    if path is not None:
-                        self._wds.pop(path, None)
+                    found.removed = True
+                    del self._by_wd[event.wd]
+                    if self._by_path.get(found.path) is found:
+                        del self._by_path[found.path]
+                found.bump()
 
 
 @asynccontextmanager
@@ -105,6 +143,8 @@ async def open_leaf_watcher() -> AsyncIterator[LeafWatcher]:
                 yield watcher
             finally:
                 nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the caller's own exception, not wrapped by the reader's nursery
+        unwrap_single(group)
     finally:
         trio.lowlevel.notify_closing(inotify.fileno())
         inotify.close()
