@@ -12,6 +12,9 @@ import platformdirs
 
 from ._retry import DEFAULT_RETRY_SECONDS, check_delays
 
+#: The values of ``containment`` (also ``_containment.CONTAINMENT_MODES``).
+CONTAINMENT_MODES = ("auto", "cgroup", "process-group")
+
 if TYPE_CHECKING:
     from .cron._events import FiredEvent
     from .cron._protocol import JobStore
@@ -64,6 +67,13 @@ class EngineConfig:
             ``mcp`` log ``fired`` through one); an observer must not block.
         guardian: start the guardian process that ends the children if the engine dies (records of
             live groups are kept in the state dir either way, for the next engine's start-up sweep).
+        containment: how runs are contained: ``"cgroup"`` (a cgroup v2 leaf per run; nothing a process
+            does takes it out), ``"process-group"`` (its session and process group, ``/proc`` parent
+            links and the run marker), or ``"auto"``: cgroup wherever a cgroup v2 hierarchy is writable
+            by the engine, else process group. See ``docs/guide-escalation.md``.
+        end_unclaimed_orphans: the engine owns its whole process (``serve``, ``mcp``): a child re-parented
+            to it that no run claims is ended by ``kill_all`` and by the engine's exit. Embedded
+            (``False``, the default), the host's own children look the same, so they are only reported.
     """
 
     state_dir: str | None = attrs.field(
@@ -85,6 +95,8 @@ class EngineConfig:
     )
     watch_hooks: Mapping[str, Callable[[str], Awaitable[None]]] | None = None
     fire_observers: tuple[Callable[[FiredEvent], None], ...] = ()
+    containment: str = attrs.field(default="auto", validator=attrs.validators.in_(CONTAINMENT_MODES))
+    end_unclaimed_orphans: bool = False
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

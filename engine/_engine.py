@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import secrets
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, final
+from datetime import UTC, datetime
+from typing import Any, Final, final
 
 import attrs
 import trio
 
 from ._config import EngineConfig
+from ._containment import Containment, open_containment
 from ._errors import EngineLockedError
 from ._guardian_link import GuardianLink
 from ._retry import RetryPolicy
@@ -20,11 +25,16 @@ from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
 from ._sweep import sweep_records
 from ._tool import SubprocessTool
+from ._version import __version__
 from .cron._exit_watchers import CronExitWatchers
 from .cron._service import CronService, open_cron_service
 from .cron._shell import resolve_exit_watch_shell
 
-__all__ = ["Engine", "open_engine"]
+__all__ = ["Engine", "EngineStatus", "open_engine"]
+
+_logger = logging.getLogger("engine.engine")
+#: The file in the state directory that keeps the engine's id.
+_ENGINE_ID: Final = "engine-id"
 
 #: ``on_fire`` handlers: ``async def handler(event: FiredEvent) -> None``.
 FireHandler = Callable[[Any], Awaitable[None]]
@@ -52,6 +62,74 @@ class Engine:
     tool: SubprocessTool
     cron: CronService
     watchers: CronExitWatchers
+    engine_id: str = ""
+    started_at: datetime = attrs.field(factory=lambda: datetime.now(UTC))
+
+    async def status(self) -> EngineStatus:
+        """What the engine is and does now: pid, version, state dir, containment, store, runs, jobs.
+
+        Cancellation: safe; nothing changes (the job count is one store read).
+
+        Raises:
+            StoreError: the job store cannot be read.
+        """
+        runs: dict[str, int] = {}
+        for sp in self.service.ps():
+            if sp.running:
+                runs[sp.project.directory] = runs.get(sp.project.directory, 0) + 1
+        jobs = await self.cron.list(include_disabled=False)
+        containment = self.supervisor.containment
+        return EngineStatus(
+            pid=os.getpid(),
+            version=__version__,
+            state_dir=self.state_dir,
+            containment=containment.mode,
+            containment_detail=containment.describe(),
+            store=self.cron.store.describe(),
+            engine_id=self.engine_id,
+            runs=runs,
+            watched=len(self.watchers.active_job_ids()),
+            jobs=len(jobs),
+            started_at=self.started_at,
+        )
+
+
+@attrs.frozen
+class EngineStatus:
+    """A snapshot of a running engine (:meth:`Engine.status`; the RPC ``status`` method returns it too).
+
+    Attributes:
+        pid: the engine's process id.
+        version: the engine's version.
+        state_dir: the state directory it holds the lock of.
+        containment: ``"cgroup"`` or ``"process-group"``: how runs are contained.
+        containment_detail: where (``cgroup <parent path>``) or why (the reason ``auto`` fell back).
+        store: the job store, e.g. ``sqlite:/path/cron.sqlite3``.
+        engine_id: the engine's id, generated once and kept in the state dir.
+        runs: live subprocesses per project directory.
+        watched: on-exit jobs with a watcher now.
+        jobs: enabled cron jobs.
+        started_at: when the engine started (aware UTC).
+    """
+
+    pid: int
+    version: str
+    state_dir: str
+    containment: str
+    containment_detail: str
+    store: str
+    engine_id: str
+    runs: Mapping[str, int]
+    watched: int
+    jobs: int
+    started_at: datetime
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready values (the time as ISO 8601)."""
+        out = attrs.asdict(self)
+        out["runs"] = dict(self.runs)
+        out["started_at"] = self.started_at.isoformat()
+        return out
 
 
 def _lock_state_dir(state_dir: str) -> int:
@@ -91,8 +169,8 @@ async def open_engine(
     config = config if config is not None else EngineConfig()
     state_dir = config.resolved_state_dir()
     lock_fd = _lock_state_dir(state_dir)
-    guardian = GuardianLink(state_dir, config.grace_seconds, config.kill_wait_seconds)
     try:
+        engine_id = _engine_id(state_dir)
         # Under the lock: what a crashed engine (and its guardian) left behind is ours to end.
         await trio.to_thread.run_sync(
             functools.partial(
@@ -102,57 +180,125 @@ async def open_engine(
                 kill_wait_seconds=config.kill_wait_seconds,
             )
         )
-        if config.guardian:
-            guardian.start()
-        async with (
-            open_supervisor(
-                grace_seconds=config.grace_seconds,
-                kill_wait_seconds=config.kill_wait_seconds,
-                subreaper=config.subreaper,
-            ) as supervisor,
-            open_subprocess_service(supervisor, config) as service,
-            open_cron_service(
-                state_dir=state_dir,
-                supervisor=supervisor,
-                store=config.store_factory(state_dir) if config.store_factory is not None else None,
-                now=config.wall_clock,
-                on_fire=on_fire,
-                fire_observers=config.fire_observers,
-            ) as cron,
-            trio.open_nursery() as watch_nursery,
-        ):
-            supervisor.add_observer(guardian)
-            tool = SubprocessTool(service, config=config)
-            watchers = CronExitWatchers(
-                store=cron.store,
-                fire_pending=cron.fire_pending,
-                supervisor=supervisor,
-                state_dir=state_dir,
-                shell=config.exit_watch_shell or resolve_exit_watch_shell(),
-                nursery=watch_nursery,
-                retry=RetryPolicy(config.watch_retry_seconds),
-                now=cron.now,
-                hooks=config.watch_hooks or {},
+        async with open_containment(
+            config.containment, state_dir=state_dir, subreaper=config.subreaper
+        ) as containment:
+            _logger.info(
+                "starting",
+                extra={
+                    "fields": {
+                        "pid": os.getpid(),
+                        "state_dir": state_dir,
+                        "containment": containment.mode,
+                        "detail": containment.describe(),
+                        "reason": containment.reason,
+                    }
+                },
             )
-            # Adopt what a crashed engine left before the first reconcile, which arms the rest.
-            await watchers.adopt()
-            cron.on_jobs_changed = watchers.reconcile
-            await cron.notify_jobs_changed()
+            guardian = GuardianLink(
+                state_dir,
+                config.grace_seconds,
+                config.kill_wait_seconds,
+                token=containment.token,
+                cgroup=containment.describe().removeprefix("cgroup ")
+                if containment.mode == "cgroup"
+                else None,
+            )
+            guardian.record_token()
             try:
-                yield Engine(
-                    config=config,
-                    state_dir=state_dir,
-                    supervisor=supervisor,
-                    service=service,
-                    tool=tool,
-                    cron=cron,
-                    watchers=watchers,
-                )
+                if config.guardian:
+                    guardian.start()
+                async with _open_services(
+                    config, state_dir, containment, guardian, on_fire, engine_id
+                ) as engine:
+                    yield engine
             finally:
-                cron.on_jobs_changed = None
-                await watchers.cancel_all()  # graceful: the jobs stay enabled, re-armed at next start
+                await guardian.close()
     finally:
+        os.close(lock_fd)
+
+
+@asynccontextmanager
+async def _open_services(
+    config: EngineConfig,
+    state_dir: str,
+    containment: Containment,
+    guardian: GuardianLink,
+    on_fire: FireHandler | None,
+    engine_id: str,
+) -> AsyncIterator[Engine]:
+    async with (
+        open_supervisor(
+            grace_seconds=config.grace_seconds,
+            kill_wait_seconds=config.kill_wait_seconds,
+            subreaper=config.subreaper,
+            containment=containment,
+        ) as supervisor,
+        open_subprocess_service(supervisor, config) as service,
+        open_cron_service(
+            state_dir=state_dir,
+            supervisor=supervisor,
+            store=config.store_factory(state_dir) if config.store_factory is not None else None,
+            now=config.wall_clock,
+            on_fire=on_fire,
+            fire_observers=config.fire_observers,
+        ) as cron,
+        trio.open_nursery() as watch_nursery,
+    ):
+        supervisor.add_observer(guardian)
+        tool = SubprocessTool(service, config=config)
+        watchers = CronExitWatchers(
+            store=cron.store,
+            fire_pending=cron.fire_pending,
+            supervisor=supervisor,
+            state_dir=state_dir,
+            shell=config.exit_watch_shell or resolve_exit_watch_shell(),
+            nursery=watch_nursery,
+            retry=RetryPolicy(config.watch_retry_seconds),
+            now=cron.now,
+            hooks=config.watch_hooks or {},
+        )
+        # Adopt what a crashed engine left before the first reconcile, which arms the rest.
+        await watchers.adopt()
+        cron.on_jobs_changed = watchers.reconcile
+        await cron.notify_jobs_changed()
         try:
-            await guardian.close()
+            yield Engine(
+                config=config,
+                state_dir=state_dir,
+                supervisor=supervisor,
+                service=service,
+                tool=tool,
+                cron=cron,
+                watchers=watchers,
+                engine_id=engine_id,
+            )
         finally:
-            os.close(lock_fd)
+            cron.on_jobs_changed = None
+            await watchers.cancel_all()  # graceful: the jobs stay enabled, re-armed at next start
+
+
+def _engine_id(state_dir: str) -> str:
+    """The engine's id: generated once and kept in ``<state_dir>/engine-id``, so it survives host renames."""
+    path = os.path.join(state_dir, _ENGINE_ID)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        pass
+    else:
+        try:
+            text = os.read(fd, 256).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        if text and text.replace("-", "").isalnum() and len(text) <= 64:
+            return text
+    new = f"{socket.gethostname().split('.')[0][:24]}-{secrets.token_hex(4)}"
+    new = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in new)
+    temp = path + ".tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (new + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+    return new

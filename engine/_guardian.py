@@ -15,7 +15,15 @@ from __future__ import annotations
 import os
 import sys
 
-from ._sweep import GroupRecord, end_processes, find_record_processes
+from ._cgroup import find_cgroup2
+from ._sweep import (
+    GroupRecord,
+    end_processes,
+    find_marked_processes,
+    find_record_processes,
+    remove_token,
+    unwatched_leaves,
+)
 
 __all__ = ["BOOTSTRAP", "main"]
 
@@ -32,9 +40,17 @@ def _log(message: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The guardian process: read registrations until end-of-file, then end what is still registered."""
+    """The guardian process: read registrations until end-of-file, then end what is still registered.
+
+    Lines: ``+ pgid sid start_time marker`` (a group started), ``- pgid start_time`` (it ended),
+    ``T token start_time`` (every run of the engine carries the marker ``<token>:<run id>``, so a run
+    spawned just before the engine died is found even before its group line arrived), ``C path`` (the
+    engine's parent cgroup: every leaf under it but the watched commands' is ended).
+    """
     state_dir, grace, kill_wait = argv[0], float(argv[1]), float(argv[2])
     live: dict[tuple[int, int], GroupRecord] = {}
+    tokens: dict[str, int] = {}
+    parents: list[str] = []
     with os.fdopen(0, "r", encoding="utf-8", errors="replace") as pipe:
         for line in pipe:
             kind, _, rest = line.strip().partition(" ")
@@ -45,17 +61,31 @@ def main(argv: list[str]) -> int:
                 elif kind == "-":
                     pgid, start = rest.split()
                     live.pop((int(pgid), int(start)), None)
+                elif kind == "T":
+                    token, start = rest.split()
+                    tokens[token] = int(start)
+                elif kind == "C":
+                    parents.append(rest)
             except ValueError:
                 _log(f"ignored a bad line: {line!r}")
-    if not live:
-        return 0
+    found, _ = find_cgroup2()
+    leaves = [leaf for path in parents if found is not None for leaf in unwatched_leaves(found, path)]
     targets = find_record_processes(live.values())
-    _log(f"the engine is gone; ending {len(targets)} processes of {len(live)} groups")
-    survivors = end_processes(targets, grace_seconds=grace, kill_wait_seconds=kill_wait)
+    targets.update(find_marked_processes(tokens))
+    if not targets and not any(leaf.populated() for leaf in leaves):
+        for leaf in leaves:
+            leaf.remove()
+        return 0
+    _log(
+        f"the engine is gone; ending {len(targets)} processes of {len(live)} groups and {len(leaves)} cgroups"
+    )
+    survivors = end_processes(targets, grace_seconds=grace, kill_wait_seconds=kill_wait, leaves=leaves)
     if survivors:
         _log(f"survivors after SIGKILL: {survivors}")
     for record in live.values():
         record.remove(state_dir)
+    for token in tokens:
+        remove_token(state_dir, token)
     return 0
 
 

@@ -12,9 +12,10 @@ import trio
 
 from ._guardian import BOOTSTRAP
 from ._pidfd import wait_exited
+from ._procfs import read_proc
 from ._spawn import spawn_process
 from ._supervisor import ManagedRun
-from ._sweep import GroupRecord, records_dir
+from ._sweep import GroupRecord, records_dir, remove_token, write_token
 
 __all__ = ["GuardianLink"]
 
@@ -36,6 +37,8 @@ class GuardianLink:
     state_dir: str
     grace_seconds: float
     kill_wait_seconds: float
+    token: str = ""
+    cgroup: str | None = None
     pid: int | None = attrs.field(init=False, default=None)
     _pipe: int = attrs.field(init=False, default=-1)
     _records: dict[int, GroupRecord] = attrs.field(init=False, factory=dict)
@@ -63,8 +66,22 @@ class GuardianLink:
             os.close(read_end)
             os.close(log)
         self._pipe = write_end
+        if self.token:
+            self._send(f"T {self.token} {self._start_time()}")
+        if self.cgroup is not None:
+            self._send(f"C {self.cgroup}")
         for record in self._records.values():
             self._send(f"+ {record.line()}")
+
+    @staticmethod
+    def _start_time() -> int:
+        info = read_proc(os.getpid())
+        return info.start_time if info is not None else 0
+
+    def record_token(self) -> None:
+        """Write the engine's token to the state dir before its first spawn (see ``_sweep.write_token``)."""
+        if self.token:
+            write_token(self.state_dir, self.token, self._start_time())
 
     def _send(self, line: str) -> None:
         if self._pipe < 0:
@@ -78,8 +95,12 @@ class GuardianLink:
             self.start()
 
     def run_started(self, run: ManagedRun) -> None:
-        """Record the run's group and tell the guardian (skipped for ``outlive_engine_crash`` runs)."""
-        if run.outlive_engine_crash:
+        """Record the run's group and tell the guardian.
+
+        Skipped for ``outlive_engine_crash`` runs, and in cgroup containment, where the guardian and the
+        sweep end every leaf under the engine's parent cgroup instead.
+        """
+        if run.outlive_engine_crash or run.cgroup is not None:
             return
         record = GroupRecord.of_run(run)
         self._records[run.pid] = record
@@ -111,6 +132,8 @@ class GuardianLink:
         Cancellation: shielded and bounded (2 s, then SIGKILL).
         """
         with trio.CancelScope(shield=True):
+            if self.token:
+                remove_token(self.state_dir, self.token)
             if self._pipe >= 0:
                 os.close(self._pipe)
                 self._pipe = -1

@@ -7,10 +7,10 @@ engine opened, and is watched through a pidfd by a task in the supervisor's nurs
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import os
-import secrets
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -19,10 +19,11 @@ from typing import Protocol, final
 import attrs
 import trio
 
+from ._containment import Containment, Placement, open_containment
 from ._errors import unwrap_single
 from ._procfs import RUN_MARKER_VAR, read_proc, set_child_subreaper
 from ._spawn import spawn_process
-from ._termination import ProcessTree
+from ._termination import ProcessTree, wait_gone
 
 __all__ = [
     "ManagedRun",
@@ -200,8 +201,11 @@ class ManagedRun:
     _tree: ProcessTree = attrs.field(alias="tree")
     _grace_seconds: float = attrs.field(alias="grace_seconds")
     _started: float = attrs.field(alias="started")
+    _placement: Placement = attrs.field(alias="placement", default=None)
     _state: RunState = attrs.field(init=False, default=RunState.RUNNING)
     _exit: RunExit | None = attrs.field(init=False, default=None)
+    _leader_exit: RunExit | None = attrs.field(init=False, default=None)
+    _detached: bool = attrs.field(init=False, default=False)
     _done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _requested: TerminationReason | None = attrs.field(init=False, default=None)
@@ -223,8 +227,23 @@ class ManagedRun:
 
     @property
     def exit(self) -> RunExit | None:
-        """The :class:`RunExit` once the run has ended, else ``None``."""
+        """The :class:`RunExit` once the run has ended (its whole tree gone), else ``None``."""
         return self._exit
+
+    @property
+    def leader_exit(self) -> RunExit | None:
+        """How the leader ended, as soon as it is reaped; ``None`` while it lives.
+
+        A leader that exits on its own is "exited" at once, while the rest of its tree may go on writing
+        (a ``tee``, a late ``echo``) until it is gone or the grace period has passed, and is then ended by
+        the usual escalation (SP-03); :attr:`exit` comes once all of that is over.
+        """
+        return self._exit if self._exit is not None else self._leader_exit
+
+    @property
+    def cgroup(self) -> str | None:
+        """The run's cgroup v2 leaf (a directory path) in cgroup containment, else ``None``."""
+        return self._placement.path if self._placement is not None else None
 
     async def wait(self) -> RunExit:
         """Wait until the run has ended and its tree is cleaned up, and return how it ended.
@@ -265,7 +284,7 @@ class Supervisor:
     grace_seconds: float
     kill_wait_seconds: float
     subreaper: bool
-    _token: str = attrs.field(init=False, factory=lambda: secrets.token_hex(6))
+    _containment: Containment = attrs.field(alias="containment")
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _runs: dict[int, ManagedRun] = attrs.field(init=False, factory=dict)
     _leaders: set[int] = attrs.field(init=False, factory=set)
@@ -276,6 +295,11 @@ class Supervisor:
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
         return f"<Supervisor {state}: {len(self._runs)} runs, grace {self.grace_seconds} s>"
+
+    @property
+    def containment(self) -> Containment:
+        """How runs are contained (``containment.mode``: ``"cgroup"`` or ``"process-group"``)."""
+        return self._containment
 
     def add_observer(self, observer: RunObserver) -> None:
         """Have ``observer`` told, synchronously, of every run started and ended from now on."""
@@ -319,8 +343,10 @@ class Supervisor:
             env.update(spec.env)
         env["PWD"] = cwd
         run_id = next(self._ids)
-        marker = f"{self._token}:{run_id}"
+        watched = spec.outlive_engine_crash
+        marker = self._containment.marker(run_id, watched=watched)
         env[RUN_MARKER_VAR] = marker
+        placement = self._containment.place(run_id, watched=watched)
         opened: list[int] = []
         try:
             fds: list[int | None] = []
@@ -331,18 +357,40 @@ class Supervisor:
                     fds.append(fd)
                 else:
                     fds.append(target)
-            pid = spawn_process(argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1])
+            pid = self._containment.spawn(
+                placement,
+                lambda: spawn_process(argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1]),
+            )
+        except BaseException:
+            self._containment.release(placement)
+            raise
         finally:
             for fd in opened:
                 os.close(fd)
+        try:
+            return self._register(spec, run_id, argv, marker, placement, pid)
+        except BaseException:
+            # Nothing started may outlive a failed spawn: a record that could not be written (a full
+            # state dir), a pidfd that could not be opened. The child is killed before the error goes up.
+            self._containment.kill_now(placement, pid)
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            self._containment.release(placement)
+            raise
+
+    def _register(
+        self, spec: SpawnSpec, run_id: int, argv: tuple[str, ...], marker: str, placement: Placement, pid: int
+    ) -> ManagedRun:
         pidfd = os.pidfd_open(pid)
         info = read_proc(pid)
-        tree = ProcessTree(
+        tree = self._containment.tree(
+            placement,
             pid=pid,
             pidfd=pidfd,
             start_time=info.start_time if info is not None else 0,
             marker=marker,
-            subreaper=self.subreaper,
             known_leaders=self._leaders,
         )
         grace = spec.grace_seconds if spec.grace_seconds is not None else self.grace_seconds
@@ -357,31 +405,58 @@ class Supervisor:
             tree=tree,
             grace_seconds=grace,
             started=trio.current_time(),
+            placement=placement,
         )
         if spec.max_runtime_seconds is not None:
             run._cancel_scope.deadline = trio.current_time() + spec.max_runtime_seconds
         self._runs[run_id] = run
         self._leaders.add(pid)
-        for observer in self._observers:
-            observer.run_started(run)
+        try:
+            for observer in self._observers:
+                observer.run_started(run)
+        except BaseException:
+            self._runs.pop(run_id, None)
+            self._leaders.discard(pid)
+            for observer in self._observers:
+                observer.run_ended(run)
+            tree.close()
+            raise
         self._nursery.start_soon(self._watch, run, name=f"watch run {pid}")
         return run
 
     async def _watch(self, run: ManagedRun) -> None:
+        tree = run._tree
+        terminate = False
         try:
             with run._cancel_scope:
-                await run._tree.wait_leader()
-        except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
-            with trio.CancelScope(shield=True):
+                await tree.wait_leader()
+                run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
+                if tree.leftovers():
+                    # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
+                    # is gone or the grace period has passed, and is then ended by the escalation.
+                    run._state = RunState.EXITING
+                    tree.snapshot(fresh=True)
+                    with trio.move_on_after(run._grace_seconds):
+                        await wait_gone(tree)
+                    tree.snapshot(fresh=True)  # what forked or left the group meanwhile
+                    terminate = bool(tree.remaining())
+        except trio.Cancelled:
+            if run._detached:  # the supervisor is closing and this run outlives it (a watched command)
+                self._forget(run)
+                raise
+            with trio.CancelScope(shield=True):  # the supervisor is closing: end the tree, then go on
                 await self._finish(run, TerminationReason.CANCELLED, terminate=True)
             raise
+        if run._detached:  # the supervisor is closing and this run outlives it (a watched command)
+            self._forget(run)
+            return
+        reason: TerminationReason | None = None
         if run._cancel_scope.cancelled_caught:
-            reason = run._requested or TerminationReason.MAX_RUNTIME
-            with trio.CancelScope(shield=True):
-                await self._finish(run, reason, terminate=True)
-        else:
-            with trio.CancelScope(shield=True):
-                await self._finish(run, None, terminate=run._tree.adopted_strays())
+            terminate = True
+            if run._leader_exit is None:  # the leader itself was ended: by a request, or its time ran out
+                reason = run._requested or TerminationReason.MAX_RUNTIME
+        with trio.CancelScope(shield=True):
+            await self._finish(run, reason, terminate=terminate)
 
     async def _finish(self, run: ManagedRun, reason: TerminationReason | None, *, terminate: bool) -> None:
         run._state = RunState.EXITING
@@ -395,34 +470,22 @@ class Supervisor:
                 await run._tree.wait_leader()
         finally:
             run._tree.close()
-            status = run._tree.status
-            code: int | None = None
-            sig: int | None = None
-            if status is not None:
-                if os.WIFSIGNALED(status):
-                    sig = os.WTERMSIG(status)
-                else:
-                    code = os.waitstatus_to_exitcode(status)
-            if reason is None:
-                reason = TerminationReason.SIGNAL if sig is not None else TerminationReason.EXIT
-            run._exit = RunExit(
-                exit_code=code,
-                signal=sig,
-                reason=reason,
-                duration_seconds=trio.current_time() - run._started,
-                escalated=escalated,
-                survivors=survivors,
-            )
+            run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
             run._state = RunState.EXITED
-            self._runs.pop(run.run_id, None)
-            self._leaders.discard(run.pid)
-            for observer in self._observers:
-                observer.run_ended(run)
+            self._containment.release(run._placement)
+            self._forget(run)
             run._done.set()
+
+    def _forget(self, run: ManagedRun) -> None:
+        run._tree.close()
+        self._runs.pop(run.run_id, None)
+        self._leaders.discard(run.pid)
+        for observer in self._observers:
+            observer.run_ended(run)
 
     def _request(self, run: ManagedRun, *, force: bool) -> None:
         if force:
-            run._tree.force = True
+            run._tree.request_force()
         if run._requested is None:
             run._requested = TerminationReason.CANCELLED
         run._cancel_scope.cancel()
@@ -462,7 +525,35 @@ class Supervisor:
     def _close(self) -> None:
         self._closing = True
         for run in self.runs():
-            self._request(run, force=False)
+            if run.outlive_engine_crash:  # a watched command: left running for the next engine to adopt
+                run._detached = True
+                run._cancel_scope.cancel()
+            else:
+                self._request(run, force=False)
+
+
+def _exit_of(
+    run: ManagedRun, reason: TerminationReason | None, *, escalated: bool, survivors: tuple[int, ...]
+) -> RunExit:
+    """The :class:`RunExit` of ``run`` from its leader's wait status (``reason`` ``None``: read from it)."""
+    status = run._tree.status
+    code: int | None = None
+    sig: int | None = None
+    if status is not None:
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+        else:
+            code = os.waitstatus_to_exitcode(status)
+    if reason is None:
+        reason = TerminationReason.SIGNAL if sig is not None else TerminationReason.EXIT
+    return RunExit(
+        exit_code=code,
+        signal=sig,
+        reason=reason,
+        duration_seconds=trio.current_time() - run._started,
+        escalated=escalated,
+        survivors=survivors,
+    )
 
 
 async def _wait_shielded(run: ManagedRun) -> RunExit:
@@ -476,7 +567,11 @@ async def _wait_shielded(run: ManagedRun) -> RunExit:
 
 @asynccontextmanager
 async def open_supervisor(
-    *, grace_seconds: float = 5.0, kill_wait_seconds: float = 5.0, subreaper: bool = True
+    *,
+    grace_seconds: float = 5.0,
+    kill_wait_seconds: float = 5.0,
+    subreaper: bool = True,
+    containment: str | Containment = "auto",
 ) -> AsyncIterator[Supervisor]:
     """Open a :class:`Supervisor` whose runs all end (terminated and reaped) when the block is left.
 
@@ -485,25 +580,37 @@ async def open_supervisor(
         kill_wait_seconds: how long to wait after SIGKILL before reporting survivors, in seconds.
         subreaper: make this process a child subreaper (``PR_SET_CHILD_SUBREAPER``, Linux) while open, so
             descendants that leave their group are re-parented to it and can be ended and reaped.
+        containment: ``"auto"``, ``"cgroup"`` or ``"process-group"`` (see ``_containment``), or a
+            containment the caller opened (``open_engine`` opens one named after its state dir).
 
     Cancellation: leaving the block by cancellation or error still ends and reaps every run first
-    (each under a shielded cancel scope), then the exception propagates.
+    (each under a shielded cancel scope), then the exception propagates. Runs spawned with
+    ``outlive_engine_crash`` (watched on-exit commands) are left running, unsignalled.
+
+    Raises:
+        EngineError: ``containment="cgroup"`` where no cgroup v2 hierarchy is writable.
     """
     if grace_seconds < 0 or kill_wait_seconds < 0:
         raise ValueError("grace_seconds and kill_wait_seconds must be >= 0")
     active = set_child_subreaper(True) if subreaper else False
     try:
-        async with trio.open_nursery() as nursery:
-            sup = Supervisor(
-                nursery=nursery,
-                grace_seconds=grace_seconds,
-                kill_wait_seconds=kill_wait_seconds,
-                subreaper=active,
-            )
-            try:
-                yield sup
-            finally:
-                sup._close()
+        async with contextlib.AsyncExitStack() as stack:
+            if isinstance(containment, str):
+                chosen = await stack.enter_async_context(open_containment(containment, subreaper=active))
+            else:
+                chosen = containment
+            async with trio.open_nursery() as nursery:
+                sup = Supervisor(
+                    nursery=nursery,
+                    grace_seconds=grace_seconds,
+                    kill_wait_seconds=kill_wait_seconds,
+                    subreaper=active,
+                    containment=chosen,
+                )
+                try:
+                    yield sup
+                finally:
+                    sup._close()
     except BaseExceptionGroup as group:
         unwrap_single(group)
     finally:

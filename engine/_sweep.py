@@ -21,10 +21,11 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from ._cgroup import Cgroup2, Leaf, load_recorded_parent, parent_leaves
 from ._escalation import Escalation, EscalationTarget, Steps, WaitGone, advance, escalate
 from ._procfs import children_map, read_marker, read_proc, scan_processes
 
@@ -35,9 +36,14 @@ __all__ = [
     "GroupRecord",
     "drive_blocking",
     "end_processes",
+    "find_marked_processes",
     "find_record_processes",
     "load_records",
+    "load_tokens",
+    "remove_token",
     "sweep_records",
+    "unwatched_leaves",
+    "write_token",
 ]
 
 _RECORDS = "groups"
@@ -101,10 +107,76 @@ def records_dir(state_dir: str) -> Path:
     return path
 
 
+#: Token files in ``groups/``: ``.token-<token>`` holding the engine's start time (clock ticks).
+_TOKEN_PREFIX = ".token-"
+
+
+def write_token(state_dir: str, token: str, start_time: int) -> None:
+    """Record an engine's run-marker token: every run it starts carries ``<token>:<run id>``.
+
+    Written before the engine's first spawn and removed at its graceful exit, so a process spawned
+    just before the engine died (its group record not written yet) is still found by the sweep.
+    """
+    path = records_dir(state_dir) / f"{_TOKEN_PREFIX}{token}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, f"{start_time}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def remove_token(state_dir: str, token: str) -> None:
+    """Forget an engine's token (missing is fine)."""
+    with contextlib.suppress(FileNotFoundError):
+        (records_dir(state_dir) / f"{_TOKEN_PREFIX}{token}").unlink()
+
+
+def load_tokens(state_dir: str) -> dict[str, int]:
+    """Every recorded token with its engine's start time; unreadable ones are removed."""
+    out: dict[str, int] = {}
+    for path in records_dir(state_dir).iterdir():
+        if not path.name.startswith(_TOKEN_PREFIX):
+            continue
+        token = path.name[len(_TOKEN_PREFIX) :]
+        try:
+            if not token.isalnum():
+                raise ValueError(token)
+            out[token] = int(path.read_text().strip())
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return out
+
+
+def find_marked_processes(tokens: dict[str, int]) -> dict[int, int]:
+    """Live processes whose run marker carries one of ``tokens`` (``<token>:<run id>``), ``{pid: start}``.
+
+    Watched on-exit commands carry ``<token>w:<run id>`` and are not found. Only processes started
+    after the token's engine are read (their environment).
+    """
+    if not tokens:
+        return {}
+    earliest = min(tokens.values())
+    prefixes = tuple(f"{token}:" for token in tokens)
+    me = os.getpid()
+    found: dict[int, int] = {}
+    for p in scan_processes():
+        if p.zombie or p.pid == me or p.start_time < earliest or p.kernel_thread:
+            continue
+        marker = read_marker(p.pid)
+        if marker is not None and marker.startswith(prefixes):
+            token = marker.partition(":")[0]
+            if p.start_time >= tokens.get(token, 0):
+                found[p.pid] = p.start_time
+    return found
+
+
 def load_records(state_dir: str) -> list[GroupRecord]:
     """Every readable record; unreadable files are removed."""
     out = []
     for path in records_dir(state_dir).iterdir():
+        if path.name.startswith(_TOKEN_PREFIX):
+            continue
         try:
             out.append(GroupRecord.parse(path.read_text()))
         except (OSError, ValueError):
@@ -188,6 +260,59 @@ class _RecordedProcesses:
         return not self.remaining()
 
 
+class _Leaves:
+    """An escalation target: cgroup v2 leaves a dead engine left (every process in them is its)."""
+
+    __slots__ = ("_leaves",)
+
+    def __init__(self, leaves: Sequence[Leaf]) -> None:
+        self._leaves = list(leaves)
+
+    def snapshot(self, *, fresh: bool) -> None:
+        pass
+
+    def send(self, sig: int) -> None:
+        for leaf in self._leaves:
+            leaf.signal(sig)
+
+    def kill(self) -> None:
+        for leaf in self._leaves:
+            leaf.kill()
+
+    def remaining(self) -> list[int]:
+        return sorted(pid for leaf in self._leaves for pid in leaf.procs())
+
+    def gone(self) -> bool:
+        return not any(leaf.populated() for leaf in self._leaves)
+
+
+class _Together:
+    """Several escalation targets ended by one escalation (one grace period for all of them)."""
+
+    __slots__ = ("_targets",)
+
+    def __init__(self, *targets: EscalationTarget) -> None:
+        self._targets = targets
+
+    def snapshot(self, *, fresh: bool) -> None:
+        for target in self._targets:
+            target.snapshot(fresh=fresh)
+
+    def send(self, sig: int) -> None:
+        for target in self._targets:
+            target.send(sig)
+
+    def kill(self) -> None:
+        for target in self._targets:
+            target.kill()
+
+    def remaining(self) -> list[int]:
+        return sorted(pid for target in self._targets for pid in target.remaining())
+
+    def gone(self) -> bool:
+        return all(target.gone() for target in self._targets)
+
+
 def drive_blocking(target: EscalationTarget, steps: Steps) -> Escalation:
     """Run the escalation ``steps`` on ``target``, blocking: each wait polls ``target.gone()`` every
     20 ms until it says gone or the request's time is up."""
@@ -207,7 +332,13 @@ def _wait_gone(target: EscalationTarget, seconds: float) -> bool:
     return True
 
 
-def end_processes(targets: dict[int, int], *, grace_seconds: float, kill_wait_seconds: float) -> list[int]:
+def end_processes(
+    targets: dict[int, int],
+    *,
+    grace_seconds: float,
+    kill_wait_seconds: float,
+    leaves: Sequence[Leaf] = (),
+) -> list[int]:
     """SIGINT (+SIGCONT) -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` on ``targets``.
 
     Blocks (polling every 20 ms). A zombie counts as gone: its parent reaps it, not us.
@@ -216,11 +347,15 @@ def end_processes(targets: dict[int, int], *, grace_seconds: float, kill_wait_se
         targets: the processes, ``{pid: start_time}``.
         grace_seconds: the longest wait after SIGINT.
         kill_wait_seconds: the longest wait after SIGKILL.
+        leaves: cgroup v2 leaves ended in the same escalation (every process in them; SIGKILL through
+            ``cgroup.kill``); removed once empty.
 
     Returns:
         The pids still alive at the end.
     """
-    target = _RecordedProcesses(targets)
+    target: EscalationTarget = _RecordedProcesses(targets)
+    if leaves:
+        target = _Together(target, _Leaves(leaves))
     steps = escalate(
         target,
         grace_seconds=grace_seconds,
@@ -228,23 +363,43 @@ def end_processes(targets: dict[int, int], *, grace_seconds: float, kill_wait_se
         force=False,
         now=time.monotonic,
     )
-    return list(drive_blocking(target, steps).survivors)
+    survivors = list(drive_blocking(target, steps).survivors)
+    for leaf in leaves:
+        with contextlib.suppress(OSError):
+            leaf.remove()
+    return survivors
+
+
+def unwatched_leaves(cgroup2: Cgroup2, parent: str) -> list[Leaf]:
+    """The leaves under ``parent`` that are not watched on-exit commands' (those survive for adoption)."""
+    return [leaf for leaf in parent_leaves(cgroup2, parent) if not leaf.watched]
 
 
 def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: float) -> tuple[int, list[int]]:
     """End every process the state dir's records name, then drop the records.
 
     Run by an engine at start-up, under the state-dir lock, so that no other engine's children are
-    touched: processes left by a crashed engine (and a crashed guardian) are ended here.
+    touched: processes left by a crashed engine (and a crashed guardian) are ended here: the groups
+    recorded in ``groups/``, every process carrying a recorded token's marker, and every leaf of the
+    recorded parent cgroup but the watched commands' (adopted by the watchers instead).
 
     Returns:
         ``(number of processes ended, survivors)``.
     """
     records = load_records(state_dir)
-    if not records:
+    tokens = load_tokens(state_dir)
+    recorded = load_recorded_parent(state_dir)
+    leaves = unwatched_leaves(*recorded) if recorded is not None else []
+    if not records and not tokens and not leaves:
         return 0, []
     targets = find_record_processes(records)
-    survivors = end_processes(targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)
+    targets.update(find_marked_processes(tokens))
+    count = len(targets) + sum(len(leaf.procs()) for leaf in leaves)
+    survivors = end_processes(
+        targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds, leaves=leaves
+    )
     for rec in records:
         rec.remove(state_dir)
-    return len(targets), survivors
+    for token in tokens:
+        remove_token(state_dir, token)
+    return count, survivors

@@ -34,7 +34,7 @@ from ._procfs import (
     scan_processes,
 )
 
-__all__ = ["LeaderTarget", "ProcessTree", "drive_escalation"]
+__all__ = ["LeaderTarget", "ProcessTree", "drive_escalation", "wait_gone"]
 
 #: Polling steps inside an escalation: start fast (a cooperative child dies within a millisecond), back
 #: off to the design's ceiling of 20 ms.
@@ -48,15 +48,15 @@ class LeaderTarget(EscalationTarget, Protocol):
     """An escalation target led by a child of the engine, which the Trio driver can wait on.
 
     Attributes:
-        pidfd: the leader's pidfd (readable once it exits), or -1 once it is reaped.
-        force: set (by another task) to cut the grace period short and kill now.
+        force: set (by another task, through ``request_force``) to cut the grace period short.
     """
 
     @property
-    def pidfd(self) -> int: ...
-
-    @property
     def force(self) -> bool: ...
+
+    async def wait_change(self, step_seconds: float) -> None:
+        """Wait until the target may have changed: its leader exited, a member left, or force was asked;
+        at most ``step_seconds`` where the target has no way to be told (a process group is polled)."""
 
 
 async def drive_escalation(target: LeaderTarget, steps: Steps) -> Escalation:
@@ -79,19 +79,23 @@ async def drive_escalation(target: LeaderTarget, steps: Steps) -> Escalation:
 
 
 async def _wait_gone(target: LeaderTarget, *, honour_force: bool) -> bool:
-    """Poll until the target is gone; ``False`` at once when ``honour_force`` and force is set.
+    """Wait until the target is gone; ``False`` at once when ``honour_force`` and force is set.
     Callers bound it with ``trio.move_on_after``."""
     step = _FIRST_STEP_SECONDS
     while not target.gone():
         if honour_force and target.force:
             return False
-        if target.pidfd >= 0:
-            with trio.move_on_after(step):
-                await wait_pidfd(target.pidfd)
-        else:
-            await trio.sleep(step)
+        await target.wait_change(step)
         step = min(step * 2, _MAX_STEP_SECONDS)
     return True
+
+
+async def wait_gone(target: LeaderTarget) -> None:
+    """Wait until nothing of ``target`` is alive (the drain after a leader's own exit, see SP-03).
+
+    Cancellation: safe; callers bound it with ``trio.move_on_after``.
+    """
+    await _wait_gone(target, honour_force=False)
 
 
 @attrs.define(eq=False)
@@ -230,7 +234,20 @@ class ProcessTree:
             if info is not None and pid != self.pid and pid not in self.tracked:
                 self.tracked[pid] = info.start_time
 
-    def adopted_strays(self) -> bool:
+    def request_force(self) -> None:
+        """Skip the rest of the grace period: the escalation kills at its next look."""
+        self.force = True
+
+    async def wait_change(self, step_seconds: float) -> None:
+        """Wait for the leader's exit (its pidfd), at most ``step_seconds``: the rest of a process tree
+        gives no event to wait on, so an escalation looks again after each step (at most 20 ms)."""
+        with trio.move_on_after(step_seconds):
+            if self.pidfd >= 0:
+                await wait_pidfd(self.pidfd)
+            else:
+                await trio.sleep_forever()
+
+    def leftovers(self) -> bool:
         """After the leader exited: whether anything of the tree may be left.
 
         On the way it reaps the zombies the leader's exit handed to the engine (see

@@ -145,12 +145,21 @@ def pgrep_env(name: str, text: str) -> list[int]:
 
 
 def kill_pids(pids: list[int]) -> None:
-    """SIGKILL each of ``pids`` (already gone is fine)."""
+    """SIGKILL each of ``pids`` (already gone is fine), and reap those that are this process's children.
+
+    A watched on-exit command left running by a graceful stop stays a child of the test process (the
+    engine was embedded in it): without the reap it would stay a zombie for the rest of the session.
+    """
     for pid in pids:
         try:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+    for pid in pids:
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # not our child: its parent reaps it
 
 
 def kill_leftovers(pattern: str) -> None:

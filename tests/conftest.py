@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from engine import Supervisor, open_supervisor
+from engine._cgroup import EngineCgroup, find_cgroup2
 
 from .children import SESSION, SESSION_VAR, add_session_root, mark
 from .serve_support import Served, start_serve
@@ -97,9 +98,38 @@ def _machine_lock(request: pytest.FixtureRequest) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def cgroup_unusable() -> str:
+    """Why cgroup containment cannot be used here ("" where it can): no v2 mount, not writable, ..."""
+    global _cgroup_why
+    if _cgroup_why is None:
+        found, why = find_cgroup2()
+        if found is not None:
+            try:
+                EngineCgroup.open(found, f"/tests/{os.getpid()}/{SESSION}", record=False).close()
+                why = ""
+            except OSError as exc:
+                why = str(exc)
+        _cgroup_why = why
+    return _cgroup_why
+
+
+_cgroup_why: str | None = None
+
+
+@pytest.fixture(params=["process-group", "cgroup"])
+def containment(request: pytest.FixtureRequest) -> str:
+    """Each containment mode in turn; cgroup is skipped, with the reason printed, where it cannot be used."""
+    mode: str = request.param
+    if mode == "cgroup" and (why := cgroup_unusable()):
+        pytest.skip(f"cgroup containment is not usable here: {why}")
+    return mode
+
+
 @pytest.fixture
-async def supervisor() -> AsyncIterator[Supervisor]:
-    async with open_supervisor(grace_seconds=SHORT_GRACE, kill_wait_seconds=2.0) as sup:
+async def supervisor(containment: str) -> AsyncIterator[Supervisor]:
+    async with open_supervisor(
+        grace_seconds=SHORT_GRACE, kill_wait_seconds=2.0, containment=containment
+    ) as sup:
         yield sup
 
 

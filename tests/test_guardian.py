@@ -127,15 +127,26 @@ async def test_sweep_ends_leftovers_when_guardian_died_too(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("outlive", [True, False])
-async def test_guardian_skips_runs_that_outlive_engine_crash(tmp_path: Path, outlive: bool) -> None:
+async def test_guardian_skips_runs_that_outlive_engine_crash(
+    tmp_path: Path, outlive: bool, containment: str
+) -> None:
     state = tmp_path / "state"
-    async with open_engine(EngineConfig(state_dir=str(state), grace_seconds=0.3)) as engine:
-        run = await engine.supervisor.spawn(
-            SpawnSpec(argv=("sleep", mark("334.1")), outlive_engine_crash=outlive)
-        )
-        recorded = [p.name for p in (state / "groups").iterdir()]
-        assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
-    assert not pgrep(rf"^sleep 334\.1{SESSION}")  # a graceful exit ends it either way
+    config = EngineConfig(state_dir=str(state), grace_seconds=0.3, containment=containment)
+    try:
+        async with open_engine(config) as engine:
+            run = await engine.supervisor.spawn(
+                SpawnSpec(argv=("sleep", mark("334.1")), outlive_engine_crash=outlive)
+            )
+            if containment == "cgroup":  # no group record: the guardian ends every leaf but w-*
+                assert run.cgroup is not None
+                assert os.path.basename(run.cgroup).startswith("w-") is outlive
+            else:
+                recorded = [p.name for p in (state / "groups").iterdir()]
+                assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
+        # A graceful exit leaves a watched command running (for the next engine), and ends the rest.
+        assert bool(pgrep(rf"^sleep 334\.1{SESSION}")) is outlive
+    finally:
+        kill_leftovers(rf"^sleep 334\.1{SESSION}")
 
 
 @pytest.mark.serial

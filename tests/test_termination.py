@@ -44,7 +44,7 @@ MARKERS = {"bash": rf"301\.1{SESSION}", "python": rf"301\.2{SESSION}", "stopped"
 
 
 @pytest.mark.serial
-async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Path) -> None:
+async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Path, containment: str) -> None:
     inputs = {
         "bash": ("bash", "-c", f"trap '' INT; echo ready; sleep {mark('301.1')}"),
         "python": ignoring_sigint(mark("301.2")),
@@ -55,7 +55,7 @@ async def test_cancel_default_grace_sp01_sigint_ignored_and_stopped(tmp_path: Pa
     }
     results: dict[str, tuple[float, RunExit, int]] = {}
     try:
-        async with open_supervisor() as sup:
+        async with open_supervisor(containment=containment) as sup:
             bystander = await sup.spawn(SpawnSpec(argv=("sleep", mark("301.9"))))
             runs = {}
             for name, argv in inputs.items():
@@ -104,10 +104,10 @@ SP02 = {
 
 
 @pytest.mark.serial
-async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
+async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path, containment: str) -> None:
     timings: dict[str, float] = {}
     try:
-        async with open_supervisor() as sup:
+        async with open_supervisor(containment=containment) as sup:
             runs = {}
             for name, argv in SP02.items():
                 out = tmp_path / f"{name}.out"
@@ -140,8 +140,8 @@ async def test_cancel_default_grace_sp02_grandchildren(tmp_path: Path) -> None:
     assert os.getpgid(0) == os.getpgrp()  # our own group was never signalled (we are still here)
 
 
-async def test_cancel_group_leaves_no_reparented_survivor() -> None:
-    async with open_supervisor(grace_seconds=0.3) as sup:
+async def test_cancel_group_leaves_no_reparented_survivor(containment: str) -> None:
+    async with open_supervisor(containment=containment, grace_seconds=0.3) as sup:
         argv = ("bash", "-c", f"sleep {mark('321.1')} & sleep {mark('321.2')} & wait")
         run = await sup.spawn(SpawnSpec(argv=argv))
         await wait_until(lambda: len(pgrep(rf"^sleep 321\.[12]{SESSION}")) == 2)
@@ -160,8 +160,8 @@ async def test_cancel_setsid_escapee_is_ended(supervisor: Supervisor) -> None:
 
 
 @pytest.mark.parametrize("subreaper", [True, False])
-async def test_cancel_double_forked_daemon_found_by_marker(subreaper: bool) -> None:
-    async with open_supervisor(grace_seconds=0.3, subreaper=subreaper) as sup:
+async def test_cancel_double_forked_daemon_found_by_marker(subreaper: bool, containment: str) -> None:
+    async with open_supervisor(containment=containment, grace_seconds=0.3, subreaper=subreaper) as sup:
         run = await sup.spawn(
             SpawnSpec(
                 argv=("bash", "-c", f"(setsid sleep {mark('321.4')} &) ; echo forked; sleep {mark('321.5')}")

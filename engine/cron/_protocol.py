@@ -26,6 +26,10 @@ class JobStore(Protocol):
     delivered after it.
     """
 
+    def describe(self) -> str:
+        """Where the store is, for logs and ``status`` (``sqlite:/path``; a URL without its password)."""
+        ...
+
     async def open(self) -> None:
         """Open the store (create or migrate the schema)."""
 

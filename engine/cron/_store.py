@@ -102,6 +102,10 @@ class SqliteJobStore:
         """The store of a state directory: ``<state_dir>/cron.sqlite3``."""
         return cls(os.path.join(state_dir, STORE_FILE_NAME))
 
+    def describe(self) -> str:
+        """``sqlite:<path>``."""
+        return f"sqlite:{self.path}"
+
     def __repr__(self) -> str:
         return f"<SqliteJobStore {self.path!r}: {'open' if self._conn is not None else 'closed'}>"
 

@@ -10,7 +10,6 @@ subprocesses as ``SubProcessSummary.to_dict()``, jobs as ``CronJob.to_dict()``, 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, final
 
@@ -201,11 +200,10 @@ class Methods:
     async def _status(self) -> object:
         records = self.engine.service.ps()
         jobs = await self.engine.cron.list()
+        status = (await self.engine.status()).to_dict()
         return {
-            "pid": os.getpid(),
-            "state_dir": self.engine.state_dir,
+            **status,
             "socket": self.socket_path,
-            "version": self.version,
             "uptime_seconds": round(trio.current_time() - self._started, 3),
             "subprocesses": {"total": len(records), "running": sum(1 for sp in records if sp.running)},
             "cron_jobs": {"total": len(jobs), "enabled": sum(1 for job in jobs if job.enabled)},

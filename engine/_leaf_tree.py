@@ -1,0 +1,100 @@
+"""A run contained in a cgroup v2 leaf, as an escalation target.
+
+The leaf holds the run's whole tree, whatever its processes did (``setsid``, a double fork, ``env -i``),
+so there is nothing to look for: SIGINT and SIGCONT go to every pid of ``cgroup.procs``, SIGKILL is one
+write to ``cgroup.kill``, and the tree is gone when ``cgroup.events`` says ``populated 0`` and the
+zombies it handed to the engine (a subreaper) are reaped by their own pid: a zombie leaves
+``cgroup.procs`` at once but keeps naming its cgroup until it is reaped. Waits are woken by inotify on
+``cgroup.events`` (``_cgroup_watch``) and by the leader's pidfd, never by polling the leaf.
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import trio
+
+from ._cgroup import Leaf
+from ._cgroup_watch import LeafWatcher
+from ._pidfd import wait_pidfd
+from ._procfs import engine_children
+from ._termination import ProcessTree
+
+__all__ = ["LeafTree"]
+
+
+@attrs.define(eq=False)
+class LeafTree(ProcessTree):
+    """A run's leader and its cgroup leaf: the escalation target of a run in cgroup containment.
+
+    The leader is handled as in :class:`ProcessTree` (its pidfd, its reaping); the rest is the leaf's.
+
+    Attributes:
+        leaf: the run's cgroup.
+        watcher: the engine's inotify watcher of leaves.
+    """
+
+    leaf: Leaf = attrs.field(kw_only=True)
+    watcher: LeafWatcher = attrs.field(kw_only=True)
+    _seen: int = attrs.field(init=False, default=-1)
+
+    def snapshot(self, *, fresh: bool = True) -> None:
+        """Nothing to look for: every descendant is in the leaf."""
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to every process in the leaf (each pinned by a pidfd first)."""
+        self.leaf.signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL the whole leaf at once through ``cgroup.kill`` (forks in flight included)."""
+        self.leaf.kill()
+
+    def request_force(self) -> None:
+        """Skip the rest of the grace period, and wake a wait on the leaf so it happens now."""
+        self.force = True
+        self.watcher.poke(self.leaf)
+
+    def _reap_leaf_zombies(self) -> None:
+        # A fresh read: a process re-parented to the engine a moment ago (its parent just died) counts.
+        adopted = engine_children() - self.known_leaders
+        for pid in adopted:
+            if self.leaf.holds(pid):
+                try:  # look first (WNOWAIT): reap only a zombie, by its own pid, never waitpid(-1)
+                    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                        os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+    def gone(self) -> bool:
+        """Whether the leader is reaped, the leaf holds no live process, and its zombies are reaped."""
+        if not self.poll_leader():
+            return False
+        self._seen = self.watcher.generation(self.leaf)  # before the look: no change is missed
+        if self.leaf.populated():
+            return False
+        self._reap_leaf_zombies()
+        return True
+
+    def remaining(self) -> list[int]:
+        """The pids in the leaf now, the leader's while it is not reaped (zombies reaped on the way)."""
+        alive = set(self.leaf.procs())
+        if not self.poll_leader():
+            alive.add(self.pid)
+        if not alive:
+            self._reap_leaf_zombies()
+        return sorted(alive)
+
+    def leftovers(self) -> bool:
+        """After the leader exited: whether a process is still in the leaf."""
+        self._seen = self.watcher.generation(self.leaf)
+        return self.leaf.populated()
+
+    async def wait_change(self, step_seconds: float) -> None:
+        """While the leader lives, wait for its exit (at most ``step_seconds``: the leaf cannot empty
+        before it); after, wait for the leaf's ``cgroup.events`` to change, with no polling."""
+        if self.pidfd >= 0:
+            with trio.move_on_after(step_seconds):
+                await wait_pidfd(self.pidfd)
+            return
+        await self.watcher.wait_changed(self.leaf, self._seen)
