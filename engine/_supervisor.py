@@ -2,7 +2,8 @@
 
 Every child is the leader of its own session and process group, writes straight into log files the
 engine opened, and is watched through a pidfd by a task in the supervisor's nursery. Leaving
-:func:`open_supervisor` terminates and reaps every child, however the body ended.
+:func:`open_supervisor` terminates and reaps every child, however the body ended, except the runs
+spawned with ``outlive_engine_crash``, which are left running for the next engine.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ class SpawnSpec:
         replace_existing_scope: end every run of ``scope_key`` (reaped) before this one starts.
         max_runtime_seconds: end the run by escalation after this many seconds.
         grace_seconds: SIGINT -> SIGKILL delay for this run (``None``: the supervisor's).
-        outlive_engine_crash: leave this run to the next engine if this one crashes (the guardian and the
-            start-up sweep skip it); on-exit watched commands use it. A graceful shutdown still ends it.
+        outlive_engine_crash: leave this run to the next engine when this one stops, by a crash (the
+            guardian and the start-up sweep skip it) or gracefully (closing the supervisor detaches it:
+            its pidfd is closed and it is forgotten, never signalled); on-exit watched commands use it.
+            ``cancel`` and ``cancel_scope`` still end it.
     """
 
     argv: tuple[str, ...] | None = attrs.field(default=None, converter=_argv_tuple)
@@ -205,6 +208,7 @@ class ManagedRun:
     _done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _requested: TerminationReason | None = attrs.field(init=False, default=None)
+    _detached: bool = attrs.field(init=False, default=False)
 
     @property
     def marker(self) -> str:
@@ -372,9 +376,15 @@ class Supervisor:
             with run._cancel_scope:
                 await run._tree.wait_leader()
         except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
+            if run._detached:
+                self._forget(run)
+                raise
             with trio.CancelScope(shield=True):
                 await self._finish(run, TerminationReason.CANCELLED, terminate=True)
             raise
+        if run._detached and run._tree.status is None:
+            self._forget(run)
+            return
         if run._cancel_scope.cancelled_caught:
             reason = run._requested or TerminationReason.MAX_RUNTIME
             with trio.CancelScope(shield=True):
@@ -462,7 +472,23 @@ class Supervisor:
     def _close(self) -> None:
         self._closing = True
         for run in self.runs():
-            self._request(run, force=False)
+            if run.outlive_engine_crash and run._requested is None:
+                self._detach(run)
+            else:
+                self._request(run, force=False)
+
+    def _detach(self, run: ManagedRun) -> None:
+        """Stop watching ``run`` and leave it running, unsignalled, for the next engine (a graceful stop).
+
+        Its ``wait()`` never returns; its observers are not told it ended (it did not).
+        """
+        run._detached = True
+        run._cancel_scope.cancel()
+
+    def _forget(self, run: ManagedRun) -> None:
+        run._tree.close()
+        self._runs.pop(run.run_id, None)
+        self._leaders.discard(run.pid)
 
 
 async def _wait_shielded(run: ManagedRun) -> RunExit:
@@ -479,6 +505,9 @@ async def open_supervisor(
     *, grace_seconds: float = 5.0, kill_wait_seconds: float = 5.0, subreaper: bool = True
 ) -> AsyncIterator[Supervisor]:
     """Open a :class:`Supervisor` whose runs all end (terminated and reaped) when the block is left.
+
+    Runs spawned with ``outlive_engine_crash`` are the exception: they are detached, left running and
+    unsignalled (on-exit watched commands, adopted by the next engine).
 
     Args:
         grace_seconds: default SIGINT -> SIGKILL delay, in seconds.
