@@ -85,11 +85,12 @@ async def _serve_stdio(backend: RpcBackend, project_dir: str) -> None:
 
 
 async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> None:
-    """End every child of ``engine`` within about ``grace_seconds`` plus a reap, without firing watchers.
+    """End every child of ``engine`` within about ``grace_seconds`` plus a reap, but the watched ones.
 
-    On-exit watchers are cancelled (their jobs stay enabled, re-armed at the next start) and every
-    subprocess is killed, both by the usual escalation; whatever still runs after ``grace_seconds`` gets
+    Every subprocess is killed by the usual escalation; whatever still runs after ``grace_seconds`` gets
     SIGKILL at once (``Supervisor.cancel(force=True)``). ``open_engine`` then has nothing left to wait for.
+    The commands of on-exit jobs are left running, unsignalled: leaving ``open_engine`` detaches them for
+    the next engine (a graceful stop).
 
     Cancellation: shielded; the children are ended and reaped either way.
     """
@@ -99,12 +100,11 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
             async def force_after_grace() -> None:
                 await trio.sleep(grace_seconds)
                 for run in engine.supervisor.runs():
-                    nursery.start_soon(functools.partial(engine.supervisor.cancel, run, force=True))
+                    if not run.outlive_engine_crash:
+                        nursery.start_soon(functools.partial(engine.supervisor.cancel, run, force=True))
 
             nursery.start_soon(force_after_grace)
-            async with trio.open_nursery() as stopping:
-                stopping.start_soon(engine.watchers.cancel_all)
-                stopping.start_soon(engine.service.kill_all)
+            await engine.service.kill_all()
             nursery.cancel_scope.cancel()
 
 
