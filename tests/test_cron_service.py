@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -114,6 +115,28 @@ async def test_service_every_fires_each_due_time_once(
         assert job.next_run_at == T0 + timedelta(seconds=240)
         assert job.last_status is JobStatus.OK
         assert await cron.events(since=2) == events[2:]
+
+
+async def test_service_cr06_hourly_new_york_job_fires_25_times_on_fall_back_day(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    """CR-06 row 4 through the timer: real time, 3600 s apart, across the repeated hour."""
+    wall = WallClock(datetime(2026, 11, 1, 3, 59, 30, tzinfo=UTC))
+    fired_at: list[datetime] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        fired_at.append(wall())
+
+    async with cron_service(tmp_path, supervisor, wall, on_fire=on_fire) as cron:
+        cron.recheck_seconds = 3600.0  # the wall clock is not stepped here: wake at due times only
+        await cron.add(Cron("0 * * * *", "America/New_York"), SystemEvent("hourly"))
+        await trio.sleep(24 * 3600 + 60)
+        assert len(await cron.events()) == 25
+    due = [moment.replace(second=0, microsecond=0) for moment in fired_at]
+    assert due[0] == datetime(2026, 11, 1, 4, 0, tzinfo=UTC) and due[-1] == datetime(
+        2026, 11, 2, 4, tzinfo=UTC
+    )
+    assert {b - a for a, b in itertools.pairwise(due)} == {timedelta(hours=1)}
 
 
 async def test_service_idle_timer_does_not_busy_loop(
