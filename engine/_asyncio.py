@@ -290,10 +290,21 @@ class AsyncioEngine:
         name: str | None = None,
         enabled: bool = True,
         delete_after_run: bool = False,
+        project: Project | str | os.PathLike[str] | None = None,
     ) -> CronJob:
-        """``CronService.add``. Cancellation: as :meth:`run`."""
+        """``CronService.add``; ``project`` (a :class:`Project` or its directory) is stored as its id.
+
+        Cancellation: as :meth:`run`.
+        """
+        project_id = _project(project).id if project is not None else None
         add = functools.partial(
-            _cron_add, schedule=schedule, payload=payload, name=name, enabled=enabled, once=delete_after_run
+            _cron_add,
+            schedule=schedule,
+            payload=payload,
+            name=name,
+            enabled=enabled,
+            once=delete_after_run,
+            project=project_id,
         )
         return await self.run(add)
 
@@ -348,9 +359,18 @@ async def _read_log(
 
 
 async def _cron_add(
-    engine: Engine, *, schedule: Schedule, payload: Payload, name: str | None, enabled: bool, once: bool
+    engine: Engine,
+    *,
+    schedule: Schedule,
+    payload: Payload,
+    name: str | None,
+    enabled: bool,
+    once: bool,
+    project: str | None,
 ) -> CronJob:
-    return await engine.cron.add(schedule, payload, name=name, enabled=enabled, delete_after_run=once)
+    return await engine.cron.add(
+        schedule, payload, name=name, enabled=enabled, delete_after_run=once, project=project
+    )
 
 
 async def _guest_run(engine: AsyncioEngine, started: asyncio.Future[None]) -> outcome.Outcome[None]:

@@ -435,6 +435,28 @@ async def test_service_command_payload_reports_exit_and_output(
         assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
 
 
+async def test_service_keeps_the_project_of_a_job_and_its_events(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, WallClock()) as cron:
+        mine = await cron.add(At(T0 + timedelta(hours=1)), SystemEvent("mine"), project="1f2e3d4c5b6a7988")
+        loose = await cron.add(At(T0 + timedelta(hours=1)), SystemEvent("loose"))
+        assert (mine.project, loose.project) == ("1f2e3d4c5b6a7988", None)
+        assert (await cron.get(mine.id)).project == "1f2e3d4c5b6a7988"
+        await cron.update(mine.id, name="renamed")  # a change keeps it
+        assert (await cron.get(mine.id)).project == "1f2e3d4c5b6a7988"
+        await cron.run_now(mine.id)
+        await cron.run_now(loose.id)
+        assert [(e.job_id, e.project) for e in await cron.events()] == [
+            (mine.id, "1f2e3d4c5b6a7988"),
+            (loose.id, None),
+        ]
+        for bad in ("", "a\x00b", 7):
+            with pytest.raises(InvalidArgumentError, match="project"):
+                await cron.add(Every(60), SystemEvent("x"), project=bad)  # type: ignore[arg-type]
+        assert len(await cron.list()) == 2
+
+
 async def test_engine_reopens_the_store_on_the_same_state_dir(tmp_path: Path) -> None:
     config = EngineConfig(state_dir=str(tmp_path), grace_seconds=0.4, kill_wait_seconds=1.0)
     with trio.fail_after(20):

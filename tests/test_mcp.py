@@ -23,13 +23,14 @@ import trio
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from engine import EngineConfig, Every, SystemEvent, open_engine
+from engine import EngineConfig, Every, Project, SystemEvent, open_engine
 from engine._input import read_schedule
+from engine.server._client import EngineClient
 from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
 from engine.server._mcp_tools import CRON_TOOLS, EmbeddedBackend, McpTools
 from engine.server._methods import Methods, to_wire
 
-from .children import ignoring_sigint, kill_leftovers, pgrep
+from .children import ignoring_sigint, kill_leftovers, pgrep, wait_until
 from .serve_support import GRACE, SHELL, alive, cli, start_serve
 
 TOOL_NAMES = ["subprocess", "cron_add", "cron_list", "cron_remove", "cron_events"]
@@ -257,6 +258,54 @@ async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: str) -> N
         kill_leftovers(marker)
 
 
+async def test_mcp_cron_tools_are_scoped_to_the_session_project(tmp_path: Path, marker: str) -> None:
+    state, a, b = tmp_path / "state", tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        # A embeds the engine; B, a second agent on the same state dir, forwards to it.
+        async with mcp_client(server_params(state, a), tmp_path / "a.log") as sa:
+            text, is_error = await call(
+                sa, "cron_add", {"command": f"sleep {marker}; echo a-{marker}", "text": "a done"}
+            )
+            assert not is_error, text
+            a_job = text.split("\n")[1].removeprefix("id: ")
+            await wait_until(lambda: bool(pgrep(rf"^sleep {marker}$")))
+            async with mcp_client(server_params(state, b), tmp_path / "b.log") as sb:
+                assert await call(sb, "cron_list", {}) == ("CRON LIST\nNo cron jobs.", False)
+                text, is_error = await call(sb, "cron_remove", {"id": a_job})
+                assert is_error and text == (
+                    f"CRON ERROR: job_id {a_job!r} names no cron job; list the jobs to see their ids"
+                )
+                assert pgrep(rf"^sleep {marker}$")  # A's command runs on, unfired
+                text, is_error = await call(sb, "cron_add", {"every_seconds": 3600, "text": "b tick"})
+                assert not is_error, text
+                b_job = text.split("\n")[1].removeprefix("id: ")
+                text, _ = await call(sb, "cron_list", {})
+                assert f"id: {b_job}" in text and a_job not in text
+                text, _ = await call(sa, "cron_list", {})
+                assert f"id: {a_job}" in text and b_job not in text
+                text, is_error = await call(sa, "cron_remove", {"id": b_job})
+                assert is_error and "names no cron job" in text
+                kill_leftovers(rf"^sleep {marker}$")  # A's command ends: A's job fires
+                event = await wait_for_event(sa, a_job)
+                assert f"a-{marker}" in event
+                text, is_error = await call(sb, "cron_events", {})
+                assert (text, is_error) == ("CRON EVENTS\nNo events after cursor 0.\nnext since: 0", False)
+            assert "mode=forward" in (tmp_path / "b.log").read_text()
+            # Jobs and events carry the project id for every surface.
+            with EngineClient(str(state)) as client:
+                jobs = {job["id"]: job["project"] for job in client.call("cron.list")}
+                assert jobs == {a_job: Project.from_directory(a).id, b_job: Project.from_directory(b).id}
+                events = client.call("events", project=str(a))
+                assert [(e["job_id"], e["project"]) for e in events] == [
+                    (a_job, Project.from_directory(a).id)
+                ]
+                assert client.call("events", project=str(b)) == []
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
 def test_mcp_refuses_a_missing_project(tmp_path: Path) -> None:
     result = cli("mcp", "--state-dir", str(tmp_path / "state"), "--project", str(tmp_path / "nope"))
     assert result.returncode == 1 and result.stdout == ""
@@ -291,7 +340,12 @@ async def test_mcp_tools_read_once_pass_typed_values_and_refuse_poison(tmp_path:
         # Typed once here; Methods.run takes them as they are (the socket backend sends their JSON form).
         assert (method, params) == (
             "cron.add",
-            {"schedule": Every(3600.0), "payload": SystemEvent("hourly"), "name": "t"},
+            {
+                "schedule": Every(3600.0),
+                "payload": SystemEvent("hourly"),
+                "project": Project.from_directory(project),
+                "name": "t",
+            },
         )
         assert read_schedule(to_wire(params)["schedule"]) == Every(3600.0)
         seen = len(backend.calls)

@@ -6,7 +6,10 @@ Independent of the MCP SDK: this module names the tools, checks their arguments 
 - ``subprocess``: the engine's own tool (same schema, same texts byte for byte, ``SUBPROCESS ERROR: ...``
   flagged as an error), bound to the server's project.
 - ``cron_add``, ``cron_list``, ``cron_remove``, ``cron_events``: jobs and their fired events, in texts of
-  the same shape (``CRON ADDED`` ..., ``CRON ERROR: ...`` for a rejected call).
+  the same shape (``CRON ADDED`` ..., ``CRON ERROR: ...`` for a rejected call). Like ``subprocess`` they
+  act on the server's project only: a job is added with the project's id (``CronJob.project``), and a
+  job of another project (or of none) is not listed, not removable and its events are not shown, as if
+  it did not exist (one agent must never end another's on-exit command).
 
 Each tool reads its arguments once, with :mod:`engine._input`, into typed values (a schedule, a payload,
 a cursor) and hands those to a backend: :class:`EmbeddedBackend` runs the method of
@@ -27,6 +30,7 @@ import trio
 
 from .._errors import EngineError, InvalidArgumentError
 from .._input import check_text, read_fields, read_moment, read_project, read_seconds, read_whole
+from .._project import Project
 from ..cron._job import SystemEvent
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 from ._client import EngineClient
@@ -135,12 +139,14 @@ def _cron_definitions() -> list[dict[str, Any]]:
         },
         {
             "name": "cron_list",
-            "description": "List the scheduled jobs: id, name, schedule, next run and last status.",
+            "description": "List this project's jobs: id, name, schedule, next run and last status.",
             "inputSchema": {"type": "object", "properties": {}, "additionalProperties": False},
         },
         {
             "name": "cron_remove",
-            "description": "Remove a job by id (an on-exit job's command is stopped, without firing).",
+            "description": (
+                "Remove a job of this project by id (an on-exit job's command is stopped, without firing)."
+            ),
             "inputSchema": {
                 "type": "object",
                 "properties": {"id": {"type": "string", "description": "The job id cron_add returned."}},
@@ -151,7 +157,8 @@ def _cron_definitions() -> list[dict[str, Any]]:
         {
             "name": "cron_events",
             "description": (
-                "Read the jobs that fired, oldest first, after cursor `since` (default 0: from the start). "
+                "Read the fires of this project's jobs, oldest first, after cursor `since` (default 0: from "
+                "the start). "
                 f"At most {EVENTS_PAGE} per call; the text ends with the cursor to pass next time."
             ),
             "inputSchema": {
@@ -243,6 +250,9 @@ class McpTools:
         text = result["text"]
         return text, text.startswith(_SUBPROCESS_ERROR)
 
+    def _project(self) -> Project:
+        return read_project(self.project_dir)
+
     def _cwd(self, args: Mapping[str, Any]) -> str:
         cwd = args.get("cwd")
         if cwd is None:
@@ -275,6 +285,7 @@ class McpTools:
         params: dict[str, object] = {
             "schedule": self._schedule(args),
             "payload": SystemEvent(text=check_text(args.get("text"), "text")),
+            "project": self._project(),
         }
         if "name" in args:
             params["name"] = check_text(args["name"], "name")
@@ -291,7 +302,7 @@ class McpTools:
 
     async def _cron_list(self, raw: dict[str, Any]) -> str:
         read_fields(raw, "cron_list", (), what="argument")
-        jobs = await self.backend.call("cron.list", {})
+        jobs = await self.backend.call("cron.list", {"project": self._project()})
         lines = ["CRON LIST", *(_job_line(job) for job in jobs)]
         if not jobs:
             lines.append("No cron jobs.")
@@ -300,13 +311,15 @@ class McpTools:
     async def _cron_remove(self, raw: dict[str, Any]) -> str:
         args = read_fields(raw, "cron_remove", ("id",), what="argument")
         job_id = check_text(args.get("id"), "id")
-        await self.backend.call("cron.remove", {"job_id": job_id})
+        await self.backend.call("cron.remove", {"job_id": job_id, "project": self._project()})
         return f"CRON REMOVED\nid: {job_id}"
 
     async def _cron_events(self, raw: dict[str, Any]) -> str:
         args = read_fields(raw, "cron_events", ("since",), what="argument")
         since = read_whole(args.get("since", 0), "since")
-        events = await self.backend.call("events", {"since": since, "limit": EVENTS_PAGE})
+        events = await self.backend.call(
+            "events", {"since": since, "limit": EVENTS_PAGE, "project": self._project()}
+        )
         lines = ["CRON EVENTS"]
         for event in events:
             lines.append(f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---")

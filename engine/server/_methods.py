@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from .._engine import Engine
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, JobNotFoundError
 from .._input import (
     check_env,
     check_flag,
@@ -310,6 +310,18 @@ class Methods:
 
     # ---- cron --------------------------------------------------------------------------------------
 
+    # A ``project`` (a directory) scopes a cron method to that project's jobs, as the MCP tools use it:
+    # a job of another project (or of none) is "not found", exactly as an unknown id.
+
+    async def _scoped(self, job_id: str, project: Project | None) -> None:
+        """Raise ``JobNotFoundError`` unless ``project`` is ``None`` or job ``job_id`` belongs to it."""
+        if project is None:
+            await trio.lowlevel.checkpoint()
+            return
+        job = await self.engine.cron.get(job_id)
+        if job.project != project.id:
+            raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
+
     @_method(
         "cron.add",
         schedule=_need(read_schedule),
@@ -317,6 +329,7 @@ class Methods:
         name=_may(check_text),
         enabled=_may(check_flag),
         delete_after_run=_may(check_flag),
+        project=_may(read_project),
     )
     async def _cron_add(
         self,
@@ -325,9 +338,15 @@ class Methods:
         name: str | None = None,
         enabled: bool = True,
         delete_after_run: bool = False,
+        project: Project | None = None,
     ) -> object:
         job = await self.engine.cron.add(
-            schedule, payload, name=name, enabled=enabled, delete_after_run=delete_after_run
+            schedule,
+            payload,
+            name=name,
+            enabled=enabled,
+            delete_after_run=delete_after_run,
+            project=project.id if project is not None else None,
         )
         return job.to_dict()
 
@@ -339,41 +358,51 @@ class Methods:
         name=_may(check_text),
         enabled=_may(check_flag),
         delete_after_run=_may(check_flag),
+        project=_may(read_project),
     )
-    async def _cron_update(self, job_id: str, **changes: object) -> object:
+    async def _cron_update(self, job_id: str, project: Project | None = None, **changes: object) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.update(job_id, **changes)).to_dict()
 
-    @_method("cron.list", include_disabled=_may(check_flag))
-    async def _cron_list(self, include_disabled: bool = True) -> object:
+    @_method("cron.list", include_disabled=_may(check_flag), project=_may(read_project))
+    async def _cron_list(self, include_disabled: bool = True, project: Project | None = None) -> object:
         jobs = await self.engine.cron.list(include_disabled=include_disabled)
-        return [job.to_dict() for job in jobs]
+        return [job.to_dict() for job in jobs if project is None or job.project == project.id]
 
-    @_method("cron.get", job_id=_need(check_text))
-    async def _cron_get(self, job_id: str) -> object:
+    @_method("cron.get", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_get(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.get(job_id)).to_dict()
 
-    @_method("cron.remove", job_id=_need(check_text))
-    async def _cron_remove(self, job_id: str) -> object:
+    @_method("cron.remove", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_remove(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         await self.engine.cron.remove(job_id)
         return {"job_id": job_id, "removed": True}
 
-    @_method("cron.enable", job_id=_need(check_text))
-    async def _cron_enable(self, job_id: str) -> object:
+    @_method("cron.enable", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_enable(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.enable(job_id)).to_dict()
 
-    @_method("cron.disable", job_id=_need(check_text))
-    async def _cron_disable(self, job_id: str) -> object:
+    @_method("cron.disable", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_disable(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.disable(job_id)).to_dict()
 
-    @_method("cron.run_now", job_id=_need(check_text))
-    async def _cron_run_now(self, job_id: str) -> object:
+    @_method("cron.run_now", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_run_now(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         await self.engine.cron.run_now(job_id)
         return {"job_id": job_id}
 
-    @_method("events", since=_may(_offset), limit=_may(_positive))
-    async def _events(self, since: int = 0, limit: int | None = None) -> object:
+    @_method("events", since=_may(_offset), limit=_may(_positive), project=_may(read_project))
+    async def _events(
+        self, since: int = 0, limit: int | None = None, project: Project | None = None
+    ) -> object:
         events = await self.engine.cron.events(since)
-        return [event.to_dict() for event in events[:limit]]
+        mine = [event for event in events if project is None or event.project == project.id]
+        return [event.to_dict() for event in mine[:limit]]
 
 
 def _one_of(typed: Mapping[str, object], first: str, second: str) -> None:
