@@ -31,9 +31,11 @@ import trio
 from .._errors import EngineError, InvalidArgumentError
 from .._input import check_text, read_fields, read_moment, read_project, read_seconds, read_whole
 from .._project import Project
+from .._supervisor import RunState
 from ..cron._job import SystemEvent
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 from ._client import EngineClient
+from ._mcp_inflight import InFlight, cut_answer
 from ._methods import MethodNotFoundError, Methods, to_wire
 from ._protocol import describe_schedule
 
@@ -48,7 +50,23 @@ EVENTS_PAGE: Final = 20
 
 
 class RpcBackend(Protocol):
-    """Where the tools' calls go: a method of the RPC table (``docs/rpc.md``) and its typed params."""
+    """Where the tools' calls go: a method of the RPC table (``docs/rpc.md``) and its typed params.
+
+    Attributes:
+        remote: whether the engine runs in another process (a ``serve``), where a call this server cut
+            short goes on.
+    """
+
+    @property
+    def remote(self) -> bool:
+        """Whether the engine runs in another process."""
+        ...
+
+    async def hurry(self) -> None:
+        """stdin closed and calls are still running: make what they wait for end sooner.
+
+        Cancellation: what was hurried stays hurried.
+        """
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Run ``method`` on typed ``params`` (as :meth:`Methods.run` takes them); return its JSON result.
@@ -66,6 +84,22 @@ class EmbeddedBackend:
 
     methods: Methods
 
+    @property
+    def remote(self) -> bool:
+        """``False``: the engine runs here, and stops with this server."""
+        return False
+
+    async def hurry(self) -> None:
+        """Every run being ended (by a kill, a halt, a job's removal) gets SIGKILL now.
+
+        Cancellation: the kills are sent; each run is still reaped before this returns (shielded).
+        """
+        supervisor = self.methods.engine.supervisor
+        async with trio.open_nursery() as nursery:
+            for run in supervisor.runs():
+                if run.state is RunState.EXITING:
+                    nursery.start_soon(functools.partial(supervisor.cancel, run, force=True))
+
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Cancellation: as the method called."""
         return await self.methods.run(method, params)
@@ -81,6 +115,15 @@ class SocketBackend:
     """
 
     state_dir: str
+
+    @property
+    def remote(self) -> bool:
+        """``True``: the engine is a ``serve``; a call cut short here goes on there."""
+        return True
+
+    async def hurry(self) -> None:
+        """Nothing to hurry here: the engine goes on without this server."""
+        await trio.lowlevel.checkpoint()
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Cancellation: the wait is abandoned; a request the engine received still completes there."""
@@ -200,6 +243,7 @@ class McpTools:
 
     backend: RpcBackend
     project_dir: str
+    _in_flight: InFlight = attrs.field(init=False, factory=InFlight)
 
     async def definitions(self) -> list[dict[str, Any]]:
         """``{"name", "description", "inputSchema"}`` of every tool, ``subprocess`` first.
@@ -220,9 +264,37 @@ class McpTools:
     async def call(self, name: str, arguments: Mapping[str, Any] | None) -> tuple[str, bool]:
         """Run tool ``name`` and return ``(text, is_error)``; refusals are texts, nothing is raised.
 
+        A call :meth:`cut_short` cancels returns what is true so far (``_mcp_inflight.cut_answer``).
+
         Cancellation: as the engine operation behind the tool.
         """
         args = dict(arguments or {})
+        with self._in_flight.track(name, args) as call, call.scope:
+            return await self._call(name, args)
+        return cut_answer(call, remote=self.backend.remote)
+
+    def calls_in_flight(self) -> int:
+        """How many tool calls are running (a call whose request the client cancelled too)."""
+        return len(self._in_flight)
+
+    async def wait_calls_done(self) -> None:
+        """Wait until no tool call runs.
+
+        Cancellation: safe; nothing changes.
+        """
+        await self._in_flight.wait_done()
+
+    async def cut_short(self, hurry_seconds: float) -> None:
+        """stdin closed: hurry the calls in flight, then cut short those still running after
+        ``hurry_seconds`` (see ``_mcp_inflight``); each then answers its state so far.
+
+        Cancellation: the calls already cut stay cut.
+        """
+        await self._in_flight.cut_short(
+            self.backend.hurry, remote=self.backend.remote, hurry_seconds=hurry_seconds
+        )
+
+    async def _call(self, name: str, args: dict[str, Any]) -> tuple[str, bool]:
         if name == "subprocess":
             return await self._subprocess(args)
         handlers = {

@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from .._engine import Engine
-from .._errors import InvalidArgumentError, JobNotFoundError
+from .._errors import EngineError, InvalidArgumentError, JobNotFoundError
 from .._input import (
     check_env,
     check_flag,
@@ -148,11 +148,15 @@ class Methods:
         engine: the engine the methods act on.
         socket_path: the socket the server listens on (reported by ``status``).
         version: the engine's version (reported by ``status``).
+        stop: what ``engine.stop`` calls, with its ``end_watched``, once the watched commands it was
+            asked to end are ended: ``serve``'s graceful stop (``None``: this engine cannot be stopped
+            over RPC, e.g. the one an ``mcp`` session embeds).
     """
 
     engine: Engine
     socket_path: str
     version: str
+    stop: Callable[[bool], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
 
     @staticmethod
@@ -211,6 +215,19 @@ class Methods:
             "cron_jobs": {"total": len(jobs), "enabled": sum(1 for job in jobs if job.enabled)},
             "methods": self.names(),
         }
+
+    @_method("engine.stop", end_watched=_may(check_flag))
+    async def _engine_stop(self, end_watched: bool = False) -> object:
+        if self.stop is None:
+            raise EngineError(
+                f"the engine on {self.engine.state_dir} (pid {os.getpid()}) belongs to an MCP session; "
+                "it stops when its MCP client closes its stdin"
+            )
+        ended = self.engine.watchers.active_job_ids() if end_watched else []
+        if end_watched:  # each job disabled, and fired once with reason "cancelled"
+            await self.engine.watchers.cancel_all()
+        self.stop(end_watched)
+        return {"pid": os.getpid(), "stopping": True, "ended_watched": ended}
 
     # ---- subprocesses ------------------------------------------------------------------------------
 
