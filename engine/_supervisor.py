@@ -376,7 +376,8 @@ class Supervisor:
             with run._cancel_scope:
                 await run._tree.wait_leader()
         except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
-            if run._detached:
+            if run._detached or (run.outlive_engine_crash and run._requested is None):
+                run._detached = True  # closing by cancellation or error detaches it too
                 self._forget(run)
                 raise
             with trio.CancelScope(shield=True):

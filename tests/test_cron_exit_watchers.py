@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -273,7 +274,7 @@ async def test_exit_watcher_graceful_stop_leaves_command_running_for_next_engine
             await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
             first = engine.watchers.watched_pid(job.id)
         # Left running, unsignalled; its watch state kept.
-        assert len(pgrep(rf"^sleep {marker}$")) == 1
+        await wait_until(lambda: len(pgrep(rf"^sleep {marker}$")) == 1)
         async with engine_with(tmp_path / "s") as engine:
             assert (await engine.cron.get(job.id)).enabled
             assert engine.watchers.watched_pid(job.id) == first  # adopted, not started again
@@ -284,6 +285,30 @@ async def test_exit_watcher_graceful_stop_leaves_command_running_for_next_engine
         # bash saw its sleep killed: exit 137
         assert (event.job_id, event.exit_code, event.reason) == (job.id, 137, "exit")
         assert runs.read_text() == "run\n"
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
+@pytest.mark.parametrize("how", ["error", "cancel"])
+async def test_exit_watcher_leaving_the_engine_by_error_or_cancellation_leaves_the_command(
+    tmp_path: Path, how: str
+) -> None:
+    marker = mark("337.4")
+    try:
+        raises = pytest.raises(ValueError) if how == "error" else contextlib.nullcontext()
+        with trio.CancelScope() as outer, raises:
+            async with engine_with(tmp_path / "s") as engine:
+                job = await engine.cron.add(OnExit(command=f"sleep {marker}"), SystemEvent("x"))
+                await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+                pid = engine.watchers.watched_pid(job.id)
+                if how == "error":
+                    raise ValueError("the host failed")
+                outer.cancel()
+                await trio.sleep_forever()
+        # Left running (bash may still be starting its sleep: the engine left an instant after the spawn).
+        await wait_until(lambda: len(pgrep(rf"^sleep {marker}$")) == 1)
+        async with engine_with(tmp_path / "s") as engine:
+            assert engine.watchers.watched_pid(job.id) == pid
     finally:
         kill_leftovers(rf"^sleep {marker}$")
 

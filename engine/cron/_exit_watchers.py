@@ -275,6 +275,7 @@ class CronExitWatchers:
         self, job: CronJob, watch: _Watch, adopted: WatchState | None, recorded: ExitRecord | None
     ) -> None:
         paths = _Paths.of(self.state_dir, job.id, watch.arm_id)
+        leave = False
         try:
             with watch.scope:
                 record: ExitRecord | None
@@ -290,9 +291,12 @@ class CronExitWatchers:
                 started_at = adopted.started_at if adopted is not None else None
                 await self._hook("after_exit", job.id)
                 await self._complete(watch, paths, record, started_at)
+        except trio.Cancelled:  # from outside (``_stop`` cancels ``watch.scope``): the engine is stopping
+            leave = True
+            raise
         finally:
             with trio.CancelScope(shield=True):
-                if self._detached and not watch.ending:
+                if (self._detached or leave) and not watch.ending:
                     await self._leave(watch, paths)
                 else:
                     await self._end_command(watch)
@@ -304,9 +308,10 @@ class CronExitWatchers:
 
     async def _run(self, job: CronJob, watch: _Watch, paths: _Paths) -> ExitRecord | None:
         """Spawn the command (retrying failed spawns) and wait for its exit; the shim's record."""
-        assert isinstance(job.schedule, OnExit)
-        cwd = job.schedule.cwd or os.getcwd()
-        argv, env = watch_argv(self.shell, job.schedule.command, cwd, paths.started)
+        schedule = job.schedule
+        assert isinstance(schedule, OnExit)
+        cwd = schedule.cwd or os.getcwd()
+        argv, env = watch_argv(self.shell, schedule.command, cwd, paths.started)
         spec = SpawnSpec(
             argv=(sys.executable, "-I", "-S", _SHIM, paths.exit_file, "--", *argv),
             cwd=cwd,
@@ -324,6 +329,7 @@ class CronExitWatchers:
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
                 await trio.to_thread.run_sync(self._prepare_files, job.id, paths)
                 run = watch.run = await self.supervisor.spawn(spec)  # known at once to the clean-up
+                watch.state = WatchState.of_run(run, schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
                 return run
             except SpawnError as exc:
                 message = f"cannot start the watched command: {exc}; retrying"
@@ -356,7 +362,7 @@ class CronExitWatchers:
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
             return None
         self._errors.pop(job.id, None)
-        await self._save_state(watch, job, paths)
+        await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
         result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
         record = await trio.to_thread.run_sync(read_exit_file, paths.exit_file)
@@ -530,12 +536,9 @@ class CronExitWatchers:
     def _state_lock(self, job_id: str) -> trio.Lock:
         return self._state_locks.setdefault(job_id, trio.Lock())
 
-    async def _save_state(self, watch: _Watch, job: CronJob, paths: _Paths) -> None:
-        run = watch.run
-        assert run is not None and isinstance(job.schedule, OnExit)
-        state = watch.state = WatchState.of_run(
-            run, job.schedule, arm_id=watch.arm_id, exit_file=paths.exit_file
-        )
+    async def _save_state(self, watch: _Watch, job: CronJob) -> None:
+        state = watch.state
+        assert state is not None
         async with self._state_lock(job.id):
             if not self._owns(watch):
                 return
