@@ -20,7 +20,8 @@ task resolves. Cancelling the asyncio caller cancels that Trio task; the caller 
 finished (a kill still ends and reaps its process) before its ``CancelledError`` propagates.
 
 The guest run belongs to an asyncio task. Leaving the ``async with`` block stops the engine (every child
-ended and reaped) before the block's exit returns; so does the end of ``asyncio.run`` (it cancels that
+ended and reaped, but the commands of on-exit jobs: a graceful stop leaves them running for the next
+engine to adopt) before the block's exit returns; so does the end of ``asyncio.run`` (it cancels that
 task and waits for it) if the block was never left.
 """
 
@@ -408,7 +409,7 @@ async def open_asyncio_engine(config: EngineConfig | None = None) -> AsyncIterat
         config: the settings (``None``: all defaults).
 
     Cancellation: leaving the block by cancellation or error still stops the engine (every child ended
-    and reaped) before the exception propagates.
+    and reaped, on-exit commands left running for the next engine) before the exception propagates.
 
     Raises:
         EngineLockedError: another engine holds the state directory.

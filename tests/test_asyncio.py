@@ -23,6 +23,7 @@ from engine._asyncio import AsyncioEngine, EngineClosedError, open_asyncio_engin
 
 from .children import cooperative, ignoring_sigint, kill_leftovers, pgrep
 from .conftest import SHORT_GRACE
+from .watch_support import end_left_commands
 
 
 def config(tmp_path: Path) -> EngineConfig:
@@ -200,4 +201,5 @@ def test_asyncio_engine_closing_leaves_watched_commands_for_the_next_engine(
         assert (job, reason) == (job_id, "exit") and project_id is not None
         assert not pgrep(rf"^sleep {marker}$")
     finally:
+        end_left_commands(tmp_path)
         kill_leftovers(rf"^sleep {marker}$")

@@ -17,7 +17,7 @@ from engine import CronJob, FiredEvent, OnExit, SystemEvent
 from engine.cron._shell import COMMAND_VAR, resolve_exit_watch_shell
 
 from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
-from .watch_support import FlakyStore, engine_with, wait_events, wait_until
+from .watch_support import FlakyStore, end_left_commands, engine_with, wait_events, wait_until
 
 
 async def test_exit_watcher_persists_before_it_fires(tmp_path: Path) -> None:
@@ -449,8 +449,9 @@ async def test_exit_watcher_store_failure_then_rearm_drops_old_exit(tmp_path: Pa
 
 
 @pytest.fixture(autouse=True)
-def _no_leftovers() -> object:
+def _no_leftovers(tmp_path: Path) -> object:
     yield None
+    end_left_commands(tmp_path)  # a graceful stop left them running, as children of this process
     kill_leftovers(rf"sleep 33[5-7]\.1{SESSION}")
     kill_pids(pgrep_env(COMMAND_VAR, "echo gen-"))
     assert os.getpid() > 0

@@ -39,6 +39,7 @@ from engine.cron._events import text_fire
 
 from .children import SESSION, mark, pgrep, wait_until
 from .test_cron_store import FullDiskConnection, exited
+from .watch_support import end_left_commands
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 REPO = Path(__file__).resolve().parent.parent
@@ -472,6 +473,7 @@ async def test_engine_reopens_the_store_on_the_same_state_dir(tmp_path: Path) ->
             assert await engine.cron.list() == jobs
             assert [j.id for j in jobs] == [a.id, b.id, c.id]
             assert await engine.cron.events() == events
+    end_left_commands(tmp_path)  # `make test` may still run: a graceful stop leaves it to the next engine
 
 
 async def test_docs_example_runs(tmp_path: Path) -> None:

@@ -140,6 +140,8 @@ async def test_guardian_skips_runs_that_outlive_engine_crash(tmp_path: Path, out
         assert pgrep(rf"^sleep 334\.1{SESSION}") == ([run.pid] if outlive else [])
     finally:
         kill_leftovers(rf"^sleep 334\.1{SESSION}")
+        if outlive:
+            os.waitpid(run.pid, 0)  # a child of this process: reap it
 
 
 @pytest.mark.serial
