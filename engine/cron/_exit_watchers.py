@@ -528,6 +528,7 @@ class CronExitWatchers:
 
         def end() -> None:
             end_processes(find_record_processes([record]), grace_seconds=grace, kill_wait_seconds=kill_wait)
+            _reap_if_ours(record.pgid, record.start_time)  # left by an engine in this very process
 
         await trio.to_thread.run_sync(end)
 
