@@ -23,7 +23,7 @@ import pytest
 import trio
 import trio.testing
 
-from engine.server import _server
+from engine.server import _socket_watch
 from engine.server._client import AsyncEngineClient, EngineClient, EngineSocketMissingError
 from engine.server._location import lock_holder
 
@@ -282,7 +282,7 @@ async def test_wait_socket_lost_wakes_on_inotify_for_a_removal_or_a_replacement(
                 lost = trio.Event()
 
                 async def watch(path: Path = path, inode: int = inode, lost: trio.Event = lost) -> None:
-                    await _server.wait_socket_lost(str(path), inode)
+                    await _socket_watch.wait_socket_lost(str(path), inode)
                     lost.set()
 
                 nursery.start_soon(watch)
@@ -308,7 +308,7 @@ async def test_wait_socket_lost_wakes_on_inotify_for_a_removal_or_a_replacement(
 async def test_wait_socket_lost_without_inotify_checks_every_5_s(
     tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_server, "_watch_folder", lambda folder: None)  # a system without inotify
+    monkeypatch.setattr(_socket_watch, "_watch_folder", lambda folder: None)  # a system without inotify
     path = tmp_path / "engine.sock"
     sock, inode = _bound_socket(path)
     try:
@@ -320,8 +320,8 @@ async def test_wait_socket_lost_without_inotify_checks_every_5_s(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(remove_later)
-            await _server.wait_socket_lost(str(path), inode)
+            await _socket_watch.wait_socket_lost(str(path), inode)
         noticed = trio.current_time() - removed_at
-        assert 0 <= noticed <= _server.SOCKET_CHECK_SECONDS
+        assert 0 <= noticed <= _socket_watch.SOCKET_CHECK_SECONDS
     finally:
         sock.close()

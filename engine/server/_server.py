@@ -8,8 +8,8 @@ another user, a request over :data:`MAX_LINE_BYTES`, a disconnect mid-request) i
 Stopping (``docs/guide-cli.md`` has the table): SIGTERM, SIGHUP, a first SIGINT or the ``engine.stop``
 method stop it gracefully (every child ended by escalation, watched on-exit commands left running for
 the next engine); a second SIGINT, SIGTERM or SIGHUP during that stop sends SIGKILL to what is still
-being ended (:func:`force_on_next_signal`). If the socket file is removed while it runs, it is bound
-again (:func:`serve_socket`).
+being ended (``_stopping``). If the socket file is removed while it runs, it is bound again
+(``_socket_watch``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 import socket as stdlib_socket
-import stat
 import struct
 from collections.abc import AsyncIterator
-from typing import Any, Final, final
+from typing import Final, final
 
 import attrs
 import trio
@@ -32,7 +30,6 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
-from .._supervisor import Supervisor
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, choose_socket_path, lock_holder
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
@@ -48,26 +45,15 @@ from ._protocol import (
     error_from_exception,
     parse_request,
 )
+from ._socket_watch import serve_socket
+from ._stopping import STOP_SIGNALS, StopRequest, force_on_next_signal
 
-__all__ = [
-    "SOCKET_CHECK_SECONDS",
-    "STOP_SIGNALS",
-    "RpcServer",
-    "StopRequest",
-    "force_on_next_signal",
-    "serve",
-    "serve_socket",
-    "wait_socket_lost",
-]
+__all__ = ["RpcServer", "serve"]
 
 _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _RECEIVE_BYTES: Final = 64 * 1024
 #: How long a start-up waits for an answer on a leftover socket before calling it stale, in seconds.
 _PROBE_SECONDS: Final = 1.0
-#: The signals that stop ``serve`` gracefully; another one during the stop forces it.
-STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-#: Where inotify cannot watch the socket's folder: how often the socket file is checked, in seconds.
-SOCKET_CHECK_SECONDS: Final = 5.0
 #: At a stop: how long requests being answered get to finish before their connections close, in seconds.
 _ANSWER_SECONDS: Final = 1.0
 
@@ -270,170 +256,9 @@ def _lock_holder(state_dir: str) -> str:
     return f"pid {pid}" if pid.isdigit() else "pid unknown"
 
 
-# ---- stopping ----------------------------------------------------------------------------------------
-
-
-@final
-@attrs.define(eq=False)
-class StopRequest:
-    """What asked ``serve`` to stop: a signal or the ``engine.stop`` method; the first request counts.
-
-    Attributes:
-        reason: the fields of the ``stopping`` log line (``signal=SIGTERM``, or ``request=engine.stop``),
-            ``None`` until asked.
-    """
-
-    reason: dict[str, Any] | None = None
-    _asked: trio.Event = attrs.field(init=False, factory=trio.Event)
-
-    def request(self, **reason: Any) -> None:
-        """Ask for the stop (a later request changes nothing)."""
-        if self.reason is None:
-            self.reason = reason
-            self._asked.set()
-
-    def by_method(self, end_watched: bool) -> None:
-        """``Methods.stop``: the ``engine.stop`` method asked (its watched commands already ended)."""
-        self.request(request="engine.stop", end_watched=end_watched)
-
-    async def wait(self, signals: AsyncIterator[int]) -> dict[str, Any]:
-        """Wait for the first stop signal or request; return its reason.
-
-        Cancellation: safe; a signal that arrives meanwhile stays queued in ``signals``.
-        """
-        async with trio.open_nursery() as nursery:
-
-            async def on_signal() -> None:
-                async for signum in signals:
-                    self.request(signal=signal.Signals(signum).name)
-                    return
-
-            nursery.start_soon(on_signal)
-            await self._asked.wait()
-            nursery.cancel_scope.cancel()
-        assert self.reason is not None
-        return self.reason
-
-
-async def force_on_next_signal(signals: AsyncIterator[int], supervisor: Supervisor) -> None:
-    """During a graceful stop: at each further signal, end every child with SIGKILL now, but the watched.
-
-    Every run still running or being ended gets ``Supervisor.cancel(run, force=True)``: no more grace.
-    Watched on-exit commands (``outlive_engine_crash``) are left running, as in any stop.
-
-    Cancellation: stops listening; kills already sent stand.
-    """
-    async for signum in signals:
-        log_event("forced", level=logging.WARNING, signal=signal.Signals(signum).name)
-        async with trio.open_nursery() as nursery:
-            for run in supervisor.runs():
-                if not run.outlive_engine_crash:
-                    nursery.start_soon(functools.partial(supervisor.cancel, run, force=True))
-
-
-# ---- the socket, bound again when its file goes away --------------------------------------------------
-
-
-def _socket_inode(path: str) -> int | None:
-    """The inode of the socket at ``path``, or ``None`` if there is none (removed, or another file)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info.st_ino if stat.S_ISSOCK(info.st_mode) else None
-
-
-def _watch_folder(folder: str) -> Any:
-    """An inotify instance (``inotify_simple.INotify``, non-blocking) reporting names removed, renamed or
-    created in ``folder`` (and the folder's own removal), or ``None`` where inotify is not available."""
-    try:
-        from inotify_simple import INotify, flags
-    except ImportError:
-        return None
-    mask = (
-        flags.DELETE | flags.MOVED_FROM | flags.CREATE | flags.MOVED_TO | flags.DELETE_SELF | flags.MOVE_SELF
-    )
-    try:
-        watcher = INotify(nonblocking=True)
-    except OSError:
-        return None
-    try:
-        watcher.add_watch(folder, mask)
-    except OSError:
-        watcher.close()
-        return None
-    return watcher
-
-
-async def wait_socket_lost(path: str, inode: int) -> None:
-    """Return once the file at ``path`` is no longer the socket ``inode``: removed, renamed or replaced.
-
-    Woken by inotify on the socket's folder; where inotify is not available (or the folder itself goes
-    away), the file is checked every :data:`SOCKET_CHECK_SECONDS`. No busy polling.
-
-    Cancellation: safe; nothing changes.
-    """
-    watcher = _watch_folder(os.path.dirname(path))
-    try:
-        while _socket_inode(path) == inode:
-            if watcher is None:
-                await trio.sleep(SOCKET_CHECK_SECONDS)
-                continue
-            await trio.lowlevel.wait_readable(watcher.fileno())
-            from inotify_simple import flags
-
-            if any(event.mask & flags.IGNORED for event in watcher.read(timeout=0)):  # the folder is gone
-                watcher.close()
-                watcher = None
-    finally:
-        if watcher is not None:
-            watcher.close()
-
-
-async def serve_socket(
-    server: RpcServer,
-    listener: trio.SocketListener,
-    path: str,
-    state_dir: str,
-    connections: trio.Nursery,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Accept connections on ``listener`` (each served in ``connections``) until cancelled, and bind the
-    socket again whenever its file at ``path`` is removed or replaced.
-
-    Connections already open go on. While the socket is missing, clients name this engine (from the
-    state directory's lock) instead of saying that none runs; a bind that fails is tried again every
-    :data:`SOCKET_CHECK_SECONDS`.
-
-    Cancellation: the listener is closed; the socket file is the caller's to remove.
-    """
-    started = False
-    while True:
-        inode = _socket_inode(path)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                functools.partial(
-                    trio.serve_listeners, server.handle_connection, [listener], handler_nursery=connections
-                )
-            )
-            if not started:
-                started = True
-                task_status.started()
-            if inode is not None:
-                await wait_socket_lost(path, inode)
-            nursery.cancel_scope.cancel()
-        await listener.aclose()
-        log_event("socket_lost", level=logging.WARNING, socket=path)
-        while True:
-            try:
-                listener, _ = await bind_socket(state_dir)  # the same path: it depends on the state dir
-            except (OSError, EngineLockedError) as exc:
-                log_event("socket_bind_failed", level=logging.ERROR, socket=path, error=str(exc))
-                await trio.sleep(SOCKET_CHECK_SECONDS)
-                continue
-            break
-        log_event("socket_bound", socket=path)
+async def _bind_again(state_dir: str) -> trio.SocketListener:
+    listener, _ = await bind_socket(state_dir)  # the same path: it depends on the state dir alone
+    return listener
 
 
 async def _serve_until_stopped(
@@ -446,7 +271,14 @@ async def _serve_until_stopped(
         server = RpcServer(Methods(engine, path, __version__, stop=stop.by_method))
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as listening:
-                await listening.start(serve_socket, server, listener, path, state_dir, connections)
+                await listening.start(
+                    serve_socket,
+                    server.handle_connection,
+                    listener,
+                    path,
+                    functools.partial(_bind_again, state_dir),
+                    connections,
+                )
                 log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
                 task_status.started(path)
                 reason = await stop.wait(signals)
