@@ -25,7 +25,7 @@ import trio
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from engine import EngineConfig, Every, Project, SystemEvent, open_engine
+from engine import EngineConfig, EngineError, Every, Project, SystemEvent, open_engine
 from engine._input import read_schedule
 from engine.server._client import EngineClient
 from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
@@ -305,6 +305,8 @@ async def test_mcp_cron_tools_are_scoped_to_the_session_project(tmp_path: Path, 
                     (a_job, Project.from_directory(a).id)
                 ]
                 assert client.call("events", project=str(b)) == []
+                with pytest.raises(EngineError, match="belongs to an MCP session"):
+                    client.call("engine.stop")  # the session's engine stops with its stdin
     finally:
         kill_leftovers(rf"^sleep {marker}$")
 
