@@ -39,6 +39,7 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineLockedError
+from .._supervisor import RunState
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import find_socket_path, lock_holder
 from ._mcp_stdio import serve_stdio
@@ -105,7 +106,7 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
     Every subprocess is killed by the usual escalation; whatever still runs after ``grace_seconds`` gets
     SIGKILL at once (``Supervisor.cancel(force=True)``). ``open_engine`` then has nothing left to wait for.
     The commands of on-exit jobs are left running, unsignalled: leaving ``open_engine`` detaches them for
-    the next engine (a graceful stop).
+    the next engine (a graceful stop); one being ended on purpose (its job removed) gets SIGKILL too.
 
     Cancellation: shielded; the children are ended and reaped either way.
     """
@@ -115,7 +116,7 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
             async def force_after_grace() -> None:
                 await trio.sleep(grace_seconds)
                 for run in engine.supervisor.runs():
-                    if not run.outlive_engine_crash:
+                    if not run.outlive_engine_crash or run.state is RunState.EXITING:  # ended on purpose
                         nursery.start_soon(functools.partial(engine.supervisor.cancel, run, force=True))
 
             nursery.start_soon(force_after_grace)

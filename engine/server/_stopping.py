@@ -18,7 +18,7 @@ from typing import Any, Final, final
 import attrs
 import trio
 
-from .._supervisor import Supervisor
+from .._supervisor import RunState, Supervisor
 from ._eventlog import log_event
 
 __all__ = ["STOP_SIGNALS", "StopRequest", "force_on_next_signal"]
@@ -73,7 +73,8 @@ async def force_on_next_signal(signals: AsyncIterator[int], supervisor: Supervis
     """During a graceful stop: at each further signal, end every child with SIGKILL now, but the watched.
 
     Every run still running or being ended gets ``Supervisor.cancel(run, force=True)``: no more grace.
-    Watched on-exit commands (``outlive_engine_crash``) are left running, as in any stop.
+    Watched on-exit commands (``outlive_engine_crash``) are left running, as in any stop, unless one is
+    already being ended on purpose (a job removed, ``engine.stop`` with ``end_watched``).
 
     Cancellation: stops listening; kills already sent stand.
     """
@@ -81,5 +82,5 @@ async def force_on_next_signal(signals: AsyncIterator[int], supervisor: Supervis
         log_event("forced", level=logging.WARNING, signal=signal.Signals(signum).name)
         async with trio.open_nursery() as nursery:
             for run in supervisor.runs():
-                if not run.outlive_engine_crash:
+                if not run.outlive_engine_crash or run.state is RunState.EXITING:  # ended on purpose
                     nursery.start_soon(functools.partial(supervisor.cancel, run, force=True))
