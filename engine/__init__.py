@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from .server._client import EngineClient as EngineClient
     from .server._client import EngineConnectionError as EngineConnectionError
     from .server._client import EngineNotRunningError as EngineNotRunningError
+    from .server._client import EngineSocketMissingError as EngineSocketMissingError
     from .server._protocol import RpcError as RpcError
 
 
@@ -86,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "EngineError": "._errors",
     "EngineLockedError": "._errors",
     "EngineNotRunningError": ".server._client",
+    "EngineSocketMissingError": ".server._client",
     "Every": ".cron",
     "FiredEvent": ".cron",
     "InvalidArgumentError": "._errors",

@@ -20,7 +20,8 @@ task resolves. Cancelling the asyncio caller cancels that Trio task; the caller 
 finished (a kill still ends and reaps its process) before its ``CancelledError`` propagates.
 
 The guest run belongs to an asyncio task. Leaving the ``async with`` block stops the engine (every child
-ended and reaped) before the block's exit returns; so does the end of ``asyncio.run`` (it cancels that
+ended and reaped, but the commands of on-exit jobs: a graceful stop leaves them running for the next
+engine to adopt) before the block's exit returns; so does the end of ``asyncio.run`` (it cancels that
 task and waits for it) if the block was never left.
 """
 
@@ -290,10 +291,21 @@ class AsyncioEngine:
         name: str | None = None,
         enabled: bool = True,
         delete_after_run: bool = False,
+        project: Project | str | os.PathLike[str] | None = None,
     ) -> CronJob:
-        """``CronService.add``. Cancellation: as :meth:`run`."""
+        """``CronService.add``; ``project`` (a :class:`Project` or its directory) is stored as its id.
+
+        Cancellation: as :meth:`run`.
+        """
+        project_id = _project(project).id if project is not None else None
         add = functools.partial(
-            _cron_add, schedule=schedule, payload=payload, name=name, enabled=enabled, once=delete_after_run
+            _cron_add,
+            schedule=schedule,
+            payload=payload,
+            name=name,
+            enabled=enabled,
+            once=delete_after_run,
+            project=project_id,
         )
         return await self.run(add)
 
@@ -348,9 +360,18 @@ async def _read_log(
 
 
 async def _cron_add(
-    engine: Engine, *, schedule: Schedule, payload: Payload, name: str | None, enabled: bool, once: bool
+    engine: Engine,
+    *,
+    schedule: Schedule,
+    payload: Payload,
+    name: str | None,
+    enabled: bool,
+    once: bool,
+    project: str | None,
 ) -> CronJob:
-    return await engine.cron.add(schedule, payload, name=name, enabled=enabled, delete_after_run=once)
+    return await engine.cron.add(
+        schedule, payload, name=name, enabled=enabled, delete_after_run=once, project=project
+    )
 
 
 async def _guest_run(engine: AsyncioEngine, started: asyncio.Future[None]) -> outcome.Outcome[None]:
@@ -388,7 +409,7 @@ async def open_asyncio_engine(config: EngineConfig | None = None) -> AsyncIterat
         config: the settings (``None``: all defaults).
 
     Cancellation: leaving the block by cancellation or error still stops the engine (every child ended
-    and reaped) before the exception propagates.
+    and reaped, on-exit commands left running for the next engine) before the exception propagates.
 
     Raises:
         EngineLockedError: another engine holds the state directory.

@@ -52,7 +52,8 @@ class Engine:
         service: the :class:`SubProcessService` of agent subprocesses (stopping the engine kills them all).
         tool: the ``subprocess`` agent tool over ``service``.
         cron: the :class:`CronService` (scheduled jobs and the event log).
-        watchers: the :class:`CronExitWatchers` of on-exit jobs (reconciled on every job change).
+        watchers: the :class:`CronExitWatchers` of on-exit jobs (reconciled on every job change; their
+            commands outlive a graceful stop).
     """
 
     config: EngineConfig
@@ -160,8 +161,13 @@ async def open_engine(
         config: the settings (``None``: all defaults).
         on_fire: ``async`` callable awaited with each ``FiredEvent`` (embedded hosts).
 
-    Cancellation: leaving the block by cancellation or error still terminates and reaps every child
-    before the exception propagates.
+    Leaving the block (a graceful stop) terminates and reaps every child, except the commands of on-exit
+    jobs: those are left running, unsignalled, with their watch states kept, and the next engine on the
+    state directory adopts them as after a crash (``CronExitWatchers.cancel_all()`` first ends them on
+    purpose instead).
+
+    Cancellation: leaving the block by cancellation or error is the same stop; every other child is
+    terminated and reaped before the exception propagates.
 
     Raises:
         EngineLockedError: another engine holds the state directory.
@@ -275,7 +281,8 @@ async def _open_services(
             )
         finally:
             cron.on_jobs_changed = None
-            await watchers.cancel_all()  # graceful: the jobs stay enabled, re-armed at next start
+            # Graceful: watched commands keep running, unsignalled, adopted by the next engine.
+            watchers.detach_all()
 
 
 def _engine_id(state_dir: str) -> str:

@@ -2,7 +2,8 @@
 
 Every child is the leader of its own session and process group, writes straight into log files the
 engine opened, and is watched through a pidfd by a task in the supervisor's nursery. Leaving
-:func:`open_supervisor` terminates and reaps every child, however the body ended.
+:func:`open_supervisor` terminates and reaps every child, however the body ended, except the runs
+spawned with ``outlive_engine_crash``, which are left running for the next engine.
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ class SpawnSpec:
         replace_existing_scope: end every run of ``scope_key`` (reaped) before this one starts.
         max_runtime_seconds: end the run by escalation after this many seconds.
         grace_seconds: SIGINT -> SIGKILL delay for this run (``None``: the supervisor's).
-        outlive_engine_crash: leave this run to the next engine if this one crashes (the guardian and the
-            start-up sweep skip it); on-exit watched commands use it. A graceful shutdown still ends it.
+        outlive_engine_crash: leave this run to the next engine when this one stops, by a crash (the
+            guardian and the start-up sweep skip it) or gracefully (closing the supervisor detaches it:
+            its pidfd is closed and it is forgotten, never signalled); on-exit watched commands use it.
+            ``cancel`` and ``cancel_scope`` still end it.
     """
 
     argv: tuple[str, ...] | None = attrs.field(default=None, converter=_argv_tuple)
@@ -440,15 +443,16 @@ class Supervisor:
                         await wait_gone(tree)
                     tree.snapshot(fresh=True)  # what forked or left the group meanwhile
                     terminate = bool(tree.remaining())
-        except trio.Cancelled:
-            if run._detached:  # the supervisor is closing and this run outlives it (a watched command)
-                self._forget(run)
+        except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
+            if run._detached or (run.outlive_engine_crash and run._requested is None):
+                run._detached = True  # closing by cancellation or error detaches a watched command too
+                self._forget(run, ended=False)
                 raise
-            with trio.CancelScope(shield=True):  # the supervisor is closing: end the tree, then go on
+            with trio.CancelScope(shield=True):
                 await self._finish(run, TerminationReason.CANCELLED, terminate=True)
             raise
-        if run._detached:  # the supervisor is closing and this run outlives it (a watched command)
-            self._forget(run)
+        if run._detached and run._tree.status is None:  # left running for the next engine to adopt
+            self._forget(run, ended=False)
             return
         reason: TerminationReason | None = None
         if run._cancel_scope.cancelled_caught:
@@ -476,12 +480,13 @@ class Supervisor:
             self._forget(run)
             run._done.set()
 
-    def _forget(self, run: ManagedRun) -> None:
+    def _forget(self, run: ManagedRun, *, ended: bool = True) -> None:
         run._tree.close()
         self._runs.pop(run.run_id, None)
         self._leaders.discard(run.pid)
-        for observer in self._observers:
-            observer.run_ended(run)
+        if ended:
+            for observer in self._observers:
+                observer.run_ended(run)
 
     def _request(self, run: ManagedRun, *, force: bool) -> None:
         if force:
@@ -525,11 +530,18 @@ class Supervisor:
     def _close(self) -> None:
         self._closing = True
         for run in self.runs():
-            if run.outlive_engine_crash:  # a watched command: left running for the next engine to adopt
-                run._detached = True
-                run._cancel_scope.cancel()
+            if run.outlive_engine_crash and run._requested is None:
+                self._detach(run)
             else:
                 self._request(run, force=False)
+
+    def _detach(self, run: ManagedRun) -> None:
+        """Stop watching ``run`` and leave it running, unsignalled, for the next engine (a graceful stop).
+
+        Its ``wait()`` never returns; its observers are not told it ended (it did not), and its leaf stays.
+        """
+        run._detached = True
+        run._cancel_scope.cancel()
 
 
 def _exit_of(
@@ -574,6 +586,9 @@ async def open_supervisor(
     containment: str | Containment = "auto",
 ) -> AsyncIterator[Supervisor]:
     """Open a :class:`Supervisor` whose runs all end (terminated and reaped) when the block is left.
+
+    Runs spawned with ``outlive_engine_crash`` are the exception: they are detached, left running and
+    unsignalled (on-exit watched commands, adopted by the next engine).
 
     Args:
         grace_seconds: default SIGINT -> SIGKILL delay, in seconds.

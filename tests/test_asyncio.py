@@ -23,6 +23,7 @@ from engine._asyncio import AsyncioEngine, EngineClosedError, open_asyncio_engin
 
 from .children import cooperative, ignoring_sigint, kill_leftovers, pgrep
 from .conftest import SHORT_GRACE
+from .watch_support import end_left_commands
 
 
 def config(tmp_path: Path) -> EngineConfig:
@@ -166,3 +167,39 @@ def test_asyncio_engine_refuses_a_locked_state_dir(tmp_path: Path) -> None:
             assert await engine.ps() == []
 
     asyncio.run(main())
+
+
+def test_asyncio_engine_closing_leaves_watched_commands_for_the_next_engine(
+    tmp_path: Path, project: Path, marker: str
+) -> None:
+    """Closing the wrapper is a graceful stop: the on-exit command runs on, unsignalled, and the next
+    engine adopts it and fires it once when it ends."""
+
+    async def first() -> str:
+        async with open_asyncio_engine(config(tmp_path)) as engine:
+            job = await engine.cron_add(
+                OnExit(command=f"sleep {marker}", cwd=str(project)), SystemEvent("done"), project=project
+            )
+            async with asyncio.timeout(10):
+                while not pgrep(rf"^sleep {marker}$"):
+                    await asyncio.sleep(0.02)
+            assert job.project is not None
+            return job.id
+
+    async def second() -> tuple[str, str | None, str | None]:
+        async with open_asyncio_engine(config(tmp_path)) as engine:
+            assert await engine.cron_events() == []
+            kill_leftovers(rf"^sleep {marker}$")  # the command ends: the adopting engine fires it
+            async for event in engine.events():
+                return event.job_id, event.reason, event.project
+        raise AssertionError("no event")
+
+    try:
+        job_id = asyncio.run(first())
+        assert len(pgrep(rf"^sleep {marker}$")) == 1  # left running
+        job, reason, project_id = asyncio.run(second())
+        assert (job, reason) == (job_id, "exit") and project_id is not None
+        assert not pgrep(rf"^sleep {marker}$")
+    finally:
+        end_left_commands(tmp_path)
+        kill_leftovers(rf"^sleep {marker}$")

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from engine import Engine, OnExit, SystemEvent
 from engine.cron._arming import SlotState
 
-from .watch_support import FlakyStore, engine_with
+from .watch_support import FlakyStore, end_left_commands, engine_with
 
 T = TypeVar("T")
 
@@ -233,6 +233,7 @@ class WatcherEngineMachine(RuleBasedStateMachine):
                 assert gen.startswith(e.job_name + "-gen-"), e
         finally:
             self.host.restart(quit=True)
+            end_left_commands(self.tmp)  # a graceful stop leaves them running, children of this process
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 

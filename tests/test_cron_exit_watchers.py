@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -16,7 +17,7 @@ from engine import CronJob, FiredEvent, OnExit, SystemEvent
 from engine.cron._shell import COMMAND_VAR, resolve_exit_watch_shell
 
 from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
-from .watch_support import FlakyStore, engine_with, wait_events, wait_until
+from .watch_support import FlakyStore, end_left_commands, engine_with, wait_events, wait_until
 
 
 async def test_exit_watcher_persists_before_it_fires(tmp_path: Path) -> None:
@@ -262,18 +263,112 @@ async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path
         assert await engine.cron.events() == []
 
 
-async def test_exit_watcher_graceful_shutdown_keeps_job_and_rearms(tmp_path: Path) -> None:
+async def test_exit_watcher_graceful_stop_leaves_command_running_for_next_engine(tmp_path: Path) -> None:
+    marker = mark("337.1")
+    runs = tmp_path / "runs.txt"
+    try:
+        async with engine_with(tmp_path / "s") as engine:
+            job = await engine.cron.add(
+                OnExit(command=f"echo run >> {runs}; sleep {marker}"), SystemEvent("x")
+            )
+            await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+            first = engine.watchers.watched_pid(job.id)
+        # Left running, unsignalled; its watch state kept.
+        await wait_until(lambda: len(pgrep(rf"^sleep {marker}$")) == 1)
+        async with engine_with(tmp_path / "s") as engine:
+            assert (await engine.cron.get(job.id)).enabled
+            assert engine.watchers.watched_pid(job.id) == first  # adopted, not started again
+            await trio.sleep(0.3)
+            assert await engine.cron.events() == []
+            kill_leftovers(rf"^sleep {marker}$")  # the command ends: the adopting engine fires it once
+            (event,) = await wait_events(engine, 1)
+        # bash saw its sleep killed: exit 137
+        assert (event.job_id, event.exit_code, event.reason) == (job.id, 137, "exit")
+        assert runs.read_text() == "run\n"
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
+@pytest.mark.parametrize("how", ["error", "cancel"])
+async def test_exit_watcher_leaving_the_engine_by_error_or_cancellation_leaves_the_command(
+    tmp_path: Path, how: str
+) -> None:
+    marker = mark("337.4")
+    try:
+        raises = pytest.raises(ValueError) if how == "error" else contextlib.nullcontext()
+        with trio.CancelScope() as outer, raises:
+            async with engine_with(tmp_path / "s") as engine:
+                job = await engine.cron.add(OnExit(command=f"sleep {marker}"), SystemEvent("x"))
+                await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+                pid = engine.watchers.watched_pid(job.id)
+                if how == "error":
+                    raise ValueError("the host failed")
+                outer.cancel()
+                await trio.sleep_forever()
+        # Left running (bash may still be starting its sleep: the engine left an instant after the spawn).
+        await wait_until(lambda: len(pgrep(rf"^sleep {marker}$")) == 1)
+        async with engine_with(tmp_path / "s") as engine:
+            assert engine.watchers.watched_pid(job.id) == pid
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
+async def test_exit_watcher_command_ending_between_engines_fires_once(tmp_path: Path) -> None:
+    flag = tmp_path / "go"
     async with engine_with(tmp_path / "s") as engine:
-        job = await engine.cron.add(OnExit(command=f"sleep {mark('337.1')}"), SystemEvent("x"))
+        job = await engine.cron.add(
+            OnExit(command=f"while [ ! -e {flag} ]; do sleep 0.02; done; echo ended; exit 4"),
+            SystemEvent("between"),
+        )
         await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
-        first = engine.watchers.watched_pid(job.id)
-    assert not pgrep(rf"^sleep 337\.1{SESSION}")
+        pid = engine.watchers.watched_pid(job.id)
+    flag.touch()  # it ends while no engine runs: the shim records the exit
+    assert pid is not None
+    await wait_until(lambda: not pgrep_env(COMMAND_VAR, str(flag)))
     async with engine_with(tmp_path / "s") as engine:
-        assert (await engine.cron.get(job.id)).enabled
-        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
-        assert engine.watchers.watched_pid(job.id) != first
-        await trio.sleep(0.2)
-        assert await engine.cron.events() == []  # the cancelled command's exit never fires
+        (event,) = await wait_events(engine, 1)
+        assert not (await engine.cron.get(job.id)).enabled
+    assert (event.exit_code, event.reason, event.stdout_tail) == (4, "exit", "ended\n")
+    assert not os.path.exists(f"/proc/{pid}")  # the host process reaped its own zombie
+
+
+async def test_exit_watcher_cancel_all_ends_commands_and_fires_cancelled(tmp_path: Path) -> None:
+    marker, adopted_marker = mark("337.2"), mark("337.3")
+    missing = tmp_path / "later"
+    missing.mkdir()
+    try:
+        async with engine_with(tmp_path / "s") as engine:
+            earlier = await engine.cron.add(OnExit(command=f"sleep {adopted_marker}"), SystemEvent("a"))
+            await wait_until(lambda: engine.watchers.watched_pid(earlier.id) is not None)
+        async with engine_with(tmp_path / "s") as engine:  # adopts `earlier`, starts `job`
+            job = await engine.cron.add(
+                OnExit(command=f"echo started; trap 'exit 7' INT; sleep {marker} & wait"), SystemEvent("b")
+            )
+            waiting = await engine.cron.add(OnExit(command="true", cwd=str(missing)), SystemEvent("c"))
+            missing.rmdir()  # `waiting` keeps failing to spawn, retried
+            await wait_until(lambda: bool(pgrep(rf"^sleep {marker}$")))
+            await wait_until(lambda: engine.watchers.last_error(waiting.id) is not None)
+            assert engine.watchers.watched_pid(earlier.id) is not None
+            with trio.fail_after(10):
+                await engine.watchers.cancel_all()
+            assert engine.watchers.active_job_ids() == []
+            events = {e.job_id: e for e in await engine.cron.events()}
+            jobs = {j.id: j for j in await engine.cron.list()}
+        assert not pgrep(rf"^sleep ({marker}|{adopted_marker})$")
+        assert set(events) == {earlier.id, job.id, waiting.id}
+        assert {e.reason for e in events.values()} == {"cancelled"}
+        assert events[job.id].exit_code == 7 and events[job.id].stdout_tail == "started\n"
+        assert events[earlier.id].signal == 2  # adopted: ended by the same escalation
+        assert (events[waiting.id].exit_code, events[waiting.id].signal) == (None, None)
+        assert "did not run to an exit (reason: cancelled)" in events[waiting.id].text
+        assert not any(j.enabled for j in jobs.values())
+        missing.mkdir()
+        async with engine_with(tmp_path / "s") as engine:  # nothing re-runs, nothing fires again
+            await trio.sleep(0.3)
+            assert engine.watchers.active_job_ids() == []
+            assert len(await engine.cron.events()) == 3
+    finally:
+        kill_leftovers(rf"^sleep ({marker}|{adopted_marker})$")
 
 
 async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Path) -> None:
@@ -354,8 +449,9 @@ async def test_exit_watcher_store_failure_then_rearm_drops_old_exit(tmp_path: Pa
 
 
 @pytest.fixture(autouse=True)
-def _no_leftovers() -> object:
+def _no_leftovers(tmp_path: Path) -> object:
     yield None
+    end_left_commands(tmp_path)  # a graceful stop left them running, as children of this process
     kill_leftovers(rf"sleep 33[5-7]\.1{SESSION}")
     kill_pids(pgrep_env(COMMAND_VAR, "echo gen-"))
     assert os.getpid() > 0

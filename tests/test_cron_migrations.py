@@ -6,6 +6,7 @@ import json
 import sqlite3
 from pathlib import Path
 
+import attrs
 import pytest
 
 from engine import SqliteJobStore, StoreError
@@ -29,7 +30,7 @@ def _version(path: Path) -> int:
 
 
 def test_migrations_are_numbered_steps() -> None:
-    assert SCHEMA_VERSION == len(MIGRATIONS) == 2
+    assert SCHEMA_VERSION == len(MIGRATIONS) == 3
     assert all(
         step.__doc__ and step.__doc__.startswith(f"{n} -> {n + 1}:") for n, step in enumerate(MIGRATIONS)
     )
@@ -63,7 +64,7 @@ def test_migration_step_that_fails_leaves_the_version_before_it(tmp_path: Path) 
     path = tmp_path / "cron.sqlite3"
 
     def broken(conn: sqlite3.Connection) -> None:
-        """2 -> 3: half done, then it fails."""
+        """3 -> 4: half done, then it fails."""
         conn.execute("CREATE TABLE notices (id INTEGER PRIMARY KEY)")
         raise sqlite3.OperationalError("disk I/O error (test)")
 
@@ -89,3 +90,42 @@ async def test_store_refuses_a_file_newer_than_its_steps(tmp_path: Path) -> None
     with pytest.raises(StoreError, match=f"schema {SCHEMA_VERSION + 1}, newer than this engine's"):
         await store.open()
     assert _version(path) == SCHEMA_VERSION + 1  # refused, not touched
+
+
+async def test_migration_3_adds_the_project_of_jobs_and_events(tmp_path: Path) -> None:
+    path = tmp_path / "cron.sqlite3"
+    conn = _connect(path)
+    migrate(conn, str(path), MIGRATIONS[:2])  # a version-2 file: no project anywhere
+    old = job("old")
+    conn.execute("INSERT INTO jobs (id, data) VALUES (?, ?)", (old.id, json.dumps(old.to_dict())))
+    conn.close()
+    store = SqliteJobStore(str(path))
+    await store.open()
+    try:
+        assert (await store.get_job("old")).project is None
+        fire = text_fire("old", "from before")
+        await store.commit_fire("old", exited, fire)
+        assert (await store.deliver_fire("old", fire)).project is None
+        mine = attrs.evolve(job("mine"), project="1f2e3d4c5b6a7988")
+        await store.insert_job(mine)
+        assert (await store.get_job("mine")).project == "1f2e3d4c5b6a7988"
+        fire = text_fire("mine", "scoped")
+        await store.commit_fire("mine", exited, fire)
+        await store.deliver_fire("mine", fire)
+        assert [(e.job_id, e.project) for e in await store.events()] == [
+            ("old", None),
+            ("mine", "1f2e3d4c5b6a7988"),
+        ]
+        with pytest.raises(ValueError, match="keep the job's id and project"):
+            await store.update_job("mine", lambda j: attrs.evolve(j, project=None))
+        _, event = await store.delete_job("mine")
+        assert event is None
+    finally:
+        await store.aclose()
+    conn = _connect(path)
+    try:
+        rows = conn.execute("SELECT id, project FROM jobs ORDER BY seq").fetchall()
+        assert rows == [("old", None)]
+        assert _version(path) == 3
+    finally:
+        conn.close()

@@ -34,11 +34,14 @@ SECTION_0_EVENT = [
     "stdout_tail",
     "stderr_tail",
     "truncated",
+    "project",  # 0.2: the project id of the job
 ]
 
 
 def test_fired_event_is_a_pending_fire_plus_its_place() -> None:
-    assert set(PENDING_FIRE_FIELDS) | {"cursor", "job_id"} == {f.name for f in attrs.fields(FiredEvent)}
+    assert set(PENDING_FIRE_FIELDS) | {"cursor", "job_id", "project"} == {
+        f.name for f in attrs.fields(FiredEvent)
+    }
     fire = text_fire("nightly", "stretch")
     event = FiredEvent.from_pending(fire, cursor=7, job_id="ab12")
     assert list(event.to_dict()) == SECTION_0_EVENT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -20,6 +21,7 @@ from engine.cron._schedule import (
     MAX_EVERY_SECONDS,
     MIN_EVERY_SECONDS,
     check_on_exit_cwd,
+    follows_real_time,
     next_run_after,
 )
 
@@ -110,12 +112,19 @@ def test_cron_fall_back_now_inside_repeated_hour() -> None:
     )
 
 
-def test_cron_fall_back_every_wall_time_once() -> None:
+def test_cron_fall_back_fixed_hour_once_per_wall_time_wildcard_hour_in_real_time() -> None:
     found = runs(Cron("*/20 1 * * *", "America/New_York"), utc(2026, 11, 1, 4, 0), utc(2026, 11, 1, 12, 0))
     assert walls(found, "America/New_York") == ["11-01 01:00", "11-01 01:20", "11-01 01:40"]
+    # The hour field is `*`: real time, so the repeated 01:00 runs again (EDT, then EST).
     hourly = runs(Cron("0 * * * *", "America/New_York"), utc(2026, 11, 1, 4, 30), utc(2026, 11, 1, 9, 30))
-    assert walls(hourly, "America/New_York") == ["11-01 01:00", "11-01 02:00", "11-01 03:00", "11-01 04:00"]
-    assert len(set(hourly)) == len(hourly)
+    assert walls(hourly, "America/New_York") == [
+        "11-01 01:00",
+        "11-01 01:00",
+        "11-01 02:00",
+        "11-01 03:00",
+        "11-01 04:00",
+    ]
+    assert hourly == [utc(2026, 11, 1, h) for h in range(5, 10)]
 
 
 def test_cron_spring_forward_new_york_runs_skipped_time_after_gap() -> None:
@@ -144,24 +153,56 @@ def test_cron_berlin_spring_forward_and_fall_back() -> None:
         ("America/New_York", utc(2026, 10, 31), utc(2026, 11, 3)),
         ("Europe/Berlin", utc(2026, 3, 28), utc(2026, 3, 31)),
         ("Europe/Berlin", utc(2026, 10, 24), utc(2026, 10, 27)),
+        ("Australia/Lord_Howe", utc(2026, 4, 3), utc(2026, 4, 6)),  # a 30-minute change
     ],
 )
-def test_cron_every_quarter_hour_once_per_wall_time_across_dst(
+def test_cron_every_quarter_hour_follows_real_time_across_dst(
     tz: str, start: datetime, end: datetime
 ) -> None:
     found = runs(Cron("*/15 * * * *", tz), start, end)
-    shown = walls(found, tz)
-    assert len(shown) == len(set(shown)), "a wall time ran twice"
-    assert found == sorted(set(found))
+    # Every 15 real minutes, whatever the clocks of the zone do: no gap, no duplicate.
+    assert {b - a for a, b in itertools.pairwise(found)} == {timedelta(minutes=15)}
+    assert found[0] - start <= timedelta(minutes=15) and end - found[-1] < timedelta(minutes=15)
     zone = ZoneInfo(tz)
-    # every wall time that exists appears; the ones in a gap are folded into the first instant after it
-    wall = start.astimezone(zone).replace(tzinfo=None, minute=0, hour=0) + timedelta(days=1)
-    while wall < end.astimezone(zone).replace(tzinfo=None) - timedelta(days=1):
-        local = wall.replace(tzinfo=zone)
-        exists = local.astimezone(UTC).astimezone(zone).replace(tzinfo=None) == wall
-        if exists:
-            assert wall.strftime("%m-%d %H:%M") in shown
-        wall += timedelta(minutes=15)
+    for instant in found:
+        assert instant.astimezone(zone).minute % 15 == 0
+
+
+def test_cr06_row4_hourly_new_york_follows_real_time() -> None:
+    """CR-06 row 4: 25 fires on the fall-back day, 3600 s apart; 23 on the spring-forward day."""
+    sched = Cron("0 * * * *", "America/New_York")
+    autumn = runs(sched, utc(2026, 11, 1, 4, 0) - timedelta(seconds=1), utc(2026, 11, 2, 4, 0))
+    assert len(autumn) == 25 and (autumn[0], autumn[-1]) == (utc(2026, 11, 1, 4), utc(2026, 11, 2, 4))
+    assert {(b - a).total_seconds() for a, b in itertools.pairwise(autumn)} == {3600.0}
+    assert utc(2026, 11, 1, 6) in autumn  # the second 01:00 (EST)
+    spring = runs(sched, utc(2026, 3, 8, 5, 0) - timedelta(seconds=1), utc(2026, 3, 9, 3, 0))
+    assert len(spring) == 23 and (spring[0], spring[-1]) == (utc(2026, 3, 8, 5), utc(2026, 3, 9, 3))
+    assert "03-08 02:00" not in walls(spring, "America/New_York")  # 02:00 does not exist: skipped
+    assert compute_next_run_at(sched, utc(2026, 11, 1, 5, 0)) == utc(2026, 11, 1, 6, 0)
+
+
+def test_cr06_row5_half_hourly_melbourne_every_30_real_minutes() -> None:
+    """CR-06 row 5: DST ends at 16:00Z on 2026-04-04 in Melbourne; no 60- or 90-minute gap, no duplicate."""
+    found = runs(Cron("*/30 * * * *", "Australia/Melbourne"), utc(2026, 4, 4, 14, 30), utc(2026, 4, 4, 17, 0))
+    assert found == [
+        utc(2026, 4, 4, 15),
+        utc(2026, 4, 4, 15, 30),
+        utc(2026, 4, 4, 16),
+        utc(2026, 4, 4, 16, 30),
+        utc(2026, 4, 4, 17),
+    ]
+
+
+def test_cr06_fixed_hour_expressions_keep_their_rule() -> None:
+    ny = "America/New_York"
+    assert runs(Cron("30 1 * * *", ny), utc(2026, 11, 1, 4), utc(2026, 11, 2, 4)) == [utc(2026, 11, 1, 5, 30)]
+    assert len(runs(Cron("*/20 1 * * *", ny), utc(2026, 11, 1, 4), utc(2026, 11, 2, 4))) == 3
+    assert runs(Cron("30 2 * * *", ny), utc(2026, 3, 8, 5), utc(2026, 3, 9, 4)) == [utc(2026, 3, 8, 7)]
+    # A stepped range is a fixed hour: 01:00 runs once on the fall-back day.
+    odd = runs(Cron("0 1-23/2 * * *", ny), utc(2026, 11, 1, 4), utc(2026, 11, 2, 4))
+    assert walls(odd, ny)[:2] == ["11-01 01:00", "11-01 03:00"] and len(odd) == 12
+    assert not follows_real_time(Cron("0 1-23/2 * * *")) and not follows_real_time(Cron("0 9 * * *"))
+    assert follows_real_time(Cron("0 * * * *")) and follows_real_time(Cron("5 */2 * * *"))
 
 
 # -- validation --------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,7 @@ from engine.cron._events import text_fire
 
 from .children import SESSION, mark, pgrep, wait_until
 from .test_cron_store import FullDiskConnection, exited
+from .watch_support import end_left_commands
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 REPO = Path(__file__).resolve().parent.parent
@@ -114,6 +116,28 @@ async def test_service_every_fires_each_due_time_once(
         assert job.next_run_at == T0 + timedelta(seconds=240)
         assert job.last_status is JobStatus.OK
         assert await cron.events(since=2) == events[2:]
+
+
+async def test_service_cr06_hourly_new_york_job_fires_25_times_on_fall_back_day(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    """CR-06 row 4 through the timer: real time, 3600 s apart, across the repeated hour."""
+    wall = WallClock(datetime(2026, 11, 1, 3, 59, 30, tzinfo=UTC))
+    fired_at: list[datetime] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        fired_at.append(wall())
+
+    async with cron_service(tmp_path, supervisor, wall, on_fire=on_fire) as cron:
+        cron.recheck_seconds = 3600.0  # the wall clock is not stepped here: wake at due times only
+        await cron.add(Cron("0 * * * *", "America/New_York"), SystemEvent("hourly"))
+        await trio.sleep(24 * 3600 + 60)
+        assert len(await cron.events()) == 25
+    due = [moment.replace(second=0, microsecond=0) for moment in fired_at]
+    assert due[0] == datetime(2026, 11, 1, 4, 0, tzinfo=UTC) and due[-1] == datetime(
+        2026, 11, 2, 4, tzinfo=UTC
+    )
+    assert {b - a for a, b in itertools.pairwise(due)} == {timedelta(hours=1)}
 
 
 async def test_service_idle_timer_does_not_busy_loop(
@@ -412,6 +436,28 @@ async def test_service_command_payload_reports_exit_and_output(
         assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
 
 
+async def test_service_keeps_the_project_of_a_job_and_its_events(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    async with cron_service(tmp_path, supervisor, WallClock()) as cron:
+        mine = await cron.add(At(T0 + timedelta(hours=1)), SystemEvent("mine"), project="1f2e3d4c5b6a7988")
+        loose = await cron.add(At(T0 + timedelta(hours=1)), SystemEvent("loose"))
+        assert (mine.project, loose.project) == ("1f2e3d4c5b6a7988", None)
+        assert (await cron.get(mine.id)).project == "1f2e3d4c5b6a7988"
+        await cron.update(mine.id, name="renamed")  # a change keeps it
+        assert (await cron.get(mine.id)).project == "1f2e3d4c5b6a7988"
+        await cron.run_now(mine.id)
+        await cron.run_now(loose.id)
+        assert [(e.job_id, e.project) for e in await cron.events()] == [
+            (mine.id, "1f2e3d4c5b6a7988"),
+            (loose.id, None),
+        ]
+        for bad in ("", "a\x00b", 7):
+            with pytest.raises(InvalidArgumentError, match="project"):
+                await cron.add(Every(60), SystemEvent("x"), project=bad)  # type: ignore[arg-type]
+        assert len(await cron.list()) == 2
+
+
 async def test_engine_reopens_the_store_on_the_same_state_dir(tmp_path: Path) -> None:
     config = EngineConfig(state_dir=str(tmp_path), grace_seconds=0.4, kill_wait_seconds=1.0)
     with trio.fail_after(20):
@@ -427,6 +473,7 @@ async def test_engine_reopens_the_store_on_the_same_state_dir(tmp_path: Path) ->
             assert await engine.cron.list() == jobs
             assert [j.id for j in jobs] == [a.id, b.id, c.id]
             assert await engine.cron.events() == events
+    end_left_commands(tmp_path)  # `make test` may still run: a graceful stop leaves it to the next engine
 
 
 async def test_docs_example_runs(tmp_path: Path) -> None:

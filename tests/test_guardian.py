@@ -144,7 +144,7 @@ async def test_guardian_skips_runs_that_outlive_engine_crash(
                 recorded = [p.name for p in (state / "groups").iterdir()]
                 assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
         # A graceful exit leaves a watched command running (for the next engine), and ends the rest.
-        assert bool(pgrep(rf"^sleep 334\.1{SESSION}")) is outlive
+        assert pgrep(rf"^sleep 334\.1{SESSION}") == ([run.pid] if outlive else [])
     finally:
         kill_leftovers(rf"^sleep 334\.1{SESSION}")
 

@@ -6,8 +6,10 @@ the server's stdin, waits up to 2 s, then SIGTERM: the embedded engine must be g
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -23,14 +25,16 @@ import trio
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from engine import EngineConfig, Every, SystemEvent, open_engine
+from engine import EngineConfig, EngineError, Every, Project, SystemEvent, open_engine
 from engine._input import read_schedule
+from engine.server._client import EngineClient
 from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
 from engine.server._mcp_tools import CRON_TOOLS, EmbeddedBackend, McpTools
 from engine.server._methods import Methods, to_wire
 
-from .children import ignoring_sigint, kill_leftovers, pgrep
+from .children import ignoring_sigint, kill_leftovers, mark, pgrep, wait_for_text, wait_until
 from .serve_support import GRACE, SHELL, alive, cli, start_serve
+from .serve_support import wait_until as wait_until_sync
 
 TOOL_NAMES = ["subprocess", "cron_add", "cron_list", "cron_remove", "cron_events"]
 #: MCP clients wait this long after closing stdin before SIGTERM (the SDK's stdio client does).
@@ -257,6 +261,56 @@ async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: str) -> N
         kill_leftovers(marker)
 
 
+async def test_mcp_cron_tools_are_scoped_to_the_session_project(tmp_path: Path, marker: str) -> None:
+    state, a, b = tmp_path / "state", tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        # A embeds the engine; B, a second agent on the same state dir, forwards to it.
+        async with mcp_client(server_params(state, a), tmp_path / "a.log") as sa:
+            text, is_error = await call(
+                sa, "cron_add", {"command": f"sleep {marker}; echo a-{marker}", "text": "a done"}
+            )
+            assert not is_error, text
+            a_job = text.split("\n")[1].removeprefix("id: ")
+            await wait_until(lambda: bool(pgrep(rf"^sleep {marker}$")))
+            async with mcp_client(server_params(state, b), tmp_path / "b.log") as sb:
+                assert await call(sb, "cron_list", {}) == ("CRON LIST\nNo cron jobs.", False)
+                text, is_error = await call(sb, "cron_remove", {"id": a_job})
+                assert is_error and text == (
+                    f"CRON ERROR: job_id {a_job!r} names no cron job; list the jobs to see their ids"
+                )
+                assert pgrep(rf"^sleep {marker}$")  # A's command runs on, unfired
+                text, is_error = await call(sb, "cron_add", {"every_seconds": 3600, "text": "b tick"})
+                assert not is_error, text
+                b_job = text.split("\n")[1].removeprefix("id: ")
+                text, _ = await call(sb, "cron_list", {})
+                assert f"id: {b_job}" in text and a_job not in text
+                text, _ = await call(sa, "cron_list", {})
+                assert f"id: {a_job}" in text and b_job not in text
+                text, is_error = await call(sa, "cron_remove", {"id": b_job})
+                assert is_error and "names no cron job" in text
+                kill_leftovers(rf"^sleep {marker}$")  # A's command ends: A's job fires
+                event = await wait_for_event(sa, a_job)
+                assert f"a-{marker}" in event
+                text, is_error = await call(sb, "cron_events", {})
+                assert (text, is_error) == ("CRON EVENTS\nNo events after cursor 0.\nnext since: 0", False)
+            assert "mode=forward" in (tmp_path / "b.log").read_text()
+            # Jobs and events carry the project id for every surface.
+            with EngineClient(str(state)) as client:
+                jobs = {job["id"]: job["project"] for job in client.call("cron.list")}
+                assert jobs == {a_job: Project.from_directory(a).id, b_job: Project.from_directory(b).id}
+                events = client.call("events", project=str(a))
+                assert [(e["job_id"], e["project"]) for e in events] == [
+                    (a_job, Project.from_directory(a).id)
+                ]
+                assert client.call("events", project=str(b)) == []
+                with pytest.raises(EngineError, match="belongs to an MCP session"):
+                    client.call("engine.stop")  # the session's engine stops with its stdin
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
 def test_mcp_refuses_a_missing_project(tmp_path: Path) -> None:
     result = cli("mcp", "--state-dir", str(tmp_path / "state"), "--project", str(tmp_path / "nope"))
     assert result.returncode == 1 and result.stdout == ""
@@ -272,6 +326,13 @@ class RecordingBackend:
 
     inner: EmbeddedBackend
     calls: list[tuple[str, dict[str, Any]]] = attrs.Factory(list)
+
+    @property
+    def remote(self) -> bool:
+        return self.inner.remote
+
+    async def hurry(self) -> None:
+        await self.inner.hurry()
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         self.calls.append((method, dict(params)))
@@ -291,7 +352,12 @@ async def test_mcp_tools_read_once_pass_typed_values_and_refuse_poison(tmp_path:
         # Typed once here; Methods.run takes them as they are (the socket backend sends their JSON form).
         assert (method, params) == (
             "cron.add",
-            {"schedule": Every(3600.0), "payload": SystemEvent("hourly"), "name": "t"},
+            {
+                "schedule": Every(3600.0),
+                "payload": SystemEvent("hourly"),
+                "project": Project.from_directory(project),
+                "name": "t",
+            },
         )
         assert read_schedule(to_wire(params)["schedule"]) == Every(3600.0)
         seen = len(backend.calls)
@@ -322,3 +388,258 @@ async def test_mcp_tools_read_once_pass_typed_values_and_refuse_poison(tmp_path:
         assert engine.service.ps() == []
         text, is_error = await tools.call("subprocess", {"cmd": "list"})
         assert (text, is_error) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+
+
+# ---- stdin closes: every request read gets its answer (NB-03, NB-04) ---------------------------------
+
+
+def _initialize(request_id: int = 1) -> list[dict[str, Any]]:
+    return [
+        {
+            "jsonrpc": "2.0",
+            "id": request_id,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "raw-test", "version": "1"},
+            },
+        },
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+    ]
+
+
+def _tool_call(request_id: int, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "method": "tools/call",
+        "params": {"name": name, "arguments": arguments},
+    }
+
+
+@attrs.define
+class RawMcp:
+    """``gadget-engine mcp`` on plain pipes: several requests in one write, stdin closed at will."""
+
+    proc: subprocess.Popen[bytes]
+    errlog: Path
+    closed_at: float = 0.0
+
+    @classmethod
+    def start(cls, state: Path, project: Path, errlog: Path, *extra: str) -> RawMcp:
+        args = ["--grace-seconds", GRACE] if "--grace-seconds" not in extra else []
+        argv = [sys.executable, "-m", "engine", "mcp", "--state-dir", str(state), "--project", str(project)]
+        with open(errlog, "wb") as err:
+            proc = subprocess.Popen(
+                [*argv, *args, *SHELL, *extra],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
+        return cls(proc, errlog)
+
+    def send(self, *messages: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"".join(json.dumps(m).encode() + b"\n" for m in messages))  # one write
+        self.proc.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, self.errlog.read_text()
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    def close_stdin(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.closed_at = time.monotonic()
+
+    def finish(self, seconds: float = 10.0) -> tuple[dict[Any, dict[str, Any]], float]:
+        """Every message left on stdout (by id) and how long after stdin closed the process exited."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()
+        self.proc.stdout.close()
+        self.proc.wait(timeout=seconds)
+        exited = time.monotonic() - self.closed_at
+        return {m.get("id"): m for m in map(json.loads, out.splitlines())}, exited
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _text(answer: dict[str, Any]) -> tuple[str, bool]:
+    assert "result" in answer, answer  # never a JSON-RPC error ("Connection closed")
+    result = answer["result"]
+    [block] = result["content"]
+    return block["text"], result["isError"]
+
+
+@pytest.mark.serial
+def test_nb03a_embedded_answers_every_request_written_before_stdin_closed(
+    tmp_path: Path, project: Path
+) -> None:
+    mcp = RawMcp.start(tmp_path / "state", project, tmp_path / "mcp.log")
+    try:
+        calls = [
+            _tool_call(n + 2, *(("subprocess", {"cmd": "list"}) if n % 2 == 0 else ("cron_list", {})))
+            for n in range(8)
+        ]
+        mcp.send(*_initialize(), *calls)
+        mcp.close_stdin()
+        answers, exited = mcp.finish()
+    finally:
+        mcp.kill()
+    assert sorted(answers) == list(range(1, 10))
+    assert "result" in answers[1]
+    for n in range(2, 10):
+        text, is_error = _text(answers[n])
+        expected = (
+            "SUBPROCESS LIST\nNo subprocesses in this project." if n % 2 == 0 else "CRON LIST\nNo cron jobs."
+        )
+        assert (text, is_error) == (expected, False)
+    assert mcp.proc.returncode == 0 and exited < 2.0
+    log = mcp.errlog.read_text()
+    assert 'event=stopping reason="stdin closed" mode=embedded' in log and "event=stopped" in log
+    assert not (tmp_path / "state" / "engine.sock").exists()
+
+
+@pytest.mark.serial
+def test_nb03b_forwarding_creates_written_before_stdin_closed_are_all_answered(
+    tmp_path: Path, project: Path
+) -> None:
+    marker = mark("8812.25")
+    served = start_serve(tmp_path / "state")
+    mcp = RawMcp.start(tmp_path / "state", project, tmp_path / "mcp.log")
+    try:
+        creates = [
+            _tool_call(n, "subprocess", {"cmd": "create", "command": "sleep", "args": [marker]})
+            for n in (2, 3, 4)
+        ]
+        mcp.send(*_initialize(), *creates)
+        mcp.close_stdin()
+        answers, exited = mcp.finish()
+        assert sorted(answers) == [1, 2, 3, 4]
+        pids = []
+        for n in (2, 3, 4):
+            text, is_error = _text(answers[n])
+            assert not is_error and text.startswith("SUBPROCESS CREATED\npid: "), text
+            pids.append(int(text.split("\n")[1].removeprefix("pid: ")))
+        assert sorted(pgrep(rf"^sleep {marker}$")) == sorted(pids)  # serve's, running on
+        assert mcp.proc.returncode == 0 and exited < 2.0
+        assert "mode=forward" in mcp.errlog.read_text() and "event=stopped" in mcp.errlog.read_text()
+        assert served.stop() == 0
+        assert not pgrep(rf"^sleep {marker}$")
+    finally:
+        mcp.kill()
+        if served.proc.poll() is None:
+            served.kill_hard()
+        kill_leftovers(rf"^sleep {marker}$")
+
+
+def _create_sigint_ignoring(mcp: RawMcp, marker: str, request_id: int = 2) -> int:
+    argv = ignoring_sigint(marker)
+    mcp.send(
+        _tool_call(request_id, "subprocess", {"cmd": "create", "command": argv[0], "args": list(argv[1:])})
+    )
+    text, is_error = _text(mcp.receive())
+    assert not is_error, text
+    stdout = Path(text.split("\n")[2].removeprefix("stdout: "))
+    assert wait_until_sync(lambda: stdout.read_text() == "ready\n")  # SIGINT is ignored from now on
+    return int(text.split("\n")[1].removeprefix("pid: "))
+
+
+@pytest.mark.serial
+def test_nb04_embedded_stdin_closes_while_a_kill_waits_out_its_grace(
+    tmp_path: Path, project: Path, marker: str
+) -> None:
+    state = tmp_path / "state"
+    mcp = RawMcp.start(state, project, tmp_path / "mcp.log", "--grace-seconds", "5")
+    try:
+        mcp.send(*_initialize())
+        assert "result" in mcp.receive()
+        pid = _create_sigint_ignoring(mcp, marker)
+        mcp.send(_tool_call(3, "subprocess", {"cmd": "kill", "pid": pid}))
+        time.sleep(0.3)
+        mcp.close_stdin()
+        answers, exited = mcp.finish()
+    finally:
+        mcp.kill()
+        kill_leftovers(marker)
+    print(f"NB-04 embedded: stdin closed -> exited in {exited:.3f} s")
+    assert mcp.proc.returncode == 0 and exited < 2.0
+    # The kill was hurried to SIGKILL and answered as itself.
+    assert _text(answers[3]) == (f"SUBPROCESS KILLED\npid: {pid}", False)
+    assert not alive(pid) and not pgrep(marker)
+    assert not (state / "engine.sock").exists()
+    log = mcp.errlog.read_text()
+    assert "event=stopping" in log and "event=stopped" in log
+
+
+@pytest.mark.serial
+def test_nb04_forwarding_a_kill_cut_short_continues_in_the_engine(
+    tmp_path: Path, project: Path, marker: str
+) -> None:
+    state = tmp_path / "state"
+    served = start_serve(state, "--grace-seconds", "5")
+    mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
+    try:
+        mcp.send(*_initialize())
+        assert "result" in mcp.receive()
+        pid = _create_sigint_ignoring(mcp, marker)
+        mcp.send(_tool_call(3, "subprocess", {"cmd": "kill", "pid": pid}))
+        time.sleep(0.3)
+        mcp.close_stdin()
+        answers, exited = mcp.finish()
+        assert mcp.proc.returncode == 0 and exited < 2.0
+        text, is_error = _text(answers[3])
+        assert not is_error, text
+        assert (
+            text.startswith(f"SUBPROCESS KILL UNDER WAY\npid: {pid}\n") and "continues in the engine" in text
+        ), text
+        assert alive(pid)  # serve is still waiting out the grace period
+        assert wait_until_sync(lambda: not alive(pid), 8.0)  # ... and then ends it
+        with served.client() as client:
+            assert all(r["pid"] != pid for r in client.call("subprocess.list"))
+        assert served.stop() == 0
+    finally:
+        mcp.kill()
+        if served.proc.poll() is None:
+            served.kill_hard()
+        kill_leftovers(marker)
+
+
+@pytest.mark.serial
+async def test_nb04_sdk_client_leaves_while_a_kill_waits_and_the_server_exits_by_itself(
+    tmp_path: Path, project: Path, marker: str
+) -> None:
+    state = tmp_path / "state"
+    params = server_params(state, project)
+    params.args = [*params.args, "--grace-seconds", "5"]
+    errlog = tmp_path / "mcp.log"
+    try:
+        async with mcp_client(params, errlog) as session:
+            argv = ignoring_sigint(marker)
+            text, _ = await call(
+                session, "subprocess", {"cmd": "create", "command": argv[0], "args": list(argv[1:])}
+            )
+            pid = int(text.split("\n")[1].removeprefix("pid: "))
+            await wait_for_text(text.split("\n")[2].removeprefix("stdout: "), "ready")
+            server_pid = int((state / "lock").read_text())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, session, "subprocess", {"cmd": "kill", "pid": pid})
+                await trio.sleep(0.3)
+                nursery.cancel_scope.cancel()
+            closed_at = time.monotonic()
+        left = time.monotonic() - closed_at  # the SDK closes stdin, waits up to 2 s, then SIGTERM
+        assert left < CLIENT_WINDOW_SECONDS - 0.2, errlog.read_text()
+        assert not alive(server_pid) and not alive(pid)
+        assert "event=stopped" in errlog.read_text()
+    finally:
+        kill_leftovers(marker)

@@ -223,6 +223,36 @@ def test_rpc_errors_come_back_as_the_engine_classes(served: Served, project: Pat
         assert client.call("status")["version"] == engine.__version__  # the connection is still good
 
 
+def test_rpc_cron_methods_scoped_to_a_project(served: Served, tmp_path: Path) -> None:
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    every = {"kind": "every", "every_seconds": 3600}
+    with served.client() as client:
+        job = client.call(
+            "cron.add", schedule=every, payload={"kind": "system_event", "text": "x"}, project=str(mine)
+        )
+        assert job["project"] == engine.Project.from_directory(mine).id
+        loose = client.call("cron.add", schedule=every, payload={"kind": "system_event", "text": "y"})
+        assert loose["project"] is None
+        assert [j["id"] for j in client.call("cron.list", project=str(mine))] == [job["id"]]
+        assert client.call("cron.list", project=str(other)) == []
+        for method in ("cron.get", "cron.remove", "cron.enable", "cron.disable", "cron.run_now"):
+            with pytest.raises(JobNotFoundError, match="names no cron job"):
+                client.call(method, job_id=job["id"], project=str(other))
+            with pytest.raises(JobNotFoundError):
+                client.call(method, job_id=loose["id"], project=str(mine))
+        with pytest.raises(JobNotFoundError):
+            client.call("cron.update", job_id=job["id"], name="n", project=str(other))
+        assert client.call("cron.update", job_id=job["id"], name="n", project=str(mine))["name"] == "n"
+        client.call("cron.run_now", job_id=job["id"], project=str(mine))
+        events = client.call("events", project=str(mine))
+        assert [(e["job_id"], e["project"]) for e in events] == [(job["id"], job["project"])]
+        assert client.call("events", project=str(other)) == []
+        assert client.call("cron.remove", job_id=job["id"], project=str(mine))["removed"] is True
+        client.call("cron.remove", job_id=loose["id"])
+
+
 def test_rpc_status_lists_every_method(served: Served) -> None:
     with served.client() as client:
         status = client.call("status")

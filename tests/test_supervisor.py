@@ -455,3 +455,43 @@ def test_engine_with_sigint_ignored_still_stops_child_with_sigint(tmp_path: Path
     assert proc.returncode == 0, proc.stderr
     assert "exit_code=7" in proc.stdout
     assert "escalated=False" in proc.stdout
+
+
+# ---- runs that outlive the engine (on-exit watched commands) ------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["return", "error", "cancel"])
+async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: str) -> None:
+    kept, ended = mark("338.1"), mark("338.2")
+    try:
+        with trio.CancelScope() as outer:
+            try:
+                async with open_supervisor(grace_seconds=0.3) as sup:
+                    watched = await sup.spawn(
+                        SpawnSpec(argv=cooperative(kept), outlive_engine_crash=True, scope_key="cron-exit:j")
+                    )
+                    other = await sup.spawn(SpawnSpec(argv=("sleep", ended)))
+                    await wait_until(lambda: bool(pgrep(rf"time.sleep\({kept}\)")))
+                    if how == "error":
+                        raise ValueError("the body failed")
+                    if how == "cancel":
+                        outer.cancel()
+                        await trio.sleep_forever()
+            except ValueError:
+                assert how == "error"
+        assert other.state is RunState.EXITED and not pgrep(rf"^sleep {ended}$")
+        # Detached: still running (it would have printed "bye" and exited on SIGINT), forgotten.
+        assert pgrep(rf"time.sleep\({kept}\)") == [watched.pid]
+        assert watched.state is RunState.RUNNING and watched.exit is None
+        assert sup.runs() == []
+    finally:
+        for pid in pgrep(rf"time.sleep\({kept}\)"):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)  # our child: reap it here
+
+
+async def test_cancel_still_ends_an_outlive_run(supervisor: Supervisor) -> None:
+    run = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("338.3")), outlive_engine_crash=True))
+    with trio.fail_after(10):
+        result = await supervisor.cancel(run)
+    assert result.reason is TerminationReason.CANCELLED and result.signal == signal.SIGINT

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
+import os
+import signal
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -11,12 +16,21 @@ from typing import Any
 import trio
 
 from engine import CronJob, Engine, EngineConfig, FiredEvent, SqliteJobStore, open_engine
+from engine._procfs import read_proc
 from engine.cron._events import PendingFire
 from engine.cron._protocol import JobChange
 
 from .children import wait_until
 
-__all__ = ["TEST_SHELL", "FlakyStore", "config", "engine_with", "wait_events", "wait_until"]
+__all__ = [
+    "TEST_SHELL",
+    "FlakyStore",
+    "config",
+    "end_left_commands",
+    "engine_with",
+    "wait_events",
+    "wait_until",
+]
 
 #: Tests run watched commands with plain bash (no login profile, ~1 ms) unless the profile is the point.
 TEST_SHELL = ("bash", "-c", "--")
@@ -75,3 +89,27 @@ async def wait_events(engine: Engine, count: int, *, seconds: float = 10.0) -> l
         while len(events := await engine.cron.events()) < count:
             await trio.sleep(0.02)
     return events
+
+
+def end_left_commands(root: Path) -> list[int]:
+    """End and reap the watched commands that engines of this test process left running.
+
+    A graceful stop leaves a watched command running, with its watch state in the store, and its shim a
+    child of this process (the engine ran here): once it ends, it stays a zombie until this process reaps
+    it. For each store under ``root``, each watch state whose shim is a child of this process (same start
+    time) has its group SIGKILLed and the shim reaped. Returns the shims' pids.
+    """
+    ended = []
+    for path in root.rglob("cron.sqlite3"):
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            rows = conn.execute("SELECT watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
+        for (text,) in rows:
+            state = json.loads(text)
+            info = read_proc(state["pid"])
+            if info is None or info.ppid != os.getpid() or info.start_time != state["start_time"]:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(info.pid, signal.SIGKILL)
+            os.waitpid(info.pid, 0)
+            ended.append(info.pid)
+    return ended

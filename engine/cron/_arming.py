@@ -155,12 +155,6 @@ class ArmTable:
         del self._slots[job_id]
         return slot.token
 
-    def cancel_all(self) -> list[tuple[str, int]]:
-        """Drop every slot (the engine is shutting down); committing ones too."""
-        dropped = [(job_id, slot.token) for job_id, slot in self._slots.items()]
-        self._slots.clear()
-        return dropped
-
     def begin_commit(self, job_id: str, token: int) -> CronJob | None:
         """The watcher's command exited: mark the slot committing; return the job to fire with.
 

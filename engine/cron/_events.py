@@ -114,17 +114,26 @@ class FiredEvent(PendingFire):
     Attributes:
         cursor: position in the event log; increases with every event (``events(since=cursor)``).
         job_id: the job that fired.
+        project: the project id of that job (``CronJob.project``), or ``None``.
 
     The other attributes are those of :class:`PendingFire`.
     """
 
     cursor: int = attrs.field(kw_only=True, validator=attrs.validators.instance_of(int))
     job_id: str = attrs.field(kw_only=True, validator=_str)
+    project: str | None = attrs.field(kw_only=True, default=None, validator=_optional_str)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict of every field: ``cursor``, ``fire_id``, ``job_id``, then the rest."""
+        """A JSON-able dict of every field: ``cursor``, ``fire_id``, ``job_id``, then the rest, ``project``
+        last."""
         fields = super().to_dict()
-        return {"cursor": self.cursor, "fire_id": fields.pop("fire_id"), "job_id": self.job_id, **fields}
+        return {
+            "cursor": self.cursor,
+            "fire_id": fields.pop("fire_id"),
+            "job_id": self.job_id,
+            **fields,
+            "project": self.project,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FiredEvent:
@@ -135,15 +144,22 @@ class FiredEvent(PendingFire):
         """
         fire = PendingFire.from_dict(data)
         try:
-            return cls.from_pending(fire, cursor=data["cursor"], job_id=data["job_id"])
+            return cls.from_pending(
+                fire, cursor=data["cursor"], job_id=data["job_id"], project=data.get("project")
+            )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid event: {exc}") from exc
 
     @classmethod
-    def from_pending(cls, fire: PendingFire, *, cursor: int, job_id: str) -> FiredEvent:
-        """The event of ``fire``, recorded at ``cursor`` for ``job_id``."""
+    def from_pending(
+        cls, fire: PendingFire, *, cursor: int, job_id: str, project: str | None = None
+    ) -> FiredEvent:
+        """The event of ``fire``, recorded at ``cursor`` for ``job_id`` of ``project``."""
         return cls(
-            cursor=cursor, job_id=job_id, **{name: getattr(fire, name) for name in PENDING_FIRE_FIELDS}
+            cursor=cursor,
+            job_id=job_id,
+            project=project,
+            **{name: getattr(fire, name) for name in PENDING_FIRE_FIELDS},
         )
 
     def pending(self) -> PendingFire:

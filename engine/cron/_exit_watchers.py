@@ -7,11 +7,13 @@ exits, the job is disabled and its pending fire written in one transaction (**pe
 fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task that
 lost its slot never persists and never fires.
 
-Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). A crashed
-engine leaves the command running (``outlive_engine_crash``); the next engine adopts it if it is alive,
-reads the shim's exit file if it ended meanwhile, and reports "watch lost across restart" (job disabled,
-nothing fired) if neither. A graceful shutdown ends the commands and clears the watch states; the jobs
-stay enabled and are armed again at the next start.
+Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). An
+engine that stops, by a crash or gracefully (:meth:`CronExitWatchers.detach_all`), leaves the command
+running, unsignalled (``outlive_engine_crash``), with its watch state kept; the next engine adopts it if
+it is alive, reads the shim's exit file if it ended meanwhile, and reports "watch lost across restart"
+(job disabled, nothing fired) if neither. A command with side effects never runs twice. To end the
+commands on purpose there is :meth:`CronExitWatchers.cancel_all`: each job is disabled and fires once,
+with reason ``cancelled``.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
-from typing import final
+from typing import TypeVar, final
 
 import attrs
 import trio
 
 from .._errors import JobNotFoundError, SpawnError
 from .._pidfd import wait_exited
+from .._procfs import read_proc
 from .._retry import RetryPolicy
-from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor
+from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor, TerminationReason
 from .._sweep import GroupRecord, end_processes, find_record_processes
 from ._arming import ArmTable, watchable
 from ._events import PendingFire, exit_fire
@@ -58,6 +61,8 @@ HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "
 
 _SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim.py")
 _LOGS = "watch-logs"
+
+_T = TypeVar("_T")
 
 FirePending = Callable[[str, PendingFire], Awaitable[object]]
 #: What the shim recorded of a command's end (``exit_code`` or ``signal``, ``ended_at``, ...).
@@ -85,8 +90,26 @@ class _Watch:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     run: ManagedRun | None = None
     adopted: GroupRecord | None = None
+    #: what the store must hold for the next engine to adopt the command, once it runs
+    state: WatchState | None = None
+    saved: bool = False
     completed: bool = False
+    #: ``cancel_all`` asked to end the command on purpose (the job then fires, reason ``cancelled``)
+    ending: bool = False
+    end_requested: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
+
+
+def _reap_if_ours(pid: int, start_time: int) -> None:
+    """Reap ``pid`` if it is an exited child of this very process with that start time.
+
+    An engine embedded in a host that goes on running leaves its watched commands as children of the
+    host after a graceful stop; the next engine in the same process finds one as its own zombie.
+    """
+    info = read_proc(pid)
+    if info is not None and info.zombie and info.ppid == os.getpid() and info.start_time == start_time:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def _outcome(record: Mapping[str, object]) -> tuple[int | None, int | None]:
@@ -124,6 +147,7 @@ class CronExitWatchers:
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
     _state_locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+    _detached: bool = attrs.field(init=False, default=False)
 
     def __repr__(self) -> str:
         return f"<CronExitWatchers {len(self._table)} armed: {self._table.active_job_ids()}>"
@@ -178,17 +202,39 @@ class CronExitWatchers:
         await trio.lowlevel.checkpoint()
 
     async def cancel_all(self) -> None:
-        """End every watcher and its command, and wait until they are ended (graceful shutdown).
+        """End every watched command on purpose, and wait until each job has fired.
 
-        The jobs stay enabled in the store and are armed again at the next start.
+        Each command is ended by escalation (SIGINT, the grace period, SIGKILL; an adopted one the same
+        way); then, as for an exit, its job is disabled and its fire persisted (reason ``cancelled``), and
+        only then fired. A job whose command had not started yet (a spawn being retried) fires once too,
+        without an exit. Nothing re-runs later. A watcher whose command already exited fires that exit.
+        This is ``serve``'s stop with ``end_watched``; a graceful stop without it leaves the commands
+        running (:meth:`detach_all`).
 
-        Cancellation: the commands are still ended (each watcher ends its own under a shield).
+        Cancellation: only the waiting stops; each watcher goes on ending its command and firing.
         """
-        for job_id, token in self._table.cancel_all():
-            self._stop(job_id, token)
-        with trio.CancelScope(shield=True):
-            for watch in list(self._watches.values()):
-                await watch.done.wait()
+        watches = [w for w in self._watches.values() if self._owns(w) and not w.completed]
+        for watch in watches:
+            watch.ending = True
+            watch.end_requested.set()
+        for watch in watches:
+            await watch.done.wait()
+        await trio.lowlevel.checkpoint()
+
+    def detach_all(self) -> None:
+        """Stop watching and leave every watched command running, for the next engine to adopt.
+
+        The engine's graceful stop (``open_engine``'s exit): each watcher task ends without signalling
+        its command; the command's watch state and exit file stay in the state directory, so the next
+        engine adopts it exactly as after a crash (design section 5: a command with side effects never
+        runs twice). A command spawned an instant ago whose watch state was not stored yet has it stored
+        now, or, if the store fails, is ended (its job stays enabled). Watchers ending their commands on
+        purpose (:meth:`cancel_all`) finish that. Nothing is armed afterwards.
+        """
+        self._detached = True
+        for watch in list(self._watches.values()):
+            if not watch.ending:
+                watch.scope.cancel()
 
     # -- tasks -------------------------------------------------------------------------------------
 
@@ -202,6 +248,9 @@ class CronExitWatchers:
     ) -> None:
         """Start a watcher: a fresh command, or (``adopted``) one a crashed engine left, running or
         already ended with its exit ``recorded``."""
+        if self._detached:  # the engine is stopping: the next one arms it
+            self._table.release(job.id, token)
+            return
         arm_id = adopted.arm_id if adopted is not None else uuid.uuid4().hex[:12]
         watch = _Watch(job.id, token, arm_id)
         self._watches[(job.id, token)] = watch
@@ -226,12 +275,14 @@ class CronExitWatchers:
         self, job: CronJob, watch: _Watch, adopted: WatchState | None, recorded: ExitRecord | None
     ) -> None:
         paths = _Paths.of(self.state_dir, job.id, watch.arm_id)
+        leave = False
         try:
             with watch.scope:
                 record: ExitRecord | None
                 if recorded:
                     record = recorded
                 elif adopted is not None:
+                    watch.state, watch.saved = adopted, True
                     record = await self._wait_adopted(watch, adopted)
                 else:
                     record = await self._run(job, watch, paths)
@@ -240,20 +291,27 @@ class CronExitWatchers:
                 started_at = adopted.started_at if adopted is not None else None
                 await self._hook("after_exit", job.id)
                 await self._complete(watch, paths, record, started_at)
+        except trio.Cancelled:  # from outside (``_stop`` cancels ``watch.scope``): the engine is stopping
+            leave = True
+            raise
         finally:
             with trio.CancelScope(shield=True):
-                await self._end_command(watch)
-                if not watch.completed:
-                    await self._forget(watch, paths)
+                if (self._detached or leave) and not watch.ending:
+                    await self._leave(watch, paths)
+                else:
+                    await self._end_command(watch)
+                    if not watch.completed:
+                        await self._forget(watch, paths)
             self._watches.pop((watch.job_id, watch.token), None)
             self._table.release(watch.job_id, watch.token)
             watch.done.set()
 
     async def _run(self, job: CronJob, watch: _Watch, paths: _Paths) -> ExitRecord | None:
         """Spawn the command (retrying failed spawns) and wait for its exit; the shim's record."""
-        assert isinstance(job.schedule, OnExit)
-        cwd = job.schedule.cwd or os.getcwd()
-        argv, env = watch_argv(self.shell, job.schedule.command, cwd, paths.started)
+        schedule = job.schedule
+        assert isinstance(schedule, OnExit)
+        cwd = schedule.cwd or os.getcwd()
+        argv, env = watch_argv(self.shell, schedule.command, cwd, paths.started)
         spec = SpawnSpec(
             argv=(sys.executable, "-I", "-S", _SHIM, paths.exit_file, "--", *argv),
             cwd=cwd,
@@ -270,7 +328,9 @@ class CronExitWatchers:
                 if shutil.which(self.shell[0]) is None:
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
                 await trio.to_thread.run_sync(self._prepare_files, job.id, paths)
-                return await self.supervisor.spawn(spec)
+                run = watch.run = await self.supervisor.spawn(spec)  # known at once to the clean-up
+                watch.state = WatchState.of_run(run, schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
+                return run
             except SpawnError as exc:
                 message = f"cannot start the watched command: {exc}; retrying"
                 if self._errors.get(job.id) != message:  # shown in the job's last_error too, once
@@ -278,21 +338,57 @@ class CronExitWatchers:
                     await self._store_error(job.id, message)
                 raise
 
-        watch.run = await self.retry.run(
-            f"on-exit job {job.id}: starting the watched command", spawn, retry_on=SpawnError, logger=logger
-        )
+        spawning = trio.CancelScope()
+
+        async def stop_spawning() -> None:
+            spawning.cancel()
+            await trio.lowlevel.checkpoint()
+
+        with spawning:
+            await self._wait_or_end(
+                watch,
+                functools.partial(
+                    self.retry.run,
+                    f"on-exit job {job.id}: starting the watched command",
+                    spawn,
+                    retry_on=SpawnError,
+                    logger=logger,
+                ),
+                stop_spawning,
+            )
+        run = watch.run
+        if run is None:  # ended on purpose (cancel_all) before the command could start
+            return {"reason": "cancelled"}
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
             return None
         self._errors.pop(job.id, None)
-        await self._save_state(watch, job, paths)
+        await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
-        result = await watch.run.wait()
+        result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
         record = await trio.to_thread.run_sync(read_exit_file, paths.exit_file)
         if record is None:  # the shim itself was killed: fall back to what the supervisor saw
             record = {"exit_code": result.exit_code, "signal": result.signal}
         if env and not await trio.Path(paths.started).exists():
             record = {**record, "reason": "not_started"}
+        elif watch.ending and result.reason is TerminationReason.CANCELLED:
+            record = {**record, "reason": "cancelled"}
         return {**record, "duration_seconds": result.duration_seconds}
+
+    async def _wait_or_end(
+        self, watch: _Watch, wait: Callable[[], Awaitable[_T]], end: Callable[[], Awaitable[object]]
+    ) -> _T:
+        """``await wait()``; if :meth:`cancel_all` asks meanwhile, ``await end()`` alongside (the wait
+        then sees the command's end)."""
+        async with trio.open_nursery() as nursery:
+
+            async def end_when_asked() -> None:
+                await watch.end_requested.wait()
+                await end()
+
+            nursery.start_soon(end_when_asked)
+            result = await wait()
+            nursery.cancel_scope.cancel()
+        return result
 
     def _prepare_files(self, job_id: str, paths: _Paths) -> None:
         folder = os.path.dirname(paths.stdout)
@@ -307,12 +403,19 @@ class CronExitWatchers:
 
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
-        watch.adopted = state.group_record()
-        await wait_exited(state.pid, start_time=state.start_time)
+        group = watch.adopted = state.group_record()
+        await self._wait_or_end(
+            watch,
+            functools.partial(wait_exited, state.pid, start_time=state.start_time),
+            functools.partial(self._end_group, group),
+        )
         watch.adopted = None
+        _reap_if_ours(state.pid, state.start_time)
         record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
         if record is None:
             await self._report_lost(watch.job_id, "the adopted command ended without recording its exit")
+        elif watch.ending:
+            record = {**record, "reason": "cancelled"}
         return record
 
     async def _complete(
@@ -390,6 +493,29 @@ class CronExitWatchers:
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
 
+    async def _leave(self, watch: _Watch, paths: _Paths) -> None:
+        """Graceful stop: leave the command running with its watch state stored (see :meth:`detach_all`)."""
+        run = watch.run
+        if run is None or watch.completed:
+            return
+        if not watch.saved and watch.state is not None:
+            with trio.move_on_after(2.0):
+                try:
+                    await self.store.set_watch_state(watch.job_id, watch.state)
+                    watch.saved = True
+                except (OSError, JobNotFoundError) as exc:
+                    logger.error("on-exit job %s: storing the watch state failed (%s)", watch.job_id, exc)
+        if not watch.saved:  # the next engine could not find it and would run it again: end it now
+            await self._end_command(watch)
+            await self._forget(watch, paths)
+            return
+        if run.state is not RunState.EXITED:
+            logger.info(
+                "on-exit job %s: its command (pid %s) is left running for the next engine",
+                watch.job_id,
+                run.pid,
+            )
+
     async def _end_command(self, watch: _Watch) -> None:
         if watch.run is not None and watch.run.state is not RunState.EXITED:
             await self.supervisor.cancel(watch.run)
@@ -402,6 +528,7 @@ class CronExitWatchers:
 
         def end() -> None:
             end_processes(find_record_processes([record]), grace_seconds=grace, kill_wait_seconds=kill_wait)
+            _reap_if_ours(record.pgid, record.start_time)  # left by an engine in this very process
 
         await trio.to_thread.run_sync(end)
 
@@ -410,15 +537,15 @@ class CronExitWatchers:
     def _state_lock(self, job_id: str) -> trio.Lock:
         return self._state_locks.setdefault(job_id, trio.Lock())
 
-    async def _save_state(self, watch: _Watch, job: CronJob, paths: _Paths) -> None:
-        run = watch.run
-        assert run is not None and isinstance(job.schedule, OnExit)
-        state = WatchState.of_run(run, job.schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
+    async def _save_state(self, watch: _Watch, job: CronJob) -> None:
+        state = watch.state
+        assert state is not None
         async with self._state_lock(job.id):
             if not self._owns(watch):
                 return
             try:
                 await self.store.set_watch_state(job.id, state)
+                watch.saved = True
             except JobNotFoundError:  # removed meanwhile: reconcile is ending this watcher
                 logger.debug("on-exit job %s: removed before its watch state was saved", job.id)
             except OSError as exc:  # only adoption after a crash needs it
@@ -437,8 +564,8 @@ class CronExitWatchers:
     # -- start-up ----------------------------------------------------------------------------------
 
     async def adopt(self) -> None:
-        """Take over what a crashed engine left: adopt live commands, fire recorded exits, report lost
-        watches. Call once at start-up, before the first :meth:`reconcile`.
+        """Take over what the last engine left (stopped gracefully or crashed): adopt live commands, fire
+        recorded exits, report lost watches. Call once at start-up, before the first :meth:`reconcile`.
 
         Cancellation: what was adopted so far stays adopted.
         """
@@ -447,6 +574,8 @@ class CronExitWatchers:
         for job_id, state in states.items():
             job = jobs.get(job_id)
             alive = state.alive()
+            if not alive:
+                _reap_if_ours(state.pid, state.start_time)
             record = read_exit_file(state.exit_file)
             current = (
                 job is not None

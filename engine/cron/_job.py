@@ -135,6 +135,9 @@ class CronJob:
         last_status: how the last run went, or ``None`` before the first.
         last_error: what went wrong in the last run, or ``None``.
         consecutive_errors: failed runs in a row (drives the back-off of recurring jobs).
+        project: the id of the project the job belongs to (``Project.id``; an MCP session or an RPC
+            client that named a project), or ``None`` for a job added without one (the CLI, the library).
+            The MCP cron tools of a project see and touch only its jobs. It never changes.
     """
 
     id: str
@@ -150,6 +153,7 @@ class CronJob:
     last_status: JobStatus | None = None
     last_error: str | None = None
     consecutive_errors: int = 0
+    project: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the store keeps (times as ISO 8601 strings)."""
@@ -167,6 +171,7 @@ class CronJob:
             "last_status": None if self.last_status is None else self.last_status.value,
             "last_error": self.last_error,
             "consecutive_errors": self.consecutive_errors,
+            "project": self.project,
         }
 
     @classmethod
@@ -193,6 +198,7 @@ class CronJob:
                 last_status=None if status is None else JobStatus(status),
                 last_error=None if last_error is None else check_string(last_error, "last_error"),
                 consecutive_errors=check_int(data.get("consecutive_errors", 0), "consecutive_errors"),
+                project=check_optional_text(data.get("project"), "project"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid job record: {exc!r}") from exc

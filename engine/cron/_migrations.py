@@ -8,7 +8,8 @@ step never changes, and reads only what the file held at its version (never toda
 
 History: 1 creates the jobs and the event log; 2 adds ``events.acked`` (existing events count as acked,
 except one whose fire is still pending on its job: a version-1 engine stopped between logging it and
-``on_fire``).
+``on_fire``); 3 adds ``jobs.project`` and ``events.project`` (the project id of a job and of its events;
+``NULL`` for what existed: no job had a project before).
 """
 
 from __future__ import annotations
@@ -67,8 +68,14 @@ def _add_events_acked(conn: sqlite3.Connection) -> None:
             conn.execute("UPDATE events SET acked = 0 WHERE fire_id = ?", (pending["fire_id"],))
 
 
+def _add_project(conn: sqlite3.Connection) -> None:
+    """2 -> 3: ``jobs.project`` and ``events.project``, ``NULL`` for every existing row."""
+    conn.execute("ALTER TABLE jobs ADD COLUMN project TEXT")
+    conn.execute("ALTER TABLE events ADD COLUMN project TEXT")
+
+
 #: The steps, in order: ``MIGRATIONS[n]`` takes a file from version ``n`` to ``n + 1``.
-MIGRATIONS: tuple[Migration, ...] = (_create_tables, _add_events_acked)
+MIGRATIONS: tuple[Migration, ...] = (_create_tables, _add_events_acked, _add_project)
 #: The schema version this engine writes: the number of steps.
 SCHEMA_VERSION = len(MIGRATIONS)
 

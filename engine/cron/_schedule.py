@@ -3,18 +3,26 @@
 Everything here is pure and synchronous: wall time comes in as an argument, never from the system
 clock, so the scheduler, the store and the property tests can all drive it.
 
-Cron expressions are matched by cronsim in the job's time zone, on **wall time**: every wall time an
-expression names runs once, at its first occurrence. In the autumn's repeated hour a wall time is
-not run a second time (``30 1 * * *`` in America/New_York runs once on 2026-11-01, at 05:30Z); in the
-spring's skipped hour the wall times that do not exist run once, at the first instant after the gap
-(``30 2 * * *`` runs at 03:00 EDT on 2026-03-08). Debian cron and cronsim treat fixed-time jobs this
-way; we apply the same rule to every expression, so no expression runs twice or silently skips.
+Cron expressions are matched by cronsim in the job's time zone. Across a daylight-saving change the
+hour field decides (docs/guide-cron.md):
+
+- **Real time**: an hour field of ``*``, alone or with a step (``*/2``), follows the clock of the
+  world. A wall time that occurs twice (the autumn's repeated hour) runs each time it occurs; one that
+  does not exist (the spring's gap) is skipped. ``0 * * * *`` in America/New_York runs 25 times on
+  2026-11-01, 3600 s apart, and 23 times on 2026-03-08; ``*/30 * * * *`` runs every 30 real minutes.
+- **Fixed hour**: any other hour field (``1``, ``1,13``, ``1-23/2``) names wall times, each run once,
+  at its first occurrence: the repeated ``30 1 * * *`` runs once on 2026-11-01 (05:30Z), and a wall
+  time in the gap runs once at the first instant after it (``30 2 * * *`` at 03:00 EDT on 2026-03-08,
+  07:00Z; ``*/20 1 * * *`` three times on 2026-11-01). Debian cron treats fixed-time jobs this way.
+
+Either way no due time runs twice and none is silently lost to a repeated or skipped hour.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeAlias, TypeVar
@@ -58,6 +66,14 @@ MAX_EVERY_SECONDS = 10 * 365.25 * 86400
 MAX_TZ_CHARS = 64
 #: The longest cron expression of a :class:`Cron`.
 MAX_CRON_EXPR_CHARS = 1000
+
+#: An hour field that follows real time across DST: ``*`` alone or with a step.
+_REAL_TIME_HOURS = re.compile(r"\*(/\d+)?")
+#: Offset changes a real-time search crosses at most (two a year in most zones: a century).
+_MAX_OFFSET_CHANGES = 200
+#: The step at which a real-time search looks for offset changes between two instants: two changes
+#: less than a day apart would be missed (no zone has had them).
+_OFFSET_PROBE = timedelta(days=1)
 
 _T = TypeVar("_T")
 _Validator: TypeAlias = Callable[[Any, "attrs.Attribute[Any]", Any], None]
@@ -269,6 +285,59 @@ def _first_instant(wall: datetime, zone: ZoneInfo) -> datetime:
     raise InvalidScheduleError(f"time zone {zone.key!r} has a gap longer than two days near {wall}")
 
 
+def follows_real_time(schedule: Cron) -> bool:
+    """Whether ``schedule``'s hour field is ``*`` or ``*/n``: it then follows real time across DST."""
+    return _REAL_TIME_HOURS.fullmatch(schedule.expr.split()[1]) is not None
+
+
+def _offset_change(zone: ZoneInfo, start: datetime, end: datetime, offset: timedelta) -> datetime | None:
+    """The first instant in ``(start, end]`` (aware UTC) at which ``zone``'s offset is no longer
+    ``offset``, to the second, or ``None``."""
+
+    def differs(instant: datetime) -> bool:
+        return instant.astimezone(zone).utcoffset() != offset
+
+    low = start
+    while low < end:
+        high = min(end, low + _OFFSET_PROBE)
+        if differs(high):
+            while high - low > timedelta(seconds=1):
+                middle = low + (high - low) / 2
+                if differs(middle):
+                    high = middle
+                else:
+                    low = middle
+            return high.replace(microsecond=0)  # changes fall on whole seconds, in (high - 1 s, high]
+        low = high
+    return None
+
+
+def _next_real_time(schedule: Cron, floor: datetime) -> datetime | None:
+    """The first instant strictly after ``floor`` whose wall time in the job's zone matches (real time).
+
+    Between two offset changes wall time is UTC plus a constant: the first matching wall time of that
+    stretch, minus its offset, is the answer if no change comes before it; else the search goes on
+    from the change, where the wall clock jumps (a gap skipped, or a repeated hour run again).
+    """
+    zone = _zone(schedule.tz)
+    start, inclusive = floor, False
+    for _ in range(_MAX_OFFSET_CHANGES):
+        offset = start.astimezone(zone).utcoffset()
+        assert offset is not None
+        wall = (start + offset).replace(tzinfo=None)
+        if inclusive:
+            wall -= timedelta(microseconds=1)
+        candidate = next(iter(_cronsim(schedule.expr, wall)), None)
+        if candidate is None:
+            return None
+        instant = (candidate - offset).replace(tzinfo=UTC)
+        change = _offset_change(zone, start, instant, offset)
+        if change is None:
+            return instant
+        start, inclusive = change, True
+    return None
+
+
 def _cron_candidates(schedule: Cron, after: datetime) -> Iterator[datetime]:
     zone = _zone(schedule.tz)
     wall = after.astimezone(zone).replace(tzinfo=None)
@@ -311,6 +380,8 @@ def next_run_after(
     try:
         if isinstance(schedule, Every):
             return _next_every(schedule, floor, default_anchor)
+        if follows_real_time(schedule):
+            return _next_real_time(schedule, floor)
         for count, instant in enumerate(_cron_candidates(schedule, floor)):
             if instant > floor:
                 return instant

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundError
-from .._input import check_flag, check_int, check_text
+from .._input import check_flag, check_int, check_optional_text, check_text
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
 from ._command import command_log_paths, run_command
@@ -134,6 +134,7 @@ class CronService:
         name: str | None = None,
         enabled: bool = True,
         delete_after_run: bool = False,
+        project: str | None = None,
     ) -> CronJob:
         """Add a job and return it.
 
@@ -146,12 +147,14 @@ class CronService:
             name: a label (``None``: made from the payload).
             enabled: whether it is armed now.
             delete_after_run: remove a one-shot job once it ran successfully.
+            project: the id of the project the job belongs to (``Project.id``), or ``None``; kept as
+                ``CronJob.project`` and on its events (the MCP cron tools of a project see only its jobs).
 
         Raises:
             InvalidScheduleError: the schedule or payload is invalid (the field named), e.g. an ``OnExit``
                 ``cwd`` that is relative or no existing directory; nothing is written.
-            InvalidArgumentError: ``name``, ``enabled`` or ``delete_after_run`` is invalid; nothing is
-                written.
+            InvalidArgumentError: ``name``, ``enabled``, ``delete_after_run`` or ``project`` is invalid;
+                nothing is written.
             StoreError: the write failed; nothing is written.
         """
         validate_schedule(schedule)
@@ -161,6 +164,7 @@ class CronService:
             check_text(name, "name")
         check_flag(enabled, "enabled")
         check_flag(delete_after_run, "delete_after_run")
+        check_optional_text(project, "project")
         now = self._wall()
         _require_future(schedule, now)
         next_run_at = next_run_after(schedule, now, default_anchor=now) if enabled else None
@@ -176,6 +180,7 @@ class CronService:
             created_at=now,
             updated_at=now,
             next_run_at=next_run_at,
+            project=project,
         )
         await self.store.insert_job(job)
         await self.notify_jobs_changed()

@@ -7,6 +7,8 @@ that cannot be read is logged and skipped, so one bad record never hides the oth
 
 Two columns serve the exit watchers: ``pending_fire`` (a committed fire not yet recorded in the event log,
 see ``_events``) and ``watch_state`` (whatever a watcher needs to find its command again after a restart).
+``project`` holds the job's project id (``CronJob.project``, which never changes) next to its record, and
+every event of the job is logged with it.
 
 Each event carries ``acked``: whether its delivery is acknowledged. A standalone engine's events are acked
 as they are appended (the log is the delivery); an embedded engine's once ``on_fire`` returned. An event
@@ -45,7 +47,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 #: The columns of an event as :func:`_event_from_row` reads them.
-_EVENT_COLUMNS = "cursor, job_id, " + ", ".join(PENDING_FIRE_FIELDS)
+_EVENT_COLUMNS = "cursor, job_id, project, " + ", ".join(PENDING_FIRE_FIELDS)
 
 
 def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
@@ -197,8 +199,8 @@ class SqliteJobStore:
 
     @staticmethod
     def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
-        if job.id != before.id:
-            raise ValueError("a job change must keep the job's id")
+        if job.id != before.id or job.project != before.project:
+            raise ValueError("a job change must keep the job's id and project")
         conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(job.to_dict()), job.id))
 
     async def list_jobs(self) -> list[CronJob]:
@@ -226,7 +228,10 @@ class SqliteJobStore:
         """
 
         def run(conn: sqlite3.Connection) -> None:
-            conn.execute("INSERT INTO jobs (id, data) VALUES (?, ?)", (job.id, json.dumps(job.to_dict())))
+            conn.execute(
+                "INSERT INTO jobs (id, data, project) VALUES (?, ?, ?)",
+                (job.id, json.dumps(job.to_dict()), job.project),
+            )
 
         await self._call(run, write=True)
 
@@ -255,11 +260,13 @@ class SqliteJobStore:
         """
 
         def run(conn: sqlite3.Connection) -> tuple[CronJob | None, FiredEvent | None]:
-            row = conn.execute("SELECT data, pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = conn.execute(
+                "SELECT data, pending_fire, project FROM jobs WHERE id = ?", (job_id,)
+            ).fetchone()
             if row is None:
                 raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
             pending = _pending_from_text(row[1], job_id)
-            event = None if pending is None else self._append(conn, job_id, pending, acked=acked)
+            event = None if pending is None else self._append(conn, job_id, row[2], pending, acked=acked)
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return _job_from_row(job_id, row[0]), event
 
@@ -281,7 +288,9 @@ class SqliteJobStore:
     # -- events -------------------------------------------------------------------------------------
 
     @staticmethod
-    def _append(conn: sqlite3.Connection, job_id: str, fire: PendingFire, *, acked: bool) -> FiredEvent:
+    def _append(
+        conn: sqlite3.Connection, job_id: str, project: str | None, fire: PendingFire, *, acked: bool
+    ) -> FiredEvent:
         row = conn.execute(
             f"SELECT {_EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire.fire_id,)
         ).fetchone()
@@ -294,23 +303,23 @@ class SqliteJobStore:
             return event
         values = [getattr(fire, name) for name in PENDING_FIRE_FIELDS]
         cur = conn.execute(
-            f"INSERT INTO events (job_id, {', '.join(PENDING_FIRE_FIELDS)}, acked) "
-            f"VALUES (?{', ?' * len(values)}, ?)",
-            (job_id, *values, int(acked)),
+            f"INSERT INTO events (job_id, project, {', '.join(PENDING_FIRE_FIELDS)}, acked) "
+            f"VALUES (?, ?{', ?' * len(values)}, ?)",
+            (job_id, project, *values, int(acked)),
         )
         assert cur.lastrowid is not None
-        return FiredEvent.from_pending(fire, cursor=cur.lastrowid, job_id=job_id)
+        return FiredEvent.from_pending(fire, cursor=cur.lastrowid, job_id=job_id, project=project)
 
     def _record(
         self, job_id: str, fire: PendingFire, *, acked: bool
     ) -> Callable[[sqlite3.Connection], FiredEvent]:
         def run(conn: sqlite3.Connection) -> FiredEvent:
-            row = conn.execute("SELECT pending_fire FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = conn.execute("SELECT pending_fire, project FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
                 raise JobNotFoundError(
                     f"job_id {job_id!r} names no cron job; its fire {fire.fire_id!r} is not logged"
                 )
-            event = self._append(conn, job_id, fire, acked=acked)
+            event = self._append(conn, job_id, row[1], fire, acked=acked)
             if row[0] is not None:  # clear the job's pending fire if it is this one (or unreadable)
                 pending = _loads(row[0], "pending fire", job_id)
                 if pending is None or pending.get("fire_id") == event.fire_id:
@@ -425,11 +434,13 @@ def _job_from_row(job_id: str, data: str) -> CronJob | None:
 
 
 def _event_from_row(row: tuple[Any, ...]) -> FiredEvent | None:
-    cursor, job_id, *rest = row
+    cursor, job_id, project, *rest = row
     fields = dict(zip(PENDING_FIRE_FIELDS, rest, strict=True))
     fields["truncated"] = bool(fields["truncated"])
     try:
-        return FiredEvent.from_pending(PendingFire.from_dict(fields), cursor=cursor, job_id=job_id)
+        return FiredEvent.from_pending(
+            PendingFire.from_dict(fields), cursor=cursor, job_id=job_id, project=project
+        )
     except ValueError as exc:
         logger.error("cron store: event %s is unreadable (%s); skipped", cursor, exc)
         return None

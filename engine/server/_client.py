@@ -24,10 +24,17 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import EngineError
-from ._location import find_socket_path, resolve_state_dir
+from ._location import find_socket_path, lock_holder, resolve_state_dir
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
-__all__ = ["AsyncEngineClient", "EngineClient", "EngineConnectionError", "EngineNotRunningError", "RpcError"]
+__all__ = [
+    "AsyncEngineClient",
+    "EngineClient",
+    "EngineConnectionError",
+    "EngineNotRunningError",
+    "EngineSocketMissingError",
+    "RpcError",
+]
 
 #: The longest response line the client accepts, in bytes.
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
@@ -45,7 +52,27 @@ class EngineConnectionError(EngineError, ConnectionError):
     """
 
 
-def _not_running(state_dir: str, path: str) -> EngineNotRunningError:
+class EngineSocketMissingError(EngineError, ConnectionError):
+    """Raised by :meth:`EngineClient.connect` when an engine holds the state directory but nothing answers
+    on its socket (its socket file was removed: the engine binds it again within seconds).
+
+    Attributes:
+        pid: the engine's pid.
+    """
+
+    def __init__(self, message: str, pid: int) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+def _not_running(state_dir: str, path: str) -> EngineNotRunningError | EngineSocketMissingError:
+    pid = lock_holder(state_dir)
+    if pid is not None:
+        return EngineSocketMissingError(
+            f"an engine is running on {state_dir} as pid {pid}, but its socket {path} is missing; "
+            "it binds it again within 5 s: try again",
+            pid,
+        )
     return EngineNotRunningError(
         f"no engine is running on {state_dir} (nothing answers on {path}); "
         f"start one with: gadget-engine --state-dir {state_dir} serve"
@@ -117,7 +144,9 @@ class EngineClient:
         """Open the connection if it is not open yet.
 
         Raises:
-            EngineNotRunningError: no socket, or nobody answers on it.
+            EngineNotRunningError: no socket, or nobody answers on it, and no engine holds the state
+                directory.
+            EngineSocketMissingError: an engine holds the state directory, but its socket is missing.
             PermissionError: the socket belongs to another user.
         """
         if self._sock is not None:
@@ -228,7 +257,9 @@ class AsyncEngineClient:
         Cancellation: nothing stays open.
 
         Raises:
-            EngineNotRunningError: no socket, or nobody answers on it.
+            EngineNotRunningError: no socket, or nobody answers on it, and no engine holds the state
+                directory.
+            EngineSocketMissingError: an engine holds the state directory, but its socket is missing.
             PermissionError: the socket belongs to another user.
         """
         if self._writer is not None:

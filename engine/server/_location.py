@@ -24,6 +24,7 @@ __all__ = [
     "choose_socket_path",
     "default_state_dir",
     "find_socket_path",
+    "lock_holder",
     "resolve_state_dir",
 ]
 
@@ -103,3 +104,30 @@ def find_socket_path(state_dir: str) -> str:
     except OSError:
         named = ""
     return named or os.path.join(state_dir, SOCKET_NAME)
+
+
+def lock_holder(state_dir: str) -> int | None:
+    """The pid of the process that holds ``<state_dir>/lock`` (the engine running there), or ``None``.
+
+    Read from ``/proc/locks`` (an ``flock`` write lock on the lock file's device and inode), so a client
+    can name a live engine whose socket is missing; a lock file's stale pid never counts. Where the
+    device numbers do not match (some overlay filesystems), the inode and the pid the engine wrote in
+    the file must both match.
+    """
+    path = os.path.join(state_dir, "lock")
+    try:
+        info = os.stat(path)
+        with open(path, encoding="ascii") as f:
+            written = f.read().strip()
+        with open("/proc/locks", encoding="ascii") as f:
+            lines = f.readlines()
+    except (OSError, ValueError):
+        return None
+    where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2146433 0 EOF" ("->": a waiter)
+        if len(fields) < 6 or fields[1:4] != ["FLOCK", "ADVISORY", "WRITE"] or not fields[4].isdigit():
+            continue
+        if fields[5] == where or (fields[5].endswith(f":{info.st_ino}") and fields[4] == written):
+            return int(fields[4])
+    return None

@@ -8,10 +8,15 @@ Two ways to reach an engine, chosen at start-up:
 - **forward**: a ``serve`` (or another ``mcp``) answers on the state directory's socket; every tool call
   goes there (:class:`~._mcp_tools.SocketBackend`).
 - **embedded**: nobody answers, so this process opens the engine itself and also serves the RPC socket,
-  so the CLI and a second ``mcp`` on the same state directory reach it. An MCP client ends a stdio server
-  by closing its stdin, waiting 2 s, then SIGTERM (and SIGKILL 2 s later): when stdin closes, the engine
-  stops in a short budget (:data:`SHUTDOWN_GRACE_SECONDS` of SIGINT, then SIGKILL for what is left),
-  well inside that window. A kill requested by the agent keeps the configured grace.
+  so the CLI and a second ``mcp`` on the same state directory reach it.
+
+An MCP client ends a stdio server by closing its stdin, waiting 2 s, then SIGTERM (and SIGKILL 2 s
+later). When stdin closes (``stopping`` is logged), every request read before gets its answer within
+1.5 s, calls still running cut short with their state so far (``_mcp_stdio``, ``_mcp_inflight``); then an
+embedded engine stops in what is left of :data:`STOP_BY_SECONDS` (SIGINT, at most
+:data:`SHUTDOWN_GRACE_SECONDS` of grace, SIGKILL), the socket is removed and ``stopped`` logged: the
+process exits well inside the client's 2 s. Watched on-exit commands are left running, as at any
+graceful stop, for the next engine. A kill requested by the agent keeps the configured grace.
 
 The protocol owns stdin and stdout. Every child the engine starts gets ``/dev/null`` as its stdin and its
 own log files (the guardian a pipe and its log file); the SDK also points fds 0 and 1 at ``/dev/null`` and
@@ -29,22 +34,25 @@ import attrs
 import mcp_types as types
 import trio
 from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
 
 from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineLockedError
+from .._supervisor import RunState
 from ._eventlog import RunLogger, log_event, log_fired
-from ._location import find_socket_path
+from ._location import find_socket_path, lock_holder
+from ._mcp_stdio import serve_stdio
 from ._mcp_tools import EmbeddedBackend, McpTools, RpcBackend, SocketBackend
 from ._methods import Methods
 from ._server import RpcServer, _answers, _remove_socket, bind_socket
 
-__all__ = ["SHUTDOWN_GRACE_SECONDS", "serve_mcp"]
+__all__ = ["SHUTDOWN_GRACE_SECONDS", "STOP_BY_SECONDS", "serve_mcp"]
 
 #: At shutdown (stdin closed): how long the engine's children get after SIGINT before SIGKILL, in seconds.
 SHUTDOWN_GRACE_SECONDS: Final = 0.5
+#: After stdin closed: by when every child has had SIGKILL, whatever the calls in flight took, in seconds.
+STOP_BY_SECONDS: Final = 1.5
 #: How long a start-up that lost the state directory's lock waits for the winner's socket, in seconds.
 _LOCK_WAIT_SECONDS: Final = 5.0
 _SERVER_NAME: Final = "gadget-engine"
@@ -78,18 +86,27 @@ def _server(tools: McpTools) -> Server[Any]:
     )
 
 
-async def _serve_stdio(backend: RpcBackend, project_dir: str) -> None:
-    server = _server(McpTools(backend=backend, project_dir=project_dir))
-    async with stdio_server() as (read_stream, write_stream):
-        await server.run(read_stream, write_stream, server.create_initialization_options())
+async def _serve_stdio(backend: RpcBackend, project_dir: str, mode: str) -> float:
+    """Serve the tools on stdio until stdin closed and every request read is answered; when stdin
+    closed, on the Trio clock."""
+    tools = McpTools(backend=backend, project_dir=project_dir)
+    closed_at = [0.0]
+
+    def on_eof(unanswered: int) -> None:
+        closed_at[0] = trio.current_time()
+        log_event("stopping", reason="stdin closed", mode=mode, unanswered=unanswered)
+
+    await serve_stdio(_server(tools), tools, on_eof=on_eof)
+    return closed_at[0] or trio.current_time()
 
 
 async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SECONDS) -> None:
-    """End every child of ``engine`` within about ``grace_seconds`` plus a reap, without firing watchers.
+    """End every child of ``engine`` within about ``grace_seconds`` plus a reap, but the watched ones.
 
-    On-exit watchers are cancelled (their jobs stay enabled, re-armed at the next start) and every
-    subprocess is killed, both by the usual escalation; whatever still runs after ``grace_seconds`` gets
+    Every subprocess is killed by the usual escalation; whatever still runs after ``grace_seconds`` gets
     SIGKILL at once (``Supervisor.cancel(force=True)``). ``open_engine`` then has nothing left to wait for.
+    The commands of on-exit jobs are left running, unsignalled: leaving ``open_engine`` detaches them for
+    the next engine (a graceful stop); one being ended on purpose (its job removed) gets SIGKILL too.
 
     Cancellation: shielded; the children are ended and reaped either way.
     """
@@ -99,12 +116,11 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
             async def force_after_grace() -> None:
                 await trio.sleep(grace_seconds)
                 for run in engine.supervisor.runs():
-                    nursery.start_soon(functools.partial(engine.supervisor.cancel, run, force=True))
+                    if not run.outlive_engine_crash or run.state is RunState.EXITING:  # ended on purpose
+                        nursery.start_soon(functools.partial(engine.supervisor.cancel, run, force=True))
 
             nursery.start_soon(force_after_grace)
-            async with trio.open_nursery() as stopping:
-                stopping.start_soon(engine.watchers.cancel_all)
-                stopping.start_soon(engine.service.kill_all)
+            await engine.service.kill_all()
             nursery.cancel_scope.cancel()
 
 
@@ -112,6 +128,7 @@ async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
     state_dir = config.resolved_state_dir()
     async with open_engine(config) as engine:
         engine.supervisor.add_observer(RunLogger())  # spawned / exited lines on stderr, as serve logs them
+        stop_by = None
         try:
             listener, path = await bind_socket(state_dir)
             try:
@@ -120,13 +137,13 @@ async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
                     await nursery.start(trio.serve_listeners, server.handle_connection, [listener])
                     log_event("ready", pid=os.getpid(), mode="embedded", state_dir=state_dir, socket=path)
                     backend = EmbeddedBackend(Methods(engine, path, __version__))
-                    await _serve_stdio(backend, project_dir)
-                    log_event("stopping", reason="stdin closed")
+                    stop_by = await _serve_stdio(backend, project_dir, "embedded") + STOP_BY_SECONDS
                     nursery.cancel_scope.cancel()
             finally:
                 _remove_socket(state_dir, path)
         finally:
-            await stop_quickly(engine)
+            left = SHUTDOWN_GRACE_SECONDS if stop_by is None else stop_by - trio.current_time()
+            await stop_quickly(engine, max(0.0, min(SHUTDOWN_GRACE_SECONDS, left)))
 
 
 async def _wait_for_socket(path: str) -> bool:
@@ -157,14 +174,21 @@ async def serve_mcp(config: EngineConfig, project_dir: str) -> str:
         try:
             await _serve_embedded(config, project_dir)
         except EngineLockedError:
-            # Another engine won the lock (a second client starting at the same moment): use its socket.
+            # Another engine won the lock (a second client starting at the same moment, or a serve whose
+            # socket was removed and is bound again): use its socket.
             if not await _wait_for_socket(find_socket_path(state_dir)):
-                raise
+                holder = lock_holder(state_dir)
+                if holder is None:
+                    raise
+                raise EngineLockedError(
+                    f"an engine is running on {state_dir} as pid {holder}, but its socket is missing; "
+                    "it binds it again within 5 s: try again"
+                ) from None
         else:
             log_event("stopped", pid=os.getpid(), mode="embedded")
             return "embedded"
     log_event("ready", pid=os.getpid(), mode="forward", state_dir=state_dir, socket=socket_path)
-    await _serve_stdio(SocketBackend(state_dir), project_dir)
+    await _serve_stdio(SocketBackend(state_dir), project_dir, "forward")
     log_event("stopped", pid=os.getpid(), mode="forward")
     return "forward"
 

@@ -6,7 +6,10 @@ Independent of the MCP SDK: this module names the tools, checks their arguments 
 - ``subprocess``: the engine's own tool (same schema, same texts byte for byte, ``SUBPROCESS ERROR: ...``
   flagged as an error), bound to the server's project.
 - ``cron_add``, ``cron_list``, ``cron_remove``, ``cron_events``: jobs and their fired events, in texts of
-  the same shape (``CRON ADDED`` ..., ``CRON ERROR: ...`` for a rejected call).
+  the same shape (``CRON ADDED`` ..., ``CRON ERROR: ...`` for a rejected call). Like ``subprocess`` they
+  act on the server's project only: a job is added with the project's id (``CronJob.project``), and a
+  job of another project (or of none) is not listed, not removable and its events are not shown, as if
+  it did not exist (one agent must never end another's on-exit command).
 
 Each tool reads its arguments once, with :mod:`engine._input`, into typed values (a schedule, a payload,
 a cursor) and hands those to a backend: :class:`EmbeddedBackend` runs the method of
@@ -27,9 +30,12 @@ import trio
 
 from .._errors import EngineError, InvalidArgumentError
 from .._input import check_text, read_fields, read_moment, read_project, read_seconds, read_whole
+from .._project import Project
+from .._supervisor import RunState
 from ..cron._job import SystemEvent
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 from ._client import EngineClient
+from ._mcp_inflight import InFlight, cut_answer
 from ._methods import MethodNotFoundError, Methods, to_wire
 from ._protocol import describe_schedule
 
@@ -44,7 +50,23 @@ EVENTS_PAGE: Final = 20
 
 
 class RpcBackend(Protocol):
-    """Where the tools' calls go: a method of the RPC table (``docs/rpc.md``) and its typed params."""
+    """Where the tools' calls go: a method of the RPC table (``docs/rpc.md``) and its typed params.
+
+    Attributes:
+        remote: whether the engine runs in another process (a ``serve``), where a call this server cut
+            short goes on.
+    """
+
+    @property
+    def remote(self) -> bool:
+        """Whether the engine runs in another process."""
+        ...
+
+    async def hurry(self) -> None:
+        """stdin closed and calls are still running: make what they wait for end sooner.
+
+        Cancellation: what was hurried stays hurried.
+        """
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Run ``method`` on typed ``params`` (as :meth:`Methods.run` takes them); return its JSON result.
@@ -62,6 +84,22 @@ class EmbeddedBackend:
 
     methods: Methods
 
+    @property
+    def remote(self) -> bool:
+        """``False``: the engine runs here, and stops with this server."""
+        return False
+
+    async def hurry(self) -> None:
+        """Every run being ended (by a kill, a halt, a job's removal) gets SIGKILL now.
+
+        Cancellation: the kills are sent; each run is still reaped before this returns (shielded).
+        """
+        supervisor = self.methods.engine.supervisor
+        async with trio.open_nursery() as nursery:
+            for run in supervisor.runs():
+                if run.state is RunState.EXITING:
+                    nursery.start_soon(functools.partial(supervisor.cancel, run, force=True))
+
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Cancellation: as the method called."""
         return await self.methods.run(method, params)
@@ -77,6 +115,15 @@ class SocketBackend:
     """
 
     state_dir: str
+
+    @property
+    def remote(self) -> bool:
+        """``True``: the engine is a ``serve``; a call cut short here goes on there."""
+        return True
+
+    async def hurry(self) -> None:
+        """Nothing to hurry here: the engine goes on without this server."""
+        await trio.lowlevel.checkpoint()
 
     async def call(self, method: str, params: Mapping[str, Any]) -> Any:
         """Cancellation: the wait is abandoned; a request the engine received still completes there."""
@@ -135,12 +182,14 @@ def _cron_definitions() -> list[dict[str, Any]]:
         },
         {
             "name": "cron_list",
-            "description": "List the scheduled jobs: id, name, schedule, next run and last status.",
+            "description": "List this project's jobs: id, name, schedule, next run and last status.",
             "inputSchema": {"type": "object", "properties": {}, "additionalProperties": False},
         },
         {
             "name": "cron_remove",
-            "description": "Remove a job by id (an on-exit job's command is stopped, without firing).",
+            "description": (
+                "Remove a job of this project by id (an on-exit job's command is stopped, without firing)."
+            ),
             "inputSchema": {
                 "type": "object",
                 "properties": {"id": {"type": "string", "description": "The job id cron_add returned."}},
@@ -151,7 +200,8 @@ def _cron_definitions() -> list[dict[str, Any]]:
         {
             "name": "cron_events",
             "description": (
-                "Read the jobs that fired, oldest first, after cursor `since` (default 0: from the start). "
+                "Read the fires of this project's jobs, oldest first, after cursor `since` (default 0: from "
+                "the start). "
                 f"At most {EVENTS_PAGE} per call; the text ends with the cursor to pass next time."
             ),
             "inputSchema": {
@@ -193,6 +243,7 @@ class McpTools:
 
     backend: RpcBackend
     project_dir: str
+    _in_flight: InFlight = attrs.field(init=False, factory=InFlight)
 
     async def definitions(self) -> list[dict[str, Any]]:
         """``{"name", "description", "inputSchema"}`` of every tool, ``subprocess`` first.
@@ -213,9 +264,37 @@ class McpTools:
     async def call(self, name: str, arguments: Mapping[str, Any] | None) -> tuple[str, bool]:
         """Run tool ``name`` and return ``(text, is_error)``; refusals are texts, nothing is raised.
 
+        A call :meth:`cut_short` cancels returns what is true so far (``_mcp_inflight.cut_answer``).
+
         Cancellation: as the engine operation behind the tool.
         """
         args = dict(arguments or {})
+        with self._in_flight.track(name, args) as call, call.scope:
+            return await self._call(name, args)
+        return cut_answer(call, remote=self.backend.remote)
+
+    def calls_in_flight(self) -> int:
+        """How many tool calls are running (a call whose request the client cancelled too)."""
+        return len(self._in_flight)
+
+    async def wait_calls_done(self) -> None:
+        """Wait until no tool call runs.
+
+        Cancellation: safe; nothing changes.
+        """
+        await self._in_flight.wait_done()
+
+    async def cut_short(self, hurry_seconds: float) -> None:
+        """stdin closed: hurry the calls in flight, then cut short those still running after
+        ``hurry_seconds`` (see ``_mcp_inflight``); each then answers its state so far.
+
+        Cancellation: the calls already cut stay cut.
+        """
+        await self._in_flight.cut_short(
+            self.backend.hurry, remote=self.backend.remote, hurry_seconds=hurry_seconds
+        )
+
+    async def _call(self, name: str, args: dict[str, Any]) -> tuple[str, bool]:
         if name == "subprocess":
             return await self._subprocess(args)
         handlers = {
@@ -242,6 +321,9 @@ class McpTools:
             return f"{_SUBPROCESS_ERROR}{exc}", True
         text = result["text"]
         return text, text.startswith(_SUBPROCESS_ERROR)
+
+    def _project(self) -> Project:
+        return read_project(self.project_dir)
 
     def _cwd(self, args: Mapping[str, Any]) -> str:
         cwd = args.get("cwd")
@@ -275,6 +357,7 @@ class McpTools:
         params: dict[str, object] = {
             "schedule": self._schedule(args),
             "payload": SystemEvent(text=check_text(args.get("text"), "text")),
+            "project": self._project(),
         }
         if "name" in args:
             params["name"] = check_text(args["name"], "name")
@@ -291,7 +374,7 @@ class McpTools:
 
     async def _cron_list(self, raw: dict[str, Any]) -> str:
         read_fields(raw, "cron_list", (), what="argument")
-        jobs = await self.backend.call("cron.list", {})
+        jobs = await self.backend.call("cron.list", {"project": self._project()})
         lines = ["CRON LIST", *(_job_line(job) for job in jobs)]
         if not jobs:
             lines.append("No cron jobs.")
@@ -300,13 +383,15 @@ class McpTools:
     async def _cron_remove(self, raw: dict[str, Any]) -> str:
         args = read_fields(raw, "cron_remove", ("id",), what="argument")
         job_id = check_text(args.get("id"), "id")
-        await self.backend.call("cron.remove", {"job_id": job_id})
+        await self.backend.call("cron.remove", {"job_id": job_id, "project": self._project()})
         return f"CRON REMOVED\nid: {job_id}"
 
     async def _cron_events(self, raw: dict[str, Any]) -> str:
         args = read_fields(raw, "cron_events", ("since",), what="argument")
         since = read_whole(args.get("since", 0), "since")
-        events = await self.backend.call("events", {"since": since, "limit": EVENTS_PAGE})
+        events = await self.backend.call(
+            "events", {"since": since, "limit": EVENTS_PAGE, "project": self._project()}
+        )
         lines = ["CRON EVENTS"]
         for event in events:
             lines.append(f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---")

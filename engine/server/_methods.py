@@ -10,6 +10,7 @@ subprocesses as ``SubProcessSummary.to_dict()``, jobs as ``CronJob.to_dict()``, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, final
 
@@ -17,7 +18,7 @@ import attrs
 import trio
 
 from .._engine import Engine
-from .._errors import InvalidArgumentError
+from .._errors import EngineError, InvalidArgumentError, JobNotFoundError
 from .._input import (
     check_env,
     check_flag,
@@ -147,11 +148,15 @@ class Methods:
         engine: the engine the methods act on.
         socket_path: the socket the server listens on (reported by ``status``).
         version: the engine's version (reported by ``status``).
+        stop: what ``engine.stop`` calls, with its ``end_watched``, once the watched commands it was
+            asked to end are ended: ``serve``'s graceful stop (``None``: this engine cannot be stopped
+            over RPC, e.g. the one an ``mcp`` session embeds).
     """
 
     engine: Engine
     socket_path: str
     version: str
+    stop: Callable[[bool], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
 
     @staticmethod
@@ -209,6 +214,19 @@ class Methods:
             "cron_jobs": {"total": len(jobs), "enabled": sum(1 for job in jobs if job.enabled)},
             "methods": self.names(),
         }
+
+    @_method("engine.stop", end_watched=_may(check_flag))
+    async def _engine_stop(self, end_watched: bool = False) -> object:
+        if self.stop is None:
+            raise EngineError(
+                f"the engine on {self.engine.state_dir} (pid {os.getpid()}) belongs to an MCP session; "
+                "it stops when its MCP client closes its stdin"
+            )
+        ended = self.engine.watchers.active_job_ids() if end_watched else []
+        if end_watched:  # each job disabled, and fired once with reason "cancelled"
+            await self.engine.watchers.cancel_all()
+        self.stop(end_watched)
+        return {"pid": os.getpid(), "stopping": True, "ended_watched": ended}
 
     # ---- subprocesses ------------------------------------------------------------------------------
 
@@ -308,6 +326,18 @@ class Methods:
 
     # ---- cron --------------------------------------------------------------------------------------
 
+    # A ``project`` (a directory) scopes a cron method to that project's jobs, as the MCP tools use it:
+    # a job of another project (or of none) is "not found", exactly as an unknown id.
+
+    async def _scoped(self, job_id: str, project: Project | None) -> None:
+        """Raise ``JobNotFoundError`` unless ``project`` is ``None`` or job ``job_id`` belongs to it."""
+        if project is None:
+            await trio.lowlevel.checkpoint()
+            return
+        job = await self.engine.cron.get(job_id)
+        if job.project != project.id:
+            raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
+
     @_method(
         "cron.add",
         schedule=_need(read_schedule),
@@ -315,6 +345,7 @@ class Methods:
         name=_may(check_text),
         enabled=_may(check_flag),
         delete_after_run=_may(check_flag),
+        project=_may(read_project),
     )
     async def _cron_add(
         self,
@@ -323,9 +354,15 @@ class Methods:
         name: str | None = None,
         enabled: bool = True,
         delete_after_run: bool = False,
+        project: Project | None = None,
     ) -> object:
         job = await self.engine.cron.add(
-            schedule, payload, name=name, enabled=enabled, delete_after_run=delete_after_run
+            schedule,
+            payload,
+            name=name,
+            enabled=enabled,
+            delete_after_run=delete_after_run,
+            project=project.id if project is not None else None,
         )
         return job.to_dict()
 
@@ -337,41 +374,51 @@ class Methods:
         name=_may(check_text),
         enabled=_may(check_flag),
         delete_after_run=_may(check_flag),
+        project=_may(read_project),
     )
-    async def _cron_update(self, job_id: str, **changes: object) -> object:
+    async def _cron_update(self, job_id: str, project: Project | None = None, **changes: object) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.update(job_id, **changes)).to_dict()
 
-    @_method("cron.list", include_disabled=_may(check_flag))
-    async def _cron_list(self, include_disabled: bool = True) -> object:
+    @_method("cron.list", include_disabled=_may(check_flag), project=_may(read_project))
+    async def _cron_list(self, include_disabled: bool = True, project: Project | None = None) -> object:
         jobs = await self.engine.cron.list(include_disabled=include_disabled)
-        return [job.to_dict() for job in jobs]
+        return [job.to_dict() for job in jobs if project is None or job.project == project.id]
 
-    @_method("cron.get", job_id=_need(check_text))
-    async def _cron_get(self, job_id: str) -> object:
+    @_method("cron.get", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_get(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.get(job_id)).to_dict()
 
-    @_method("cron.remove", job_id=_need(check_text))
-    async def _cron_remove(self, job_id: str) -> object:
+    @_method("cron.remove", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_remove(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         await self.engine.cron.remove(job_id)
         return {"job_id": job_id, "removed": True}
 
-    @_method("cron.enable", job_id=_need(check_text))
-    async def _cron_enable(self, job_id: str) -> object:
+    @_method("cron.enable", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_enable(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.enable(job_id)).to_dict()
 
-    @_method("cron.disable", job_id=_need(check_text))
-    async def _cron_disable(self, job_id: str) -> object:
+    @_method("cron.disable", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_disable(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         return (await self.engine.cron.disable(job_id)).to_dict()
 
-    @_method("cron.run_now", job_id=_need(check_text))
-    async def _cron_run_now(self, job_id: str) -> object:
+    @_method("cron.run_now", job_id=_need(check_text), project=_may(read_project))
+    async def _cron_run_now(self, job_id: str, project: Project | None = None) -> object:
+        await self._scoped(job_id, project)
         await self.engine.cron.run_now(job_id)
         return {"job_id": job_id}
 
-    @_method("events", since=_may(_offset), limit=_may(_positive))
-    async def _events(self, since: int = 0, limit: int | None = None) -> object:
+    @_method("events", since=_may(_offset), limit=_may(_positive), project=_may(read_project))
+    async def _events(
+        self, since: int = 0, limit: int | None = None, project: Project | None = None
+    ) -> object:
         events = await self.engine.cron.events(since)
-        return [event.to_dict() for event in events[:limit]]
+        mine = [event for event in events if project is None or event.project == project.id]
+        return [event.to_dict() for event in mine[:limit]]
 
 
 def _one_of(typed: Mapping[str, object], first: str, second: str) -> None:

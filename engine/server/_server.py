@@ -4,16 +4,23 @@
 in the 0700 state directory; see :mod:`._location` for long paths). Each connection is served by its own
 task in the server's nursery, one request after the other; a connection that misbehaves (a peer of
 another user, a request over :data:`MAX_LINE_BYTES`, a disconnect mid-request) is dropped alone.
+
+Stopping (``docs/guide-cli.md`` has the table): SIGTERM, SIGHUP, a first SIGINT or the ``engine.stop``
+method stop it gracefully (every child ended by escalation, watched on-exit commands left running for
+the next engine); a second SIGINT, SIGTERM or SIGHUP during that stop sends SIGKILL to what is still
+being ended (``_stopping``). If the socket file is removed while it runs, it is bound again
+(``_socket_watch``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-import signal
 import socket as stdlib_socket
 import struct
+from collections.abc import AsyncIterator
 from typing import Final, final
 
 import attrs
@@ -21,10 +28,10 @@ import trio
 
 from .. import __version__
 from .._config import EngineConfig
-from .._engine import open_engine
-from .._errors import EngineError, EngineLockedError
+from .._engine import Engine, open_engine
+from .._errors import EngineError, EngineLockedError, unwrap_single
 from ._eventlog import RunLogger, log_event, log_fired
-from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, choose_socket_path
+from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, choose_socket_path, lock_holder
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
 from ._protocol import (
     INTERNAL_ERROR,
@@ -38,6 +45,8 @@ from ._protocol import (
     error_from_exception,
     parse_request,
 )
+from ._socket_watch import serve_socket
+from ._stopping import STOP_SIGNALS, StopRequest, force_on_next_signal
 
 __all__ = ["RpcServer", "serve"]
 
@@ -45,6 +54,8 @@ _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _RECEIVE_BYTES: Final = 64 * 1024
 #: How long a start-up waits for an answer on a leftover socket before calling it stale, in seconds.
 _PROBE_SECONDS: Final = 1.0
+#: At a stop: how long requests being answered get to finish before their connections close, in seconds.
+_ANSWER_SECONDS: Final = 1.0
 
 
 def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
@@ -68,6 +79,17 @@ class RpcServer:
     methods: Methods
     max_line_bytes: int = MAX_LINE_BYTES
     allowed_uid: int = attrs.field(factory=os.getuid)
+    _answering: int = attrs.field(init=False, default=0)
+    _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is being answered (every answer under way is sent).
+
+        Cancellation: safe; nothing changes.
+        """
+        while self._answering:
+            await self._idle.wait()
+        await trio.lowlevel.checkpoint()
 
     async def handle_connection(self, stream: trio.SocketStream) -> None:
         """Serve one connection until its peer closes it; never raises but ``Cancelled``.
@@ -109,9 +131,16 @@ class RpcServer:
             scanned = 0
             if not line.strip():
                 continue
-            response = await self.respond(line)
-            if response is not None:
-                await stream.send_all(response)
+            self._answering += 1
+            try:
+                response = await self.respond(line)
+                if response is not None:
+                    await stream.send_all(response)
+            finally:
+                self._answering -= 1
+                if not self._answering:
+                    self._idle.set()
+                    self._idle = trio.Event()
 
     async def _refuse_too_large(self, stream: trio.SocketStream) -> None:
         log_event("request_too_large", level=logging.WARNING, limit_bytes=self.max_line_bytes)
@@ -216,6 +245,9 @@ def _remove_socket(state_dir: str, path: str) -> None:
 
 
 def _lock_holder(state_dir: str) -> str:
+    holder = lock_holder(state_dir)
+    if holder is not None:
+        return f"pid {holder}"
     try:
         with open(os.path.join(state_dir, "lock"), encoding="ascii") as f:
             pid = f.read().strip()
@@ -224,16 +256,56 @@ def _lock_holder(state_dir: str) -> str:
     return f"pid {pid}" if pid.isdigit() else "pid unknown"
 
 
+async def _bind_again(state_dir: str) -> trio.SocketListener:
+    listener, _ = await bind_socket(state_dir)  # the same path: it depends on the state dir alone
+    return listener
+
+
+async def _serve_until_stopped(
+    engine: Engine, state_dir: str, signals: AsyncIterator[int], task_status: trio.TaskStatus[str]
+) -> None:
+    """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body)."""
+    listener, path = await bind_socket(state_dir)
+    try:
+        stop = StopRequest()
+        server = RpcServer(Methods(engine, path, __version__, stop=stop.by_method))
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as listening:
+                await listening.start(
+                    serve_socket,
+                    server.handle_connection,
+                    listener,
+                    path,
+                    functools.partial(_bind_again, state_dir),
+                    connections,
+                )
+                log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
+                task_status.started(path)
+                reason = await stop.wait(signals)
+                log_event("stopping", **reason, pid=os.getpid())
+                listening.cancel_scope.cancel()
+            with trio.move_on_after(_ANSWER_SECONDS):
+                await server.wait_idle()
+            connections.cancel_scope.cancel()
+    finally:
+        _remove_socket(state_dir, path)
+
+
 async def serve(
     config: EngineConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Run the standalone engine on ``config``'s state directory until SIGINT or SIGTERM.
+    """Run the standalone engine on ``config``'s state directory until asked to stop.
 
-    Starts :func:`open_engine` (with an observer that logs every fire), listens on the socket, and on
-    the first SIGINT or SIGTERM stops listening, ends every connection and closes the engine: every
-    child is ended by escalation and reaped. Signals that arrive during the shutdown are absorbed.
+    Starts :func:`open_engine` (with an observer that logs every fire), listens on the socket (bound
+    again if its file is removed: :func:`serve_socket`), and on the first SIGTERM, SIGHUP or SIGINT, or
+    the ``engine.stop`` method, stops gracefully: it logs ``stopping``, stops listening, lets the
+    requests being answered finish (about a second at most), closes every connection and closes the
+    engine. Every child is ended by escalation and reaped, but the commands of on-exit jobs: those are
+    left running for the next engine (``engine.stop`` with ``end_watched`` first ends them on purpose).
+    A further signal during that stop sends SIGKILL at once (:func:`force_on_next_signal`); more are
+    absorbed. ``stopped`` is logged at the end.
 
-    Cancellation: the same shutdown as a signal; then the cancellation propagates.
+    Cancellation: the same stop as a signal; then the cancellation propagates.
 
     Raises:
         EngineLockedError: another engine runs on the state directory (the message names its pid).
@@ -242,26 +314,18 @@ async def serve(
     state_dir = config.resolved_state_dir()
     config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
     entered = False
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         try:
-            async with open_engine(config) as engine:
-                entered = True
-                engine.supervisor.add_observer(RunLogger())
-                listener, path = await bind_socket(state_dir)
-                try:
-                    server = RpcServer(Methods(engine, path, __version__))
-                    async with trio.open_nursery() as nursery:
-                        await nursery.start(trio.serve_listeners, server.handle_connection, [listener])
-                        log_event(
-                            "ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__
-                        )
-                        task_status.started(path)
-                        async for signum in signals:
-                            log_event("stopping", signal=signal.Signals(signum).name)
-                            break
-                        nursery.cancel_scope.cancel()
-                finally:
-                    _remove_socket(state_dir, path)
+            try:
+                async with trio.open_nursery() as stopping:  # outlives open_engine: a second signal forces
+                    async with open_engine(config) as engine:
+                        entered = True
+                        engine.supervisor.add_observer(RunLogger())
+                        await _serve_until_stopped(engine, state_dir, signals, task_status)
+                        stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
+                    stopping.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                unwrap_single(group)
         except EngineLockedError:
             if entered:
                 raise

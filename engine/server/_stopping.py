@@ -1,0 +1,86 @@
+"""How ``serve`` is asked to stop, and how a second signal forces the stop.
+
+``serve`` stops gracefully on the first SIGTERM, SIGHUP or SIGINT (:data:`STOP_SIGNALS`), or when the
+``engine.stop`` method asks (:class:`StopRequest`): every child is ended by escalation and reaped, but the
+watched on-exit commands, left running for the next engine. A further signal during that stop
+(:func:`force_on_next_signal`) sends SIGKILL to every child still running or being ended; the watched
+commands are still left running. ``docs/guide-cli.md`` has the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from collections.abc import AsyncIterator
+from typing import Any, Final, final
+
+import attrs
+import trio
+
+from .._supervisor import RunState, Supervisor
+from ._eventlog import log_event
+
+__all__ = ["STOP_SIGNALS", "StopRequest", "force_on_next_signal"]
+
+#: The signals that stop ``serve`` gracefully; another one during the stop forces it.
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@final
+@attrs.define(eq=False)
+class StopRequest:
+    """What asked ``serve`` to stop: a signal or the ``engine.stop`` method; the first request counts.
+
+    Attributes:
+        reason: the fields of the ``stopping`` log line (``signal=SIGTERM``, or ``request=engine.stop``),
+            ``None`` until asked.
+    """
+
+    reason: dict[str, Any] | None = None
+    _asked: trio.Event = attrs.field(init=False, factory=trio.Event)
+
+    def request(self, **reason: Any) -> None:
+        """Ask for the stop (a later request changes nothing)."""
+        if self.reason is None:
+            self.reason = reason
+            self._asked.set()
+
+    def by_method(self, end_watched: bool) -> None:
+        """``Methods.stop``: the ``engine.stop`` method asked (its watched commands already ended)."""
+        self.request(request="engine.stop", end_watched=end_watched)
+
+    async def wait(self, signals: AsyncIterator[int]) -> dict[str, Any]:
+        """Wait for the first stop signal or request; return its reason.
+
+        Cancellation: safe; a signal that arrives meanwhile stays queued in ``signals``.
+        """
+        async with trio.open_nursery() as nursery:
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    self.request(signal=signal.Signals(signum).name)
+                    return
+
+            nursery.start_soon(on_signal)
+            await self._asked.wait()
+            nursery.cancel_scope.cancel()
+        assert self.reason is not None
+        return self.reason
+
+
+async def force_on_next_signal(signals: AsyncIterator[int], supervisor: Supervisor) -> None:
+    """During a graceful stop: at each further signal, end every child with SIGKILL now, but the watched.
+
+    Every run still running or being ended gets ``Supervisor.cancel(run, force=True)``: no more grace.
+    Watched on-exit commands (``outlive_engine_crash``) are left running, as in any stop, unless one is
+    already being ended on purpose (a job removed, ``engine.stop`` with ``end_watched``).
+
+    Cancellation: stops listening; kills already sent stand.
+    """
+    async for signum in signals:
+        log_event("forced", level=logging.WARNING, signal=signal.Signals(signum).name)
+        async with trio.open_nursery() as nursery:
+            for run in supervisor.runs():
+                if not run.outlive_engine_crash or run.state is RunState.EXITING:  # ended on purpose
+                    nursery.start_soon(functools.partial(supervisor.cancel, run, force=True))
