@@ -1,4 +1,4 @@
-"""The RPC method table: every operation of the service, the tool and cron, plus ``status``.
+"""The RPC method table: the service, the tool and cron, plus ``status`` and ``engine.stop``.
 
 Each method declares its named parameters and the reader of :mod:`engine._input` that turns each into a
 typed value. :meth:`Methods.call` reads a request's parameters once (an unknown, missing or wrong one is an
@@ -10,6 +10,7 @@ subprocesses as ``SubProcessSummary.to_dict()``, jobs as ``CronJob.to_dict()``, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, final
 
@@ -17,7 +18,7 @@ import attrs
 import trio
 
 from .._engine import Engine
-from .._errors import InvalidArgumentError
+from .._errors import EngineError, InvalidArgumentError
 from .._input import (
     check_env,
     check_flag,
@@ -147,12 +148,16 @@ class Methods:
         engine: the engine the methods act on.
         socket_path: the socket the server listens on (reported by ``status``).
         version: the engine's version (reported by ``status``).
+        request_stop: asks the server to stop gracefully (``engine.stop``); ``None`` where the engine's
+            host decides when it stops (an MCP session's embedded engine).
     """
 
     engine: Engine
     socket_path: str
     version: str
+    request_stop: Callable[[], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
+    _last_event: dict[str, object] | None = attrs.field(init=False, default=None)
 
     @staticmethod
     def names() -> list[str]:
@@ -207,8 +212,44 @@ class Methods:
             "uptime_seconds": round(trio.current_time() - self._started, 3),
             "subprocesses": {"total": len(records), "running": sum(1 for sp in records if sp.running)},
             "cron_jobs": {"total": len(jobs), "enabled": sum(1 for job in jobs if job.enabled)},
+            "last_event": await self._newest_event(),
             "methods": self.names(),
         }
+
+    async def _newest_event(self) -> dict[str, object] | None:
+        """The newest event of the log (its summary), reading only what came since the last look."""
+        since = self._last_event["cursor"] if self._last_event is not None else 0
+        assert isinstance(since, int)
+        events = await self.engine.cron.events(since)
+        if events:
+            newest = events[-1]
+            self._last_event = {
+                "cursor": newest.cursor,
+                "job_id": newest.job_id,
+                "job_name": newest.job_name,
+                "exit_code": newest.exit_code,
+                "signal": newest.signal,
+                "reason": newest.reason,
+            }
+        return self._last_event
+
+    # ---- stopping ----------------------------------------------------------------------------------
+
+    @_method("engine.stop", end_watched=_may(check_flag))
+    async def _engine_stop(self, end_watched: bool = False) -> object:
+        """Ask the server to stop as SIGTERM does; with ``end_watched``, end the watched commands first.
+
+        The answer is sent before the server stops listening: the request only sets the server's stop
+        request, and the connection's task writes the answer before it next yields.
+        """
+        if self.request_stop is None:
+            raise EngineError("this engine stops with its host (an MCP session), not over its socket")
+        if end_watched:
+            await self.engine.watchers.cancel_all()  # each job disabled, fired once as `cancelled`
+        else:
+            await trio.lowlevel.checkpoint()
+        self.request_stop()
+        return {"pid": os.getpid(), "stopping": True}
 
     # ---- subprocesses ------------------------------------------------------------------------------
 

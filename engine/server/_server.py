@@ -224,10 +224,20 @@ def _lock_holder(state_dir: str) -> str:
     return f"pid {pid}" if pid.isdigit() else "pid unknown"
 
 
+async def _stop_on_request(requested: trio.Event, scope: trio.CancelScope) -> None:
+    """Stop the server as SIGTERM does once ``engine.stop`` asked for it (``requested`` set).
+
+    Cancellation: returns; nothing to clean up.
+    """
+    await requested.wait()
+    log_event("stopping", reason="engine.stop")
+    scope.cancel()
+
+
 async def serve(
     config: EngineConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Run the standalone engine on ``config``'s state directory until SIGINT or SIGTERM.
+    """Run the standalone engine on ``config``'s state directory until SIGINT, SIGTERM or ``engine.stop``.
 
     Starts :func:`open_engine` (with an observer that logs every fire), listens on the socket, and on
     the first SIGINT or SIGTERM stops listening, ends every connection and closes the engine: every
@@ -249,8 +259,10 @@ async def serve(
                 engine.supervisor.add_observer(RunLogger())
                 listener, path = await bind_socket(state_dir)
                 try:
-                    server = RpcServer(Methods(engine, path, __version__))
+                    stop_requested = trio.Event()
+                    server = RpcServer(Methods(engine, path, __version__, request_stop=stop_requested.set))
                     async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_stop_on_request, stop_requested, nursery.cancel_scope)
                         await nursery.start(trio.serve_listeners, server.handle_connection, [listener])
                         log_event(
                             "ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__
