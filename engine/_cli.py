@@ -180,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("list", commands.list_subprocesses, "list the subprocesses")
     p.add_argument("--project", metavar="DIR", help="only this project's")
     p = add("kill", commands.stop("subprocess.kill", "killed"), "kill a subprocess and delete its logs")
-    p.add_argument("pid", type=_positive_int)
+    p.add_argument("pid", type=_positive_int, metavar="PID")
     add("kill-all", commands.kill_all, "kill every subprocess and delete their logs")
     p = add("halt", commands.stop("subprocess.halt", "halted"), "stop a subprocess and keep its logs")
-    p.add_argument("pid", type=_positive_int)
+    p.add_argument("pid", type=_positive_int, metavar="PID")
     p = add("log", follow.log, "print a subprocess's log")
-    p.add_argument("pid", type=_positive_int)
+    p.add_argument("pid", type=_positive_int, metavar="PID")
     p.add_argument(
         "--stream",
         choices=("stdout", "stderr", "both"),

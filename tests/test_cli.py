@@ -436,8 +436,8 @@ def test_cli_client_commands_import_nothing_heavy(tmp_path: Path) -> None:
         "began = time.perf_counter()\n"
         "from engine._cli import main\n"
         f"code = main(['--state-dir', {str(tmp_path)!r}, 'status'])\n"
-        "heavy = sorted({'trio', 'attrs', 'platformdirs', 'cronsim', 'shtab', 'sqlite3'} & set(sys.modules))\n"
-        "print(json.dumps({'code': code, 'heavy': heavy, 'seconds': time.perf_counter() - began}))\n"
+        "heavy = {'trio', 'attrs', 'platformdirs', 'cronsim', 'shtab', 'sqlite3'} & set(sys.modules)\n"
+        "print(json.dumps({'code': code, 'heavy': sorted(heavy), 'seconds': time.perf_counter() - began}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
     result = json.loads(out.stdout)
