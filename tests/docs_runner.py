@@ -12,7 +12,8 @@ A page's fenced blocks are read by their info string:
   hide a command: see :func:`hidden_command`).
 
 Example values stand for real ones. In what a block runs: a path under ``/tmp/`` is one of the page's
-scratch folders (under the test's ``tmp_path``), port ``8000`` is a free port, and a value a page showed
+scratch folders (under the test's ``tmp_path``), ``/home/me`` is the test's home folder (``~``), port
+``8000`` is a free port, and a value a page showed
 in an earlier output (a pid, a job id) is the value the product printed there. In what a page shows,
 before comparing: a time (``2026-05-01 12:00:00 UTC``, ISO 8601), a decimal (``1.5``) and a duration
 (``1m5s``) match any; a number of three digits or more and a 12-hex-digit id match any value the first
@@ -187,6 +188,7 @@ class Values:
     def into_run(self, text: str) -> str:
         """``text`` as it runs: scratch folders, the port and bound values replaced."""
         text = re.sub(r"(?<![\w.~])/tmp/(?=[\w.-])", f"{self.scratch}/", text)
+        text = re.sub(rf"(?<![\w.~]){DOC_HOME}(?=/|\b)", str(self.home), text)
         text = re.sub(rf"(?<!\d){DOC_PORT}(?!\d)", str(self.port), text)
         for example, real in sorted(self.bound.items(), key=lambda item: -len(item[0])):
             text = re.sub(rf"(?<![\w]){re.escape(example)}(?![\w])", real, text)
