@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Final
 
-from ._cli_output import EXIT_OK, emit_json, one_line
+from ._cli_output import EXIT_OK, emit_json
 from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
 from .server._client import EngineClient, EngineConnectionError, EngineNotRunningError
@@ -129,10 +129,10 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
         if not args.follow:
             raise
         return engine_went_away(client, socket_path, engine_pid, exc)
-    except SubProcessNotFoundError as exc:
+    except SubProcessNotFoundError:
         if not last:
             raise
-        print(f"gadget-engine: {one_line(str(exc))} (it was killed; its logs are deleted)", file=sys.stderr)
+        print(f"gadget-engine: {args.pid} was killed; its logs are deleted", file=sys.stderr)
         return EXIT_OK
     except KeyboardInterrupt:
         return EXIT_OK

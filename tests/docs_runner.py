@@ -146,7 +146,7 @@ def commands(block: Block) -> list[Command]:
         elif not line.strip() or line.lstrip().startswith("#"):
             continue
         while line.endswith("\\") and at < len(lines):
-            line = line[:-1] + "\n" + lines[at].removeprefix("> ")
+            line += "\n" + lines[at].removeprefix("> ")  # bash reads the backslash-newline itself
             at += 1
         shown: list[str] = []
         while block.kind == "console" and at < len(lines) and not lines[at].startswith("$ "):

@@ -15,8 +15,11 @@ from typing import Any
 import pytest
 
 from engine import EngineConfig
+from engine._cli_output import user_message
 from engine._when import show_moment
+from engine.server._client import RpcError
 from engine.server._location import default_state_dir
+from engine.server._protocol import INVALID_PARAMS, METHOD_NOT_FOUND
 
 from .children import SESSION, pgrep
 from .serve_support import Served, alive, cli, env_without_state_dir, start_serve, wait_until
@@ -443,3 +446,25 @@ def test_cli_client_commands_import_nothing_heavy(tmp_path: Path) -> None:
     result = json.loads(out.stdout)
     assert (result["code"], result["heavy"]) == (3, [])
     print(f"import and run of a client command: {result['seconds']:.3f} s")
+
+
+def test_cli_log_follow_ends_when_the_process_is_killed(served: Served, project: Path) -> None:
+    pid = _create(served, project, "bash", "-c", "while true; do echo tick; sleep 0.1; done")
+    argv = [sys.executable, "-m", "engine", "log", str(pid), "-f", "--state-dir", str(served.state_dir)]
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert follower.stdout is not None and follower.stdout.readline() == "tick\n"
+    assert served.cli("kill", str(pid)).returncode == 0
+    _out, err = follower.communicate(timeout=20)
+    assert follower.returncode == 0, err
+    assert err in (
+        "",
+        f"gadget-engine: {pid} was killed; its logs are deleted\n",
+    )
+
+
+def test_cli_errors_have_no_json_rpc_words() -> None:
+    unknown = RpcError("unknown method 'engine.stop'; methods: status", code=METHOD_NOT_FOUND)
+    assert user_message(unknown).startswith("the running engine does not know this command")
+    invalid = RpcError("invalid params: job_id must be a non-empty string, got ' '", code=INVALID_PARAMS)
+    assert user_message(invalid) == "job_id must be a non-empty string, got ' '"
+    assert user_message(OSError("disk\nfull")) == "disk full"

@@ -29,6 +29,8 @@ from .docs_runner import (
     SHOWN_KINDS,
     Block,
     Values,
+    bounded,
+    commands,
     hidden_command,
     matches,
     read_blocks,
@@ -186,3 +188,58 @@ def test_docs_service_demo_runs() -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: OK" in out.stdout
+
+
+# ---- the rules of reading and comparing (tests/docs_runner.py) -------------------------------------
+
+
+def _values(tmp_path: Path) -> Values:
+    return Values(home=tmp_path / "home", scratch=tmp_path / "tmp", port=40123)
+
+
+def test_docs_matching_binds_example_values_and_holds_them(tmp_path: Path) -> None:
+    values = _values(tmp_path)
+    shown = "PID   PROJECT  CREATED\n4242  app      2026-05-01 12:00:00 UTC\njob ab12cd34ef56\n"
+    printed = "PID    PROJECT  CREATED\n31441  app      2026-11-30 16:39:27 CET\njob 4ce97357fce2\n"
+    assert matches(shown, printed, values)
+    assert values.bound == {"4242": "31441", "ab12cd34ef56": "4ce97357fce2"}
+    assert values.into_run("gadget-engine log 4242; cron get ab12cd34ef56") == (
+        "gadget-engine log 31441; cron get 4ce97357fce2"
+    )
+    assert matches("halted 4242\n", "halted 31441\n", values)
+    assert not matches("halted 4242\n", "halted 31442\n", values)  # 4242 stands for 31441 now
+    assert not matches("exited 0\n", "exited 1\n", values)  # small numbers are compared as they are
+
+
+def test_docs_matching_ellipsis_times_decimals_durations(tmp_path: Path) -> None:
+    values = _values(tmp_path)
+    assert matches("a\n...\nz\n", "a\nb\nc\nz\n", values)
+    assert matches("a\n...\nz\n", "a\nz\n", values)
+    assert matches("took 1.5 s, up 1m5s\n", "took 0.02 s, up 4s\n", values)
+    assert matches("Serving on port 8000 ...\n", "Serving on port 8000 (http://x:8000/) ...\n", values)
+    assert not matches("a\nz\n", "a\nb\nz\n", values)
+
+
+def test_docs_real_paths_and_port_read_as_the_pages(tmp_path: Path) -> None:
+    values = _values(tmp_path)
+    printed = f"{tmp_path}/home/app and {tmp_path}/tmp/x on port 40123\n"
+    assert values.from_run(printed) == "/home/me/app and /tmp/x on port 8000\n"
+    assert values.into_run("cd /home/me/app; ls /tmp/x; curl :8000") == (
+        f"cd {tmp_path}/home/app; ls {tmp_path}/tmp/x; curl :40123"
+    )
+
+
+def test_docs_blocks_commands_and_bounds(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# t\n\n```console\n$ echo a \\\n> b\na b\n$ gadget-engine events -f\n```\n\n"
+        "  ```bash\n  # a comment\n  gadget-engine serve\n  ```\n\n```text\n$ rm -rf /\n```\n"
+    )
+    console, bash, text = read_blocks(page, tmp_path)
+    assert [(c.text, c.shown) for c in commands(console)] == [
+        ("echo a \\\nb", "a b\n"),
+        ("gadget-engine events -f", None),
+    ]
+    assert [c.text for c in commands(bash)] == ["gadget-engine serve"]
+    assert [bounded(c.text) for c in (*commands(console), *commands(bash))] == [False, True, True]
+    assert hidden_command(text) is not None
