@@ -1,24 +1,36 @@
-"""``gadget-engine``: run the standalone engine (``serve``) or talk to a running one.
+"""``gadget-engine``: run the standalone engine (``serve``, ``start``) or talk to a running one.
 
-Every subcommand but ``serve`` is a client of the engine's socket (``engine.server._client``, standard
-library only); a client never starts an engine. ``--state-dir`` and ``--json`` are accepted before or after
-the subcommand. Exit codes: 0 ok, 1 the operation failed (one line on stderr), 2 usage, 3 no engine runs.
-``docs/guide-cli.md`` has the details.
+Every subcommand but ``serve``, ``start``, ``mcp`` and ``completion`` is a client of the engine's socket
+(``engine.server._client``, standard library only); a client never starts an engine. ``--state-dir`` and
+``--json`` are accepted before or after the subcommand. Exit codes: 0 ok, 1 the operation failed (one line
+on stderr), 2 usage, 3 no engine runs. ``docs/guide-cli.md`` has the details.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from . import _cli_commands as commands
-from ._cli_commands import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError
+from . import _cli_follow as follow
+from . import _cli_start as service
+from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
 from ._errors import EngineError, InvalidArgumentError
 from ._input import check_env, check_json, read_seconds, read_whole, show
+from ._version import __version__
+from ._when import read_duration
 from .server._client import EngineClient, EngineNotRunningError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
+
+#: Subcommands that run without a connection to an engine.
+_STANDALONE = frozenset({"serve", "start", "mcp", "completion"})
+#: Subcommands that end with a program and its arguments: a stray option there needs a ``--`` first.
+_TRAILING_ARGV = {"create": "gadget-engine create --project DIR -- CMD [ARGS...]"}
+
 
 # ---- parsing: argparse types over the reader of loose input (engine._input) ---------------------------
 
@@ -64,6 +76,16 @@ def _finite_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _duration(text: str) -> float:
+    """An argparse type: seconds, or a duration such as ``5m`` or ``1h30m`` (:func:`read_duration`)."""
+    try:
+        return read_duration(text, "the value")
+    except InvalidArgumentError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds or a duration such as 90, 5m, 1h30m or 2d, got {show(text)}"
+        ) from None
+
+
 def _check_strings(args: argparse.Namespace) -> None:
     """Refuse any string argument the engine could not carry (NUL, bytes that are not UTF-8): exit 2."""
     for name, value in vars(args).items():
@@ -74,7 +96,44 @@ def _check_strings(args: argparse.Namespace) -> None:
                 args.parser.error(str(exc))
 
 
-def _build_parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; its ``unrecognized arguments`` error says where a ``--`` goes.
+
+    Attributes:
+        trailing_command: the subcommand on the line that ends with a program and its arguments
+            (``create``), set by :func:`main` before parsing; ``None`` for any other.
+    """
+
+    trailing_command: str | None = None
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        stray = message.removeprefix(prefix).split() if message.startswith(prefix) else []
+        if self.trailing_command is not None and any(word.startswith("-") for word in stray):
+            usage = _TRAILING_ARGV[self.trailing_command]
+            message += f"; put -- before the command and its options: {usage}"
+        super().error(message)
+
+
+def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> None:
+    """The engine settings ``serve``, ``start`` and an embedding ``mcp`` take."""
+    prefix = "embedded: " if embedded else ""
+    p.add_argument(
+        "--grace-seconds",
+        type=_finite_seconds,
+        default=5.0,
+        metavar="S",
+        help=f"{prefix}SIGINT -> SIGKILL delay (default 5)",
+    )
+    p.add_argument(
+        "--exit-watch-shell",
+        metavar="ARGV",
+        help=f"{prefix}the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gadget-engine`` parser (the completion scripts are generated from it)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--state-dir", metavar="DIR", default=argparse.SUPPRESS, help="the engine's state directory"
@@ -82,42 +141,59 @@ def _build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per line"
     )
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gadget-engine", parents=[common], description="Run or talk to a standalone gadget-engine."
     )
-    sub = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=f"gadget-engine {__version__}")
+    sub = parser.add_subparsers(
+        dest="command_name", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser
+    )
 
     def add(name: str, handler: object, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
         p.set_defaults(handler=handler, parser=p)
         return p
 
+    p = add("start", service.start, "start the engine in the background; return once it answers")
+    _engine_options(p)
+    p.add_argument(
+        "--wait-seconds", type=_duration, default=30.0, metavar="S", help="how long to wait (default 30)"
+    )
+    p = add("stop", service.stop, "stop the engine gracefully and wait until it has exited")
+    p.add_argument(
+        "--end-watched",
+        action="store_true",
+        help="also end watched on-exit commands (each job fires once, cancelled); default: left running",
+    )
+    p.add_argument(
+        "--wait-seconds", type=_duration, default=30.0, metavar="S", help="how long to wait (default 30)"
+    )
+    add("status", service.status, "show the engine's pid, version, uptime, store, runs and jobs")
     p = add("serve", commands.serve, "run the engine in the foreground until SIGINT or SIGTERM")
-    p.add_argument(
-        "--grace-seconds", type=_finite_seconds, default=5.0, metavar="S", help="SIGINT -> SIGKILL delay"
-    )
-    p.add_argument(
-        "--exit-watch-shell",
-        metavar="ARGV",
-        help="the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
-    )
+    _engine_options(p)
     p = add(
         "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
     )
     p.add_argument("--project", required=True, metavar="DIR")
     p.add_argument("-e", "--env", action="append", type=_env_item, metavar="KEY=VALUE")
     p.add_argument("argv", nargs="+", metavar="CMD")
-    add("list", commands.list_subprocesses, "list the subprocesses")
+    p = add("list", commands.list_subprocesses, "list the subprocesses")
+    p.add_argument("--project", metavar="DIR", help="only this project's")
     p = add("kill", commands.stop("subprocess.kill", "killed"), "kill a subprocess and delete its logs")
-    p.add_argument("pid", type=_positive_int)
+    p.add_argument("pid", type=_positive_int, metavar="PID")
     add("kill-all", commands.kill_all, "kill every subprocess and delete their logs")
     p = add("halt", commands.stop("subprocess.halt", "halted"), "stop a subprocess and keep its logs")
-    p.add_argument("pid", type=_positive_int)
-    p = add("log", commands.log, "print a subprocess's log")
-    p.add_argument("pid", type=_positive_int)
-    p.add_argument("--stream", choices=("stdout", "stderr"), default="stdout")
-    p.add_argument("--tail", type=_positive_int, metavar="N", help="only the last N lines")
-    p.add_argument("--follow", action="store_true", help="go on until the process has exited")
+    p.add_argument("pid", type=_positive_int, metavar="PID")
+    p = add("log", follow.log, "print a subprocess's log")
+    p.add_argument("pid", type=_positive_int, metavar="PID")
+    p.add_argument(
+        "--stream",
+        choices=("stdout", "stderr", "both"),
+        default="stdout",
+        help="both: stdout then stderr, each line prefixed with its stream",
+    )
+    p.add_argument("-n", "--tail", type=_positive_int, metavar="N", help="only the last N lines")
+    p.add_argument("-f", "--follow", action="store_true", help="go on until the process has exited")
 
     cron = add("cron", None, "scheduled and on-exit jobs")
     cron_sub = cron.add_subparsers(dest="cron_command", required=True, metavar="COMMAND")
@@ -130,41 +206,41 @@ def _build_parser() -> argparse.ArgumentParser:
     p = add_cron("add", commands.cron_add, "add a job and print its id")
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--on-exit", metavar="CMD", help="run CMD now and fire when it exits")
-    when.add_argument("--cron", metavar="EXPR", help="a cron expression")
-    when.add_argument("--every", type=_finite_seconds, metavar="SECONDS")
-    when.add_argument("--at", metavar="ISO", help="once, at this time (local time unless it has an offset)")
+    when.add_argument("--cron", metavar="EXPR", help="five cron fields, or @hourly, @daily, @weekly...")
+    when.add_argument("--every", type=_duration, metavar="DURATION", help="seconds, or 5m, 1h30m, 2d...")
+    when.add_argument(
+        "--at", metavar="TIME", help="once: ISO 8601 (local time, or --tz, [Zone] or an offset), HH:MM, +10m"
+    )
     p.add_argument("--cwd", metavar="DIR", help="the on-exit command's directory (default: here)")
-    p.add_argument("--tz", metavar="TZ", help="the cron expression's time zone (default: UTC)")
+    p.add_argument("--tz", metavar="TZ", help="the zone of --cron (default: UTC) or of --at (default: local)")
     p.add_argument("--name", metavar="NAME")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--text", metavar="TEXT", help="deliver TEXT")
     what.add_argument(
         "--command", nargs=argparse.REMAINDER, metavar="CMD", help="run CMD... (the rest of the line)"
     )
-    add_cron("list", commands.cron_list, "list the jobs")
-    for name, method, verb, help_text in (
-        ("rm", "cron.remove", "removed", "remove a job"),
-        ("enable", "cron.enable", "enabled", "enable a job"),
-        ("disable", "cron.disable", "disabled", "disable a job"),
+    p = add_cron("list", commands.cron_list, "list the jobs (not the one-shot jobs that fired)")
+    p.add_argument("--all", action="store_true", help="also the one-shot jobs that fired")
+    for name, handler, help_text in (
+        ("get", commands.cron_get, "show a job"),
+        ("run", commands.cron_run, "run a job now and print its event"),
+        ("rm", commands.cron_change("cron.remove", "removed"), "remove a job"),
+        ("enable", commands.cron_change("cron.enable", "enabled"), "enable a job"),
+        ("disable", commands.cron_change("cron.disable", "disabled"), "disable a job"),
     ):
-        add_cron(name, commands.cron_change(method, verb), help_text).add_argument("job_id", metavar="JOB_ID")
+        add_cron(name, handler, help_text).add_argument("job_id", metavar="JOB_ID")
 
-    p = add("events", commands.events, "print fired events")
+    p = add("events", follow.events, "print fired events")
     p.add_argument("--since", type=_whole(0), default=0, metavar="CURSOR", help="only events after CURSOR")
-    p.add_argument("--follow", action="store_true", help="wait for new events until Ctrl-C")
+    p.add_argument("-f", "--follow", action="store_true", help="wait for new events until Ctrl-C")
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
     p.add_argument("--project", default=".", metavar="DIR")
     p = add("mcp", commands.mcp, "serve the tools over MCP on stdio (embeds an engine if none runs)")
     p.add_argument("--project", default=".", metavar="DIR", help="the tool's project (default: here)")
-    p.add_argument(
-        "--grace-seconds",
-        type=_finite_seconds,
-        default=5.0,
-        metavar="S",
-        help="embedded: SIGINT -> SIGKILL delay",
-    )
-    p.add_argument("--exit-watch-shell", metavar="ARGV", help="embedded: the argv prefix of on-exit commands")
+    _engine_options(p, embedded=True)
+    p = add("completion", commands.completion, "print the shell completion script: completion bash|zsh|fish")
+    p.add_argument("shell", choices=("bash", "zsh", "fish"))
     return parser
 
 
@@ -177,33 +253,42 @@ def _normalise(argv: list[str]) -> list[str]:
     return argv
 
 
-def _one_line(message: str) -> str:
-    return " ".join(message.split())
+def _not_running(error: EngineNotRunningError, state_dir: str | None) -> str:
+    """The client's "no engine is running" message, pointing at ``start`` rather than ``serve``."""
+    text = user_message(error)
+    head, sep, _ = text.partition("; start one with: ")
+    if not sep:
+        return text
+    where = f" --state-dir {shlex.quote(state_dir)}" if state_dir else ""
+    return f"{head}; start one with: gadget-engine{where} start"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gadget-engine`` command line and return its exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
-    parser = _build_parser()
+    parser = build_parser()
+    assert isinstance(parser, _Parser)
+    parser.trailing_command = next((word for word in raw if word in _TRAILING_ARGV), None)
     args = parser.parse_args(_normalise(raw))
     args.state_dir = getattr(args, "state_dir", None)
     args.json = getattr(args, "json", False)
+    args.root_parser = parser
     if args.handler is None:
         args.parser.error("a subcommand is required")
     _check_strings(args)
     try:
-        if args.handler in (commands.serve, commands.mcp):
+        if args.command_name in _STANDALONE:
             return int(args.handler(args))
         with EngineClient(args.state_dir) as client:
             return int(args.handler(client, args))
     except EngineNotRunningError as exc:
-        print(f"gadget-engine: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"gadget-engine: {_not_running(exc, args.state_dir)}", file=sys.stderr)
         return EXIT_NO_ENGINE
     except (CommandFailedError, EngineError, OSError) as exc:
-        print(f"gadget-engine: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        print(f"gadget-engine: {user_message(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except ValueError as exc:  # a value that cannot travel as JSON (e.g. a non-finite number)
-        print(f"gadget-engine: invalid input: {_one_line(str(exc))}", file=sys.stderr)
+        print(f"gadget-engine: invalid input: {user_message(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

@@ -2,7 +2,8 @@
 
 Each returns an exit code or raises: :class:`CommandFailedError` (exit 1, one line), the client's errors
 (mapped to exit codes by ``_cli.main``). Output: readable tables by default, one JSON object per line with
-``--json``. Standard library only.
+``--json``. Standard library only (``serve``, ``mcp`` and ``completion`` import what they need when run).
+``start``/``stop``/``status`` are in :mod:`._cli_start`, ``log``/``events`` in :mod:`._cli_follow`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import json
 import os
 import shlex
 import sys
-import time
-from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from ._errors import InvalidArgumentError
+from ._cli_follow import print_events
+from ._cli_output import EXIT_FAILED, EXIT_OK, CommandFailedError, emit_json, table
+from ._errors import InvalidArgumentError, SpawnError
 from ._input import check_json
+from ._when import expand_cron, read_at, read_zone, show_moment
 from .server._client import EngineClient
 from .server._location import resolve_state_dir
 from .server._protocol import decode_line, describe_schedule
@@ -26,51 +28,11 @@ from .server._protocol import decode_line, describe_schedule
 if TYPE_CHECKING:
     from ._config import EngineConfig
 
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_USAGE: Final = 2
-EXIT_NO_ENGINE: Final = 3
-
-#: How often ``log --follow`` asks for more output, in seconds.
-LOG_FOLLOW_SECONDS: Final = 0.25
-#: How often ``events --follow`` asks for new events, in seconds.
-EVENTS_FOLLOW_SECONDS: Final = 0.5
-_PAGE_BYTES: Final = 1024 * 1024
-
-
-class CommandFailedError(Exception):
-    """Raised by a subcommand for a failure reported on one line with exit code 1."""
-
-
-# ---- output ------------------------------------------------------------------------------------------
-
-
-def _emit_json(values: Iterable[object]) -> None:
-    for value in values:
-        sys.stdout.write(json.dumps(value, ensure_ascii=False, separators=(",", ":")) + "\n")
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    for row in (headers, *rows):
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
-        sys.stdout.write("  ".join(cells).rstrip() + "\n")
-
-
-def _short_time(value: object) -> str:
-    if not isinstance(value, str):
-        return "-"
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return value
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
-
 
 def _describe_payload(payload: dict[str, Any]) -> str:
     if payload.get("kind") == "system_event":
         return f"text {payload.get('text')!r}"
-    return "command " + " ".join(str(a) for a in payload.get("argv", []))
+    return "command " + shlex.join(str(a) for a in payload.get("argv", []))
 
 
 # ---- subcommands ---------------------------------------------------------------------------------------
@@ -109,43 +71,66 @@ def serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def split_hint(command: str, args: object, *, tool: bool = False) -> str:
+    """A hint for a command line given as one word (``"npm run dev"`` and no args), else ``""``."""
+    if args or len(command.split()) < 2:
+        return ""
+    words = command.split()
+    if tool:
+        split = json.dumps({"command": words[0], "args": words[1:]})[1:-1]
+        return f"; {command!r} is one word with spaces: give the program and its arguments apart ({split})"
+    return (
+        f"; {command!r} is one word with spaces: give the program and its arguments apart "
+        f"(-- {shlex.join(words)}), or run it through a shell (-- bash -c {shlex.quote(command)})"
+    )
+
+
 def create(client: EngineClient, args: argparse.Namespace) -> int:
     env = dict(args.env or ())
-    summary = client.call(
-        "subprocess.create",
-        project=os.path.abspath(args.project),
-        command=args.argv[0],
-        args=args.argv[1:],
-        env=env,
-    )
+    try:
+        summary = client.call(
+            "subprocess.create",
+            project=os.path.abspath(args.project),
+            command=args.argv[0],
+            args=args.argv[1:],
+            env=env,
+        )
+    except SpawnError as exc:
+        hint = split_hint(args.argv[0], args.argv[1:])
+        if not hint:
+            raise
+        raise CommandFailedError(f"{exc}{hint}") from None
     return _print_created(args, summary, "pid")
 
 
 def _print_created(args: argparse.Namespace, record: dict[str, Any], key: str) -> int:
     """What a creating subcommand prints: the new object's ``key`` (pid, job id), or it whole as JSON."""
     if args.json:
-        _emit_json([record])
+        emit_json([record])
     else:
         print(record[key])
     return EXIT_OK
 
 
 def list_subprocesses(client: EngineClient, args: argparse.Namespace) -> int:
-    records = client.call("subprocess.list")
+    if args.project is not None:
+        records = client.call("subprocess.list", project=os.path.abspath(args.project))
+    else:
+        records = client.call("subprocess.list")
     if args.json:
-        _emit_json(records)
+        emit_json(records)
         return EXIT_OK
     rows = [
         [
             str(r["pid"]),
             r["project_slug"],
             r["status"],
-            _short_time(r["created_at"]),
-            " ".join([r["command"], *r["args"]]),
+            show_moment(r["created_at"]),
+            shlex.join([r["command"], *r["args"]]),
         ]
         for r in records
     ]
-    _table(["PID", "PROJECT", "STATUS", "CREATED", "COMMAND"], rows)
+    table(["PID", "PROJECT", "STATUS", "CREATED", "COMMAND"], rows)
     return EXIT_OK
 
 
@@ -153,12 +138,12 @@ def stop(method: str, verb: str) -> Callable[[EngineClient, argparse.Namespace],
     def run(client: EngineClient, args: argparse.Namespace) -> int:
         result = client.call(method, pid=args.pid)
         if args.json:
-            _emit_json([result])
+            emit_json([result])
         elif result["stopped"]:
             print(f"{verb} {args.pid}")
         else:
             kept = "its logs were deleted" if method == "subprocess.kill" else "its logs are kept"
-            print(f"{args.pid} had already exited; {kept}")
+            print(f"{args.pid} had already stopped; {kept}")
         return EXIT_OK
 
     return run
@@ -167,7 +152,7 @@ def stop(method: str, verb: str) -> Callable[[EngineClient, argparse.Namespace],
 def kill_all(client: EngineClient, args: argparse.Namespace) -> int:
     result = client.call("subprocess.kill_all")
     if args.json:
-        _emit_json([result])
+        emit_json([result])
     if not result["verified"]:
         raise CommandFailedError("some process survived SIGKILL; see `gadget-engine serve`'s log")
     if not args.json:
@@ -175,61 +160,23 @@ def kill_all(client: EngineClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_slice(piece: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        _emit_json([piece])
-    else:
-        sys.stdout.write(piece["text"])
-    sys.stdout.flush()
-
-
-def log(client: EngineClient, args: argparse.Namespace) -> int:
-    common = {"pid": args.pid, "stream": args.stream, "max_bytes": _PAGE_BYTES}
-    if args.tail is not None:
-        piece = client.call("subprocess.read_log", tail=args.tail, **common)
-        _write_slice(piece, args.json)
-    else:
-        piece = client.call("subprocess.read_log", **common)
-        _write_slice(piece, args.json)
-        while piece["next_offset"] < piece["total_bytes"]:
-            piece = client.call("subprocess.read_log", offset=piece["next_offset"], **common)
-            _write_slice(piece, args.json)
-    if not args.follow:
-        return EXIT_OK
-    offset = piece["next_offset"]
-    try:
-        while True:
-            drained = not piece["running"] and piece["next_offset"] >= piece["total_bytes"]
-            if drained:
-                return EXIT_OK
-            time.sleep(LOG_FOLLOW_SECONDS)
-            piece = client.call("subprocess.read_log", offset=offset, **common)
-            if piece["text"]:
-                _write_slice(piece, args.json)
-            offset = piece["next_offset"]
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
 def _schedule_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, object]:
     if args.cwd is not None and args.on_exit is None:
         parser.error("--cwd goes with --on-exit")
-    if args.tz is not None and args.cron is None:
-        parser.error("--tz goes with --cron")
-    if args.on_exit is not None:
-        cwd = os.path.abspath(args.cwd) if args.cwd is not None else os.getcwd()
-        return {"kind": "on_exit", "command": args.on_exit, "cwd": cwd}
-    if args.cron is not None:
-        return {"kind": "cron", "expr": args.cron, "tz": args.tz or "UTC"}
-    if args.every is not None:
-        return {"kind": "every", "every_seconds": args.every}
+    if args.tz is not None and args.cron is None and args.at is None:
+        parser.error("--tz goes with --cron or --at")
     try:
-        moment = datetime.fromisoformat(args.at)
-    except ValueError:
-        parser.error(f"--at must be an ISO 8601 date and time, got {args.at!r}")
-    if moment.tzinfo is None:
-        moment = moment.astimezone()  # a local time, as `at` takes it
-    return {"kind": "at", "at": moment.isoformat()}
+        if args.on_exit is not None:
+            cwd = os.path.abspath(args.cwd) if args.cwd is not None else os.getcwd()
+            return {"kind": "on_exit", "command": args.on_exit, "cwd": cwd}
+        if args.cron is not None:
+            zone = read_zone(args.tz).key if args.tz is not None else "UTC"
+            return {"kind": "cron", "expr": expand_cron(args.cron), "tz": zone}
+        if args.every is not None:
+            return {"kind": "every", "every_seconds": args.every}
+        return {"kind": "at", "at": read_at(args.at, zone=args.tz).isoformat()}
+    except InvalidArgumentError as exc:
+        parser.error(str(exc))
 
 
 def cron_add(client: EngineClient, args: argparse.Namespace) -> int:
@@ -246,24 +193,73 @@ def cron_add(client: EngineClient, args: argparse.Namespace) -> int:
     return _print_created(args, client.call("cron.add", **params), "id")
 
 
+def _one_shot_done(job: dict[str, Any]) -> bool:
+    """An ``at`` or on-exit job that fired and is now disabled: ``cron list`` leaves it out."""
+    kind = job["schedule"].get("kind")
+    return kind in ("at", "on_exit") and not job["enabled"] and job.get("last_run_at") is not None
+
+
+def _job_zone(job: dict[str, Any]) -> str | None:
+    """The zone a job's times are shown in: a cron job's own, else the local one (``None``)."""
+    return job["schedule"].get("tz") if job["schedule"].get("kind") == "cron" else None
+
+
 def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
-    jobs = client.call("cron.list")
+    jobs = [job for job in client.call("cron.list") if args.all or not _one_shot_done(job)]
     if args.json:
-        _emit_json(jobs)
+        emit_json(jobs)
         return EXIT_OK
     rows = [
         [
             job["id"],
             job["name"],
             "yes" if job["enabled"] else "no",
-            describe_schedule(job["schedule"], show_time=_short_time),
+            describe_schedule(job["schedule"], show_time=show_moment),
             _describe_payload(job["payload"]),
-            _short_time(job["next_run_at"]),
+            show_moment(job["next_run_at"], _job_zone(job)),
             job["last_status"] or "-",
         ]
         for job in jobs
     ]
-    _table(["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST"], rows)
+    table(["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST"], rows)
+    return EXIT_OK
+
+
+def cron_get(client: EngineClient, args: argparse.Namespace) -> int:
+    job = client.call("cron.get", job_id=args.job_id)
+    if args.json:
+        emit_json([job])
+        return EXIT_OK
+    zone = _job_zone(job)
+    rows = [
+        ("id", job["id"]),
+        ("name", job["name"]),
+        ("enabled", "yes" if job["enabled"] else "no"),
+        ("schedule", describe_schedule(job["schedule"], show_time=show_moment)),
+        ("payload", _describe_payload(job["payload"])),
+        ("next run", show_moment(job["next_run_at"], zone)),
+        ("last run", show_moment(job["last_run_at"], zone)),
+        ("last status", job["last_status"] or "-"),
+        ("last error", job["last_error"] or "-"),
+        ("created", show_moment(job["created_at"], zone)),
+    ]
+    for key, value in rows:
+        print(f"{key:<12} {value}")
+    return EXIT_OK
+
+
+def cron_run(client: EngineClient, args: argparse.Namespace) -> int:
+    """``cron run JOB``: run the job now, wait until its fire is delivered, print its event."""
+    last = client.call("status").get("last_event")
+    since = last["cursor"] if last else 0
+    client.call("cron.run_now", job_id=args.job_id)
+    fired = [e for e in client.call("events", since=since) if e["job_id"] == args.job_id]
+    if fired:
+        print_events(fired, args.json)
+    elif args.json:
+        emit_json([{"job_id": args.job_id}])
+    else:
+        print(f"ran {args.job_id}")
     return EXIT_OK
 
 
@@ -271,7 +267,7 @@ def cron_change(method: str, verb: str) -> Callable[[EngineClient, argparse.Name
     def run(client: EngineClient, args: argparse.Namespace) -> int:
         result = client.call(method, job_id=args.job_id)
         if args.json:
-            _emit_json([result])
+            emit_json([result])
         else:
             print(f"{verb} {args.job_id}")
         return EXIT_OK
@@ -279,49 +275,27 @@ def cron_change(method: str, verb: str) -> Callable[[EngineClient, argparse.Name
     return run
 
 
-def _print_events(events: list[dict[str, Any]], as_json: bool) -> None:
-    if as_json:
-        _emit_json(events)
-    else:
-        for event in events:
-            sys.stdout.write(
-                f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---\n"
-            )
-            sys.stdout.write(event["text"].rstrip("\n") + "\n")
-    sys.stdout.flush()
-
-
-def events(client: EngineClient, args: argparse.Namespace) -> int:
-    since = args.since
-    try:
-        while True:
-            events = client.call("events", since=since)
-            _print_events(events, args.json)
-            if events:
-                since = events[-1]["cursor"]
-            if not args.follow:
-                return EXIT_OK
-            time.sleep(EVENTS_FOLLOW_SECONDS)
-    except KeyboardInterrupt:
-        return EXIT_OK
-
-
 def tool(client: EngineClient, args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args.parser
     try:
         params = decode_line(args.params.encode())
     except ValueError as exc:
-        args.parser.error(f"JSON must be a JSON object of tool parameters: {exc}")
+        parser.error(f"JSON must be a JSON object of tool parameters: {exc}")
     if not isinstance(params, dict):
-        args.parser.error('JSON must be a JSON object of tool parameters, e.g. \'{"cmd": "list"}\'')
+        parser.error('JSON must be a JSON object of tool parameters, e.g. \'{"cmd": "list"}\'')
     try:
         check_json(params, "JSON")  # what the wire cannot carry is refused here, not half-sent
     except InvalidArgumentError as exc:
-        args.parser.error(str(exc))
+        parser.error(str(exc))
     result = client.call("tool.execute", params=params, project=os.path.abspath(args.project))
     if args.json:
-        _emit_json([result])
+        emit_json([result])
     elif result["is_error"]:
-        raise CommandFailedError(result["text"])
+        hint = ""
+        command = params.get("command")
+        if params.get("cmd") == "create" and isinstance(command, str):
+            hint = split_hint(command, params.get("args"), tool=True)
+        raise CommandFailedError(result["text"] + hint)
     else:
         print(result["text"])
     return EXIT_FAILED if result["is_error"] else EXIT_OK
@@ -343,3 +317,25 @@ def mcp(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     _mcp.main(config, project)
     return EXIT_OK
+
+
+def completion(args: argparse.Namespace) -> int:
+    """``completion SHELL``: the shell's completion script, generated from the parser by shtab."""
+    try:
+        import shtab  # only here: it is not needed by any other subcommand
+    except ImportError as exc:
+        raise CommandFailedError(f"completion needs shtab ({exc}); reinstall gadget-engine") from None
+    parser = args.root_parser
+    _mark_directories(parser, shtab.DIRECTORY)
+    sys.stdout.write(shtab.complete(parser, shell=args.shell))
+    return EXIT_OK
+
+
+def _mark_directories(parser: argparse.ArgumentParser, directory: object) -> None:
+    """Options whose value is a directory (metavar ``DIR``) complete directory names."""
+    for action in parser._actions:  # argparse has no public walk of its actions
+        if action.metavar == "DIR":
+            action.complete = directory  # type: ignore[attr-defined]  # read by shtab
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(p): p for p in action.choices.values()}.values():
+                _mark_directories(sub, directory)

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine import EngineConfig
+from engine._cli_output import user_message
+from engine._when import show_moment
+from engine.server._client import RpcError
 from engine.server._location import default_state_dir
+from engine.server._protocol import INVALID_PARAMS, METHOD_NOT_FOUND
 
 from .children import SESSION, pgrep
 from .serve_support import Served, alive, cli, env_without_state_dir, start_serve, wait_until
@@ -87,7 +93,7 @@ def test_cli_create_passes_env_and_lists_logs_halts_kills(served: Served, projec
     halted = served.cli("halt", str(pid))
     assert (halted.returncode, halted.stdout) == (0, f"halted {pid}\n")
     again = served.cli("halt", str(pid))
-    assert again.stdout == f"{pid} had already exited; its logs are kept\n"
+    assert again.stdout == f"{pid} had already stopped; its logs are kept\n"
     assert served.cli("log", str(pid)).stdout == "FOO=bar baz\n"  # a halted process keeps its logs
     killed = served.cli("kill", str(pid), "--json")
     assert _json_lines(killed.stdout) == [{"pid": pid, "stopped": False}]
@@ -311,3 +317,157 @@ def test_cli_nb08_refuses_arguments_it_could_not_send_and_list_answers(served: S
     assert not pgrep(marker)
     listed = served.cli("list", "--json")
     assert listed.returncode == 0 and marker not in listed.stdout
+
+
+# ---- for people at a terminal (issue 21) -----------------------------------------------------------
+
+
+def test_cli_log_both_streams_tail_and_follow(served: Served, project: Path) -> None:
+    code = (
+        "import sys,time\n"
+        "for i in range(4):\n"
+        "    print('out', i, flush=True); print('err', i, file=sys.stderr, flush=True); time.sleep(0.1)"
+    )
+    pid = _create(served, project, sys.executable, "-c", code)
+    followed = served.cli("log", str(pid), "-f", "--stream", "both", timeout=20)
+    assert followed.returncode == 0, followed.stderr
+    lines = followed.stdout.splitlines()
+    assert [line for line in lines if line.startswith("stdout | ")] == [f"stdout | out {i}" for i in range(4)]
+    assert [line for line in lines if line.startswith("stderr | ")] == [f"stderr | err {i}" for i in range(4)]
+    assert len(lines) == 8
+    history, tail = served.cli_parallel(("log", str(pid), "--stream", "both"), ("log", str(pid), "-n", "2"))
+    assert history.stdout.splitlines() == [
+        *(f"stdout | out {i}" for i in range(4)),
+        *(f"stderr | err {i}" for i in range(4)),
+    ]
+    assert tail.stdout == "out 2\nout 3\n"
+    served.cli("kill", str(pid))
+
+
+def test_cli_list_project_shows_that_projects_only(served: Served, tmp_path: Path) -> None:
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    pids = [_create(served, directory, "sleep", "60") for directory in (mine, other)]
+    listed = _json_lines(served.cli("list", "--project", str(mine), "--json").stdout)
+    assert [r["pid"] for r in listed] == [pids[0]]
+    table = served.cli("list", "--project", str(other)).stdout.splitlines()
+    assert len(table) == 2 and table[1].startswith(f"{pids[1]} ") and "UTC" in table[1]
+    served.cli_parallel(*(("kill", str(pid)) for pid in pids))
+
+
+def test_cli_cron_durations_nicknames_zones_get_run_and_list_all(served: Served, tmp_path: Path) -> None:
+    every, nick, at, once = served.cli_parallel(
+        ("cron", "add", "--every", "1h30m", "--text", "x", "--json"),
+        ("cron", "add", "--cron", "@daily", "--tz", "Europe/Paris", "--text", "x", "--json"),
+        ("cron", "add", "--at", "2040-07-01T09:00[Asia/Tokyo]", "--text", "x", "--json"),
+        ("cron", "add", "--on-exit", "exit 4", "--cwd", str(tmp_path), "--text", "x", "--name", "once"),
+    )
+    jobs: list[dict[str, Any]] = [json.loads(out.stdout) for out in (every, nick, at)]
+    assert jobs[0]["schedule"]["every_seconds"] == 5400
+    assert jobs[1]["schedule"] == {"kind": "cron", "expr": "0 0 * * *", "tz": "Europe/Paris"}
+    assert jobs[2]["schedule"]["at"] == "2040-07-01T09:00:00+09:00"
+    once_id = once.stdout.strip()
+    with served.client() as client:
+        assert wait_until(lambda: client.call("cron.get", job_id=once_id)["last_run_at"] is not None)
+    shown, everything = served.cli_parallel(("cron", "list"), ("cron", "list", "--all"))
+    assert once_id not in shown.stdout and once_id in everything.stdout  # a fired one-shot job
+    row = next(line for line in shown.stdout.splitlines() if line.startswith(jobs[1]["id"]))
+    assert "cron '0 0 * * *' Europe/Paris" in row
+    assert re.search(r" 00:00:00 CES?T  -$", row), row  # the next run, in the job's zone
+    at_row = next(line for line in shown.stdout.splitlines() if line.startswith(jobs[2]["id"]))
+    assert f"at {show_moment('2040-07-01T09:00:00+09:00')} " in at_row  # in the local zone, named
+
+    got = served.cli("cron", "get", once_id)
+    fields = {line[:12].strip(): line[13:] for line in got.stdout.splitlines()}
+    assert fields["name"] == "once" and fields["enabled"] == "no" and fields["last status"] == "error"
+    assert _json_lines(served.cli("cron", "get", once_id, "--json").stdout)[0]["id"] == once_id
+
+    ran = served.cli("cron", "run", jobs[0]["id"])
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.startswith("--- event ") and f"(job {jobs[0]['id']}) ---\nx\n" in ran.stdout
+    served.cli_parallel(*(("cron", "rm", job["id"]) for job in jobs), ("cron", "rm", once_id))
+
+
+def test_cli_messages_hint_at_the_fix_in_the_clis_words(served: Served, project: Path) -> None:
+    one_word, no_dashes, blank, tool = served.cli_parallel(
+        ("create", "--project", str(project), "sleep 30"),
+        ("create", "--project", str(project), "ls", "-la"),
+        ("cron", "get", " "),
+        ("tool", '{"cmd": "create", "command": "sleep 30"}', "--project", str(project)),
+    )
+    assert one_word.returncode == 1 and one_word.stderr.count("\n") == 1
+    assert "'sleep 30' is one word with spaces" in one_word.stderr
+    assert "(-- sleep 30), or run it through a shell (-- bash -c 'sleep 30')" in one_word.stderr
+    assert no_dashes.returncode == 2
+    assert "unrecognized arguments: -la; put -- before the command" in no_dashes.stderr
+    assert blank.returncode == 1 and "job_id must be a non-empty string" in blank.stderr
+    assert tool.returncode == 1 and '("command": "sleep", "args": ["30"])' in tool.stderr
+    for out in (one_word, no_dashes, blank, tool):
+        assert "invalid params" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("how", ["stop", "sigkill"])
+def test_cli_followers_end_with_the_engine(tmp_path: Path, project: Path, how: str) -> None:
+    engine = start_serve(tmp_path / "state")
+    try:
+        pid = _create(engine, project, "bash", "-c", "while true; do echo tick; sleep 0.1; done")
+        job = engine.cli("cron", "add", "--every", "1h", "--text", "tick").stdout.strip()
+        assert engine.cli("cron", "run", job).returncode == 0  # an event for the events follower to print
+        argv = [sys.executable, "-m", "engine", "--state-dir", str(engine.state_dir)]
+        followers = [
+            subprocess.Popen([*argv, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for args in (("log", str(pid), "-f"), ("events", "-f", "--json"))
+        ]
+        for follower in followers:  # each is following before the engine goes
+            assert follower.stdout is not None and "tick" in follower.stdout.readline()
+        if how == "stop":
+            assert engine.cli("stop").returncode == 0
+        else:
+            engine.kill_hard()
+        for follower in followers:
+            _out, err = follower.communicate(timeout=20)
+            if how == "stop":
+                assert (follower.returncode, err) == (0, "gadget-engine: engine stopped\n")
+            else:
+                assert follower.returncode == 3 and "ended without stopping gracefully" in err
+    finally:
+        engine.stop()
+
+
+def test_cli_client_commands_import_nothing_heavy(tmp_path: Path) -> None:
+    """A client command loads neither Trio nor attrs, platformdirs, cronsim or shtab (~0.1 s to start)."""
+    code = (
+        "import json, sys, time\n"
+        "began = time.perf_counter()\n"
+        "from engine._cli import main\n"
+        f"code = main(['--state-dir', {str(tmp_path)!r}, 'status'])\n"
+        "heavy = {'trio', 'attrs', 'platformdirs', 'cronsim', 'shtab', 'sqlite3'} & set(sys.modules)\n"
+        "print(json.dumps({'code': code, 'heavy': sorted(heavy), 'seconds': time.perf_counter() - began}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    result = json.loads(out.stdout)
+    assert (result["code"], result["heavy"]) == (3, [])
+    print(f"import and run of a client command: {result['seconds']:.3f} s")
+
+
+def test_cli_log_follow_ends_when_the_process_is_killed(served: Served, project: Path) -> None:
+    pid = _create(served, project, "bash", "-c", "while true; do echo tick; sleep 0.1; done")
+    argv = [sys.executable, "-m", "engine", "log", str(pid), "-f", "--state-dir", str(served.state_dir)]
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert follower.stdout is not None and follower.stdout.readline() == "tick\n"
+    assert served.cli("kill", str(pid)).returncode == 0
+    _out, err = follower.communicate(timeout=20)
+    assert follower.returncode == 0, err
+    assert err in (
+        "",
+        f"gadget-engine: {pid} was killed; its logs are deleted\n",
+    )
+
+
+def test_cli_errors_have_no_json_rpc_words() -> None:
+    unknown = RpcError("unknown method 'engine.stop'; methods: status", code=METHOD_NOT_FOUND)
+    assert user_message(unknown).startswith("the running engine does not know this command")
+    invalid = RpcError("invalid params: job_id must be a non-empty string, got ' '", code=INVALID_PARAMS)
+    assert user_message(invalid) == "job_id must be a non-empty string, got ' '"
+    assert user_message(OSError("disk\nfull")) == "disk full"

@@ -85,7 +85,7 @@ def test_sigterm_during_an_on_exit_command_and_a_new_serve_fire_it_once(
         (event,) = _events(again)
         assert (event["job_id"], event["exit_code"], event["reason"]) == (job, 0, "exit")
         assert lines.read_text() == "line\n"  # it ran once
-        jobs = [json.loads(line) for line in again.cli("cron", "list", "--json").stdout.splitlines()]
+        jobs = [json.loads(line) for line in again.cli("cron", "list", "--all", "--json").stdout.splitlines()]
         assert [(j["id"], j["enabled"]) for j in jobs] == [(job, False)]
     finally:
         assert again.stop() == 0

@@ -1,11 +1,13 @@
 """The main job of the standalone engine: a real ``gadget-engine serve`` driven through its CLI.
 
-1. start ``gadget-engine serve`` on a temporary state directory;
+1. start the engine in the background with ``gadget-engine start`` on a temporary state directory (it
+   returns once the engine answers);
 2. run a real dev server (``python -m http.server`` on 127.0.0.1) with ``gadget-engine create`` and fetch
    a page from it;
 3. arm a real test run as an on-exit job (``gadget-engine cron add --on-exit``) and wait for its fired
    event, then print its exit code and last lines;
-4. stop the engine with SIGTERM and prove that no process is left.
+4. stop it with ``gadget-engine stop`` (it returns once the engine has exited) and prove that no process
+   is left.
 
 Run it with ``python docs/examples/standalone_demo.py``; it exits 0 when every step worked.
 """
@@ -16,7 +18,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -91,19 +92,13 @@ def main() -> int:
     app.mkdir()
     (app / "index.html").write_text("<h1>hello from the dev server</h1>\n")
     (app / "run_tests.py").write_text(TEST_RUN)
-    serve_log = tmp / "serve.log"
-    print(f"$ gadget-engine --state-dir {state} serve --grace-seconds 1 &")
-    with open(serve_log, "wb") as log:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "engine", "--state-dir", str(state), "serve", "--grace-seconds", "1"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-        )
+    serve_log = state / "engine.log"
+    print(f"$ gadget-engine --state-dir {state} start --grace-seconds 1")
+    started = gadget_engine(state, "start", "--grace-seconds", "1")
+    print(started.stdout, end="")
+    engine_pid = int(started.stdout.split("(pid ")[1].split(")")[0])
     fired_ok = False
     try:
-        wait_for("the engine's socket", lambda: gadget_engine(state, "list", check=False).returncode == 0, 20)
-
         port = free_port()
         create = ("create", "--project", str(app), "-e", "DEMO=1", "--")
         dev_server = (sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1")
@@ -138,9 +133,10 @@ def main() -> int:
             for line in event["stdout_tail"].splitlines()[-3:]:
                 print(f"    {line}")
     finally:
-        print("$ kill -TERM <serve>")
-        serve.send_signal(signal.SIGTERM)
-        code = serve.wait(timeout=30)
+        print("$ gadget-engine stop")
+        stopped = gadget_engine(state, "stop", check=False)
+        print(stopped.stdout + stopped.stderr, end="")
+        code = stopped.returncode
     spawned = [
         int(word.split("=", 1)[1])
         for line in serve_log.read_text().splitlines()
@@ -148,8 +144,8 @@ def main() -> int:
         for word in line.split()
         if word.startswith("pid=")
     ]
-    left = [p for p in spawned if alive(p)]
-    print(f"engine exited {code}; engine log: {len(serve_log.read_text().splitlines())} lines")
+    left = [p for p in [engine_pid, *spawned] if alive(p)]
+    print(f"stop exited {code}; engine log: {len(serve_log.read_text().splitlines())} lines")
     print(f"processes left: {', '.join(map(str, left)) if left else 'none'}")
     shutil.rmtree(tmp, ignore_errors=True)
     return 0 if code == 0 and not left and fired_ok else 1

@@ -1,4 +1,4 @@
-"""The RPC method table: every operation of the service, the tool and cron, plus ``status``.
+"""The RPC method table: the service, the tool and cron, plus ``status`` and ``engine.stop``.
 
 Each method declares its named parameters and the reader of :mod:`engine._input` that turns each into a
 typed value. :meth:`Methods.call` reads a request's parameters once (an unknown, missing or wrong one is an
@@ -158,6 +158,7 @@ class Methods:
     version: str
     stop: Callable[[bool], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
+    _last_event: dict[str, object] | None = attrs.field(init=False, default=None)
 
     @staticmethod
     def names() -> list[str]:
@@ -212,8 +213,26 @@ class Methods:
             "uptime_seconds": round(trio.current_time() - self._started, 3),
             "subprocesses": {"total": len(records), "running": sum(1 for sp in records if sp.running)},
             "cron_jobs": {"total": len(jobs), "enabled": sum(1 for job in jobs if job.enabled)},
+            "last_event": await self._newest_event(),
             "methods": self.names(),
         }
+
+    async def _newest_event(self) -> dict[str, object] | None:
+        """The newest event of the log (its summary), reading only what came since the last look."""
+        since = self._last_event["cursor"] if self._last_event is not None else 0
+        assert isinstance(since, int)
+        events = await self.engine.cron.events(since)
+        if events:
+            newest = events[-1]
+            self._last_event = {
+                "cursor": newest.cursor,
+                "job_id": newest.job_id,
+                "job_name": newest.job_name,
+                "exit_code": newest.exit_code,
+                "signal": newest.signal,
+                "reason": newest.reason,
+            }
+        return self._last_event
 
     @_method("engine.stop", end_watched=_may(check_flag))
     async def _engine_stop(self, end_watched: bool = False) -> object:

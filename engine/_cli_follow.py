@@ -1,0 +1,174 @@
+"""``gadget-engine log`` and ``events``: what is there, then (``-f``) what comes, until the end.
+
+A follower asks for more at a fixed pace (:data:`LOG_FOLLOW_SECONDS`, :data:`EVENTS_FOLLOW_SECONDS`). It
+ends with exit 0 on Ctrl-C, when the followed process has exited and its log is drained, and when the
+engine stops gracefully ("engine stopped" on stderr): a graceful stop removes the engine's socket before
+the process ends, a crash leaves it, so a broken connection is told apart by looking at the socket file
+while the engine's process is still there (:func:`engine_went_away`).
+
+Standard library only, like every client command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Final
+
+from ._cli_output import EXIT_OK, emit_json
+from ._cli_start import engine_alive
+from ._errors import SubProcessNotFoundError
+from .server._client import EngineClient, EngineConnectionError, EngineNotRunningError
+
+__all__ = ["EVENTS_FOLLOW_SECONDS", "LOG_FOLLOW_SECONDS", "engine_went_away", "events", "log", "print_events"]
+
+#: How often ``log --follow`` asks for more output, in seconds.
+LOG_FOLLOW_SECONDS: Final = 0.25
+#: How often ``events --follow`` asks for new events, in seconds.
+EVENTS_FOLLOW_SECONDS: Final = 0.5
+#: How long a follower whose connection broke watches for the socket to go (graceful) or the engine's
+#: process to end with it still there (a crash), in seconds.
+GONE_SECONDS: Final = 5.0
+_PAGE_BYTES: Final = 1024 * 1024
+
+
+def engine_went_away(client: EngineClient, socket_path: str, engine_pid: int, error: Exception) -> int:
+    """Exit 0 with "engine stopped" when the engine stopped gracefully; raise otherwise.
+
+    Raises:
+        EngineNotRunningError: the engine's process ended and left its socket (killed or crashed).
+        EngineConnectionError, EngineNotRunningError: ``error``, when neither is seen within
+            :data:`GONE_SECONDS`.
+    """
+    deadline = time.monotonic() + GONE_SECONDS
+    while time.monotonic() < deadline:
+        if not os.path.lexists(socket_path):
+            print("gadget-engine: engine stopped", file=sys.stderr)
+            return EXIT_OK
+        if not engine_alive(engine_pid):
+            raise EngineNotRunningError(
+                f"the engine on {client.state_dir} (pid {engine_pid}) ended without stopping gracefully "
+                "(killed or crashed)"
+            ) from None
+        time.sleep(0.02)
+    raise error
+
+
+class _Lines:
+    """Writes log text; with both streams, whole lines only, each prefixed with its stream."""
+
+    def __init__(self, prefixed: bool, as_json: bool) -> None:
+        self.prefixed = prefixed
+        self.as_json = as_json
+        self._partial: dict[str, str] = {}
+
+    def write(self, piece: dict[str, Any]) -> None:
+        if self.as_json:
+            emit_json([piece])
+        elif not self.prefixed:
+            sys.stdout.write(piece["text"])
+        else:
+            stream = piece["stream"]
+            text = self._partial.pop(stream, "") + piece["text"]
+            lines = text.split("\n")
+            if lines[-1]:
+                self._partial[stream] = lines[-1]
+            sys.stdout.writelines(f"{stream} | {line}\n" for line in lines[:-1])
+        sys.stdout.flush()
+
+    def flush(self, stream: str | None = None) -> None:
+        """Write what is left of a last line without its newline (of ``stream``, or of each)."""
+        for name in [stream] if stream is not None else list(self._partial):
+            rest = self._partial.pop(name, "")
+            if rest:
+                sys.stdout.write(f"{name} | {rest}\n")
+        sys.stdout.flush()
+
+
+def _history(client: EngineClient, args: argparse.Namespace, stream: str, out: _Lines) -> dict[str, Any]:
+    """Print what the log of ``stream`` holds (or its last ``--tail`` lines); the last slice read."""
+    common = {"pid": args.pid, "stream": stream, "max_bytes": _PAGE_BYTES}
+    if args.tail is not None:
+        piece: dict[str, Any] = client.call("subprocess.read_log", tail=args.tail, **common)
+        out.write(piece)
+        return piece
+    piece = client.call("subprocess.read_log", **common)
+    out.write(piece)
+    while piece["next_offset"] < piece["total_bytes"]:
+        piece = client.call("subprocess.read_log", offset=piece["next_offset"], **common)
+        out.write(piece)
+    return piece
+
+
+def log(client: EngineClient, args: argparse.Namespace) -> int:
+    """``gadget-engine log PID [-n N] [-f] [--stream stdout|stderr|both]``."""
+    streams = ("stdout", "stderr") if args.stream == "both" else (args.stream,)
+    out = _Lines(prefixed=len(streams) > 1, as_json=args.json)
+    engine_pid = int(client.call("status")["pid"]) if args.follow else 0
+    socket_path = client.socket_path
+    last: dict[str, dict[str, Any]] = {}
+    try:
+        for stream in streams:
+            last[stream] = _history(client, args, stream, out)
+            out.flush(stream)  # stdout's history ends before stderr's starts
+        if not args.follow:
+            return EXIT_OK
+        common = {"pid": args.pid, "max_bytes": _PAGE_BYTES}
+        while not all(not p["running"] and p["next_offset"] >= p["total_bytes"] for p in last.values()):
+            time.sleep(LOG_FOLLOW_SECONDS)
+            for stream in streams:
+                offset = last[stream]["next_offset"]
+                piece = client.call("subprocess.read_log", stream=stream, offset=offset, **common)
+                if piece["text"]:
+                    out.write(piece)
+                last[stream] = piece
+        return EXIT_OK
+    except (EngineConnectionError, EngineNotRunningError) as exc:
+        if not args.follow:
+            raise
+        return engine_went_away(client, socket_path, engine_pid, exc)
+    except SubProcessNotFoundError:
+        if not last:
+            raise
+        print(f"gadget-engine: {args.pid} was killed; its logs are deleted", file=sys.stderr)
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        out.flush()
+
+
+def print_events(events: list[dict[str, Any]], as_json: bool) -> None:
+    """Print fired events: one JSON object each, or a header line and the event's text."""
+    if as_json:
+        emit_json(events)
+    else:
+        for event in events:
+            head = f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---"
+            sys.stdout.write(head + "\n")
+            sys.stdout.write(event["text"].rstrip("\n") + "\n")
+    sys.stdout.flush()
+
+
+def events(client: EngineClient, args: argparse.Namespace) -> int:
+    """``gadget-engine events [--since CURSOR] [-f]``."""
+    since = args.since
+    engine_pid = int(client.call("status")["pid"]) if args.follow else 0
+    socket_path = client.socket_path
+    try:
+        while True:
+            found = client.call("events", since=since)
+            print_events(found, args.json)
+            if found:
+                since = found[-1]["cursor"]
+            if not args.follow:
+                return EXIT_OK
+            time.sleep(EVENTS_FOLLOW_SECONDS)
+    except (EngineConnectionError, EngineNotRunningError) as exc:
+        if not args.follow:
+            raise
+        return engine_went_away(client, socket_path, engine_pid, exc)
+    except KeyboardInterrupt:
+        return EXIT_OK

@@ -1,0 +1,271 @@
+"""``gadget-engine start``, ``stop`` and ``status``: the engine as a background service.
+
+``start`` runs ``serve`` in the background, as ``pm2 start`` or ``supervisord`` do: a new session, stdin
+from ``/dev/null``, stdout and stderr appended to ``<state_dir>/engine.log``; it returns once a client call
+succeeds, or with the server's own error. ``stop`` asks the engine to stop gracefully (RPC
+``engine.stop``, as SIGTERM does) and waits until its process is gone, through a pidfd. ``status`` shows
+what ``Engine.status()`` reports, as ``systemctl status`` does: exit 3 when no engine runs.
+
+Standard library only, like every client command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import select
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+from ._cli_output import CommandFailedError, emit_json
+from ._when import format_duration
+from .server._client import EngineClient, EngineNotRunningError, EngineSocketMissingError, RpcError
+from .server._location import resolve_state_dir
+from .server._protocol import METHOD_NOT_FOUND
+
+__all__ = [
+    "LOG_NAME",
+    "engine_alive",
+    "log_path",
+    "redact_url",
+    "start",
+    "status",
+    "stop",
+    "wait_process_gone",
+]
+
+#: The log of an engine ``start`` ran, in its state directory.
+LOG_NAME: Final = "engine.log"
+#: A log past this size is moved to ``engine.log.1`` by the next ``start``, in bytes.
+LOG_ROTATE_BYTES: Final = 10 * 2**20
+#: How often ``start`` tries a client call while the engine starts, in seconds.
+_START_POLL_SECONDS: Final = 0.05
+#: The longest one ``status`` call of ``start`` may take, in seconds.
+_CALL_SECONDS: Final = 5.0
+
+
+def log_path(state_dir: str) -> str:
+    """The log file of an engine started by ``start`` on ``state_dir``."""
+    return os.path.join(state_dir, LOG_NAME)
+
+
+def redact_url(text: str) -> str:
+    """``postgresql://user:secret@host/db`` -> ``postgresql://user:***@host/db``; other text unchanged."""
+    return re.sub(r"(://[^:/@\s]*:)[^@/\s]*@", r"\1***@", text)
+
+
+def engine_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+def wait_process_gone(pid: int, seconds: float) -> bool:
+    """Wait up to ``seconds`` until process ``pid`` has ended (through a pidfd); whether it has."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0.0, seconds) * 1000))
+    finally:
+        os.close(fd)
+
+
+def _running(state_dir: str) -> dict[str, Any] | None:
+    """The ``status`` of the engine answering on ``state_dir``, or ``None`` when none does."""
+    try:
+        with EngineClient(state_dir, timeout_seconds=_CALL_SECONDS) as client:
+            result: dict[str, Any] = client.call("status")
+            return result
+    except (EngineNotRunningError, EngineSocketMissingError):  # none, or one still binding its socket
+        return None
+
+
+# ---- start ---------------------------------------------------------------------------------------------
+
+
+def _serve_argv(state_dir: str, args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, "-P", "-m", "engine", "--state-dir", state_dir, "serve"]
+    argv += ["--grace-seconds", repr(args.grace_seconds)]
+    if args.exit_watch_shell:
+        argv += ["--exit-watch-shell", args.exit_watch_shell]
+    return argv
+
+
+def _open_log(state_dir: str) -> tuple[int, int]:
+    """The engine's log, opened for appending (rotated once past :data:`LOG_ROTATE_BYTES`); fd and size."""
+    path = log_path(state_dir)
+    with contextlib.suppress(FileNotFoundError):
+        if os.stat(path).st_size > LOG_ROTATE_BYTES:
+            os.replace(path, path + ".1")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    return fd, os.fstat(fd).st_size
+
+
+def _spawn(argv: Sequence[str], log_fd: int) -> int:
+    """Start ``argv`` in a session of its own, stdin ``/dev/null``, stdout and stderr on ``log_fd``."""
+    actions = [
+        (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_DUP2, log_fd, 1),
+        (os.POSIX_SPAWN_DUP2, log_fd, 2),
+    ]
+    defaults = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE)
+    environ = dict(os.environ)
+    return os.posix_spawn(
+        argv[0], list(argv), environ, file_actions=actions, setsid=True, setsigdef=defaults, setsigmask=()
+    )
+
+
+def _error_lines(state_dir: str, offset: int) -> str:
+    """What the server wrote to its log since ``offset``: its ``gadget-engine:`` line, else its last line."""
+    try:
+        with open(log_path(state_dir), "rb") as f:
+            f.seek(offset)
+            lines = f.read(64 * 1024).decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    mine = [line for line in lines if line.startswith("gadget-engine: ")]
+    last = (
+        mine[-1].removeprefix("gadget-engine: ")
+        if mine
+        else next((line for line in reversed(lines) if line.strip()), "")
+    )
+    return last.strip()
+
+
+def _already(state_dir: str, status: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        emit_json([{"pid": status["pid"], "state_dir": state_dir, "started": False}])
+    else:
+        print(f"an engine is already running on {state_dir} (pid {status['pid']})")
+    return 0
+
+
+def start(args: argparse.Namespace) -> int:
+    """``gadget-engine start``: ``serve`` in the background; 0 once a client call succeeds.
+
+    Raises:
+        CommandFailedError: the server exited (its own error and its log's path), or did not answer
+            within ``--wait-seconds``.
+    """
+    state_dir = resolve_state_dir(args.state_dir)
+    status = _running(state_dir)
+    if status is not None:
+        return _already(state_dir, status, args.json)
+    os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    log_fd, offset = _open_log(state_dir)
+    try:
+        pid = _spawn(_serve_argv(state_dir, args), log_fd)
+    finally:
+        os.close(log_fd)
+    deadline = time.monotonic() + args.wait_seconds
+    while True:
+        status = _running(state_dir)
+        if status is not None and status["pid"] == pid:
+            break
+        ended, _ = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            if status is not None or (status := _running(state_dir)) is not None:
+                return _already(state_dir, status, args.json)  # another start won the race
+            why = _error_lines(state_dir, offset) or "it exited at once"
+            raise CommandFailedError(f"the engine did not start: {why} (its log: {log_path(state_dir)})")
+        if time.monotonic() > deadline:
+            raise CommandFailedError(
+                f"the engine (pid {pid}) did not answer within {args.wait_seconds:g} s; "
+                f"its log: {log_path(state_dir)}"
+            )
+        time.sleep(_START_POLL_SECONDS)
+    if args.json:
+        emit_json([{"pid": pid, "state_dir": state_dir, "log": log_path(state_dir), "started": True}])
+    else:
+        print(f"started the engine on {state_dir} (pid {pid}); its log: {log_path(state_dir)}")
+    return 0
+
+
+# ---- stop ----------------------------------------------------------------------------------------------
+
+
+def stop(client: EngineClient, args: argparse.Namespace) -> int:
+    """``gadget-engine stop``: a graceful stop, waited for; 1 when it takes longer than ``--wait-seconds``.
+
+    Raises:
+        EngineNotRunningError: no engine runs (exit 3).
+        CommandFailedError: the engine was still stopping at the bound, or cannot end watched commands.
+    """
+    pid = int(client.call("status")["pid"])
+    try:
+        client.call("engine.stop", end_watched=args.end_watched)
+    except RpcError as exc:
+        if exc.code != METHOD_NOT_FOUND:
+            raise
+        if args.end_watched:
+            raise CommandFailedError(
+                f"the engine (pid {pid}) is of an older version that cannot end watched commands; "
+                "stop it without --end-watched"
+            ) from None
+        os.kill(pid, signal.SIGTERM)  # an older engine: the signal stops it the same way
+    client.close()
+    if not wait_process_gone(pid, args.wait_seconds):
+        raise CommandFailedError(
+            f"the engine (pid {pid}) is still stopping after {args.wait_seconds:g} s; "
+            f"see its log: {log_path(client.state_dir)}"
+        )
+    if args.json:
+        emit_json([{"pid": pid, "stopped": True}])
+    else:
+        print(f"stopped the engine on {client.state_dir} (pid {pid})")
+    return 0
+
+
+# ---- status --------------------------------------------------------------------------------------------
+
+
+def _describe_event(event: dict[str, Any] | None) -> str:
+    if event is None:
+        return "none yet"
+    if event.get("exit_code") is not None:
+        outcome = f"exit code {event['exit_code']}"
+    elif event.get("signal") is not None:
+        outcome = f"signal {event['signal']}"
+    else:
+        outcome = str(event.get("reason") or "fired")
+    return f"{event['cursor']}: {event['job_name']} (job {event['job_id']}), {outcome}"
+
+
+def status(client: EngineClient, args: argparse.Namespace) -> int:
+    """``gadget-engine status``: what the engine is and does; one JSON object with ``--json``."""
+    result: dict[str, Any] = client.call("status")
+    result["store"] = redact_url(str(result.get("store", "")))
+    if args.json:
+        emit_json([result])
+        return 0
+    runs: dict[str, int] = result.get("runs", {})
+    run_lines = [f"{count} in {directory}" for directory, count in sorted(runs.items())] or ["none"]
+    watched = result.get("watched", 0)
+    rows = [
+        ("engine", f"running, pid {result['pid']}, version {result['version']}"),
+        ("uptime", format_duration(int(result.get("uptime_seconds", 0)))),
+        ("state dir", result["state_dir"]),
+        ("socket", result.get("socket", "-")),
+        ("store", result["store"]),
+        ("containment", f"{result['containment']} ({result.get('containment_detail') or '-'})"),
+        ("runs", run_lines[0]),
+        *(("", line) for line in run_lines[1:]),
+        ("jobs", f"{result['jobs']} enabled, {watched} on-exit command(s) watched"),
+        ("last event", _describe_event(result.get("last_event"))),
+    ]
+    for key, value in rows:
+        print(f"{key:<12} {value}".rstrip())
+    return 0

@@ -1,0 +1,202 @@
+"""``gadget-engine start``, ``stop``, ``status``, ``--version`` and ``completion``, with real engines."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import __version__
+from engine._cli_start import redact_url
+
+from .children import kill_pids, mark, pgrep, pgrep_env
+from .serve_support import SHELL, alive, cli, wait_until
+
+
+def _reap(pid: int) -> None:
+    """Reap ``pid`` if it became this process's child (a test process that is a subreaper adopts it)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    """A state dir for engines ``start`` runs; whatever still runs on it at the end is killed."""
+    state = tmp_path / "state"
+    yield state
+    left = pgrep(str(state))
+    kill_pids(left)
+    for pid in left:
+        _reap(pid)
+
+
+def _ge(state: Path, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return cli("--state-dir", str(state), *args, timeout=timeout)
+
+
+def _start(state: Path, *extra: str) -> int:
+    out = _ge(state, "start", "--grace-seconds", "0.5", *SHELL, *extra, "--json")
+    assert out.returncode == 0, out.stderr
+    started = json.loads(out.stdout)
+    assert started["started"] is True
+    return int(started["pid"])
+
+
+def test_start_returns_once_a_client_call_succeeds_and_stop_leaves_nothing(state_dir: Path) -> None:
+    began = time.monotonic()
+    out = _ge(state_dir, "start", "--grace-seconds", "0.5", *SHELL)
+    took = time.monotonic() - began
+    assert out.returncode == 0, out.stderr
+    log = state_dir / "engine.log"
+    pid = int(out.stdout.split("(pid ")[1].split(")")[0])
+    assert out.stdout == f"started the engine on {state_dir} (pid {pid}); its log: {log}\n"
+    listed = _ge(state_dir, "list")  # at once: start returned only once the engine answered
+    assert listed.returncode == 0, listed.stderr
+    assert "event=ready" in log.read_text()
+
+    again = _ge(state_dir, "start")
+    assert (again.returncode, again.stdout) == (
+        0,
+        f"an engine is already running on {state_dir} (pid {pid})\n",
+    )
+
+    status = _ge(state_dir, "status")
+    assert status.returncode == 0, status.stderr
+    fields = {line[:12].strip(): line[13:] for line in status.stdout.splitlines()}
+    assert fields["engine"] == f"running, pid {pid}, version {__version__}"
+    assert fields["state dir"] == str(state_dir)
+    assert fields["socket"] == str(state_dir / "engine.sock")
+    assert fields["store"] == f"sqlite:{state_dir / 'cron.sqlite3'}"
+    assert fields["runs"] == "none" and fields["last event"] == "none yet"
+    as_json = json.loads(_ge(state_dir, "status", "--json").stdout)
+    assert as_json["pid"] == pid and as_json["version"] == __version__
+    assert as_json["containment"] in ("cgroup", "process-group")
+    assert as_json["uptime_seconds"] >= 0 and as_json["last_event"] is None
+
+    stopped = _ge(state_dir, "stop")
+    assert (stopped.returncode, stopped.stdout) == (0, f"stopped the engine on {state_dir} (pid {pid})\n")
+    _reap(pid)
+    assert not alive(pid)
+    assert not (state_dir / "engine.sock").exists() and not pgrep(str(state_dir))
+    assert "event=stopping request=engine.stop end_watched=false" in log.read_text()
+    for command in ("stop", "status"):
+        none = _ge(state_dir, command)
+        assert none.returncode == 3, none
+        assert none.stderr.endswith(f"start one with: gadget-engine --state-dir {state_dir} start\n")
+    print(f"start took {took:.2f} s")
+
+
+def test_start_reports_the_servers_own_error_and_its_log(state_dir: Path) -> None:
+    state_dir.mkdir(mode=0o700)
+    fd = os.open(state_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as an engine without a socket would hold it (this process)
+        out = _ge(state_dir, "start")
+    finally:
+        os.close(fd)
+    assert out.returncode == 1
+    assert out.stderr == (
+        f"gadget-engine: the engine did not start: an engine is already running on {state_dir} "
+        f"(pid {os.getpid()}) (its log: {state_dir / 'engine.log'})\n"  # /proc/locks names the holder
+    )
+
+
+def test_stop_end_watched_ends_watched_commands(state_dir: Path, tmp_path: Path) -> None:
+    sleeper = mark("351.1")
+    pid = _start(state_dir)
+    added = _ge(
+        state_dir, "cron", "add", "--on-exit", f"sleep {sleeper}", "--cwd", str(tmp_path), "--text", "x"
+    )
+    assert added.returncode == 0, added.stderr
+    assert wait_until(lambda: bool(pgrep(f"sleep {sleeper}")))
+    stopped = _ge(state_dir, "stop", "--end-watched")
+    assert stopped.returncode == 0, stopped.stderr
+    _reap(pid)
+    watched = pgrep(f"sleep {sleeper}")
+    kill_pids(watched + pgrep_env("GADGET_WATCH_COMMAND", sleeper))
+    assert not watched
+
+
+def test_stop_past_its_bound_exits_1_and_says_still_stopping(state_dir: Path, project: Path) -> None:
+    pid = _start(state_dir, "--grace-seconds", "3")
+    ignoring = "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    created = _ge(state_dir, "create", "--project", str(project), "--", sys.executable, "-c", ignoring)
+    assert created.returncode == 0, created.stderr
+    slow = _ge(state_dir, "stop", "--wait-seconds", "0.5")
+    assert slow.returncode == 1
+    assert f"the engine (pid {pid}) is still stopping after 0.5 s" in slow.stderr
+    assert wait_until(lambda: not alive(pid), seconds=20)
+    _reap(pid)
+
+
+def test_version_prints_the_version() -> None:
+    out = cli("--version")
+    assert (out.returncode, out.stdout) == (0, f"gadget-engine {__version__}\n")
+
+
+def test_status_redacts_a_store_urls_password() -> None:
+    assert redact_url("postgresql://me:s3cret@db:5432/jobs") == "postgresql://me:***@db:5432/jobs"
+    assert redact_url("sqlite:/home/me/state/cron.sqlite3") == "sqlite:/home/me/state/cron.sqlite3"
+    assert redact_url("postgresql://db/jobs") == "postgresql://db/jobs"
+
+
+# ---- completion ------------------------------------------------------------------------------------
+
+
+def _complete(script: Path, *words: str, cwd: Path | None = None) -> list[str]:
+    """What a real bash completes for ``words`` (the last one being typed) with ``script`` loaded."""
+    line = " ".join(words)
+    program = f"""
+source {script}
+fn=$(complete -p gadget-engine | sed -E 's/.* -F ([^ ]+) .*/\\1/')
+COMP_WORDS=({" ".join(repr(w) for w in words)})
+COMP_CWORD={len(words) - 1}
+COMP_LINE={line!r}
+COMP_POINT=${{#COMP_LINE}}
+"$fn" gadget-engine {words[-1]!r} {words[-2]!r}
+printf '%s\\n' "${{COMPREPLY[@]}}"
+"""
+    out = subprocess.run(
+        ["bash", "-c", program], capture_output=True, text=True, timeout=30, check=True, cwd=cwd
+    )
+    return [word.strip() for word in out.stdout.splitlines() if word.strip()]
+
+
+def test_completion_in_a_real_bash(tmp_path: Path) -> None:
+    script = tmp_path / "gadget-engine.bash"
+    out = cli("completion", "bash")
+    assert out.returncode == 0, out.stderr
+    script.write_text(out.stdout)
+    assert sorted(_complete(script, "gadget-engine", "cr")) == ["create", "cron"]
+    assert _complete(script, "gadget-engine", "cro") == ["cron"]
+    assert sorted(_complete(script, "gadget-engine", "st")) == ["start", "status", "stop"]
+    assert sorted(_complete(script, "gadget-engine", "cron", "r")) == ["rm", "run"]
+    assert "--end-watched" in _complete(script, "gadget-engine", "stop", "--")
+    (tmp_path / "somedir").mkdir()
+    (tmp_path / "somefile").touch()
+    assert _complete(script, "gadget-engine", "create", "--project", "so", cwd=tmp_path) == [
+        "somedir"
+    ]  # no file
+
+
+@pytest.mark.parametrize("shell", ["zsh", "fish"])
+def test_completion_scripts_for_zsh_and_fish(shell: str) -> None:
+    out = cli("completion", shell)
+    assert out.returncode == 0, out.stderr
+    assert "gadget-engine" in out.stdout and "cron" in out.stdout and "end-watched" in out.stdout
+    if shutil.which(shell):
+        checked = subprocess.run([shell, "-n"], input=out.stdout, capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, checked.stderr
+
+
+def test_completion_of_an_unknown_shell_is_a_usage_error() -> None:
+    assert cli("completion", "tcsh").returncode == 2
