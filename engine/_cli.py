@@ -101,6 +101,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="ARGV",
         help="the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
     )
+    p.add_argument(
+        "--containment",
+        choices=("auto", "cgroup", "process-group"),
+        default="auto",
+        help="a cgroup v2 leaf per run, or the process group (default: auto, cgroup where writable)",
+    )
     p = add(
         "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
     )
@@ -165,6 +171,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="embedded: SIGINT -> SIGKILL delay",
     )
     p.add_argument("--exit-watch-shell", metavar="ARGV", help="embedded: the argv prefix of on-exit commands")
+    p.add_argument(
+        "--containment",
+        choices=("auto", "cgroup", "process-group"),
+        default="auto",
+        help="embedded: a cgroup v2 leaf per run, or the process group (default: auto)",
+    )
     return parser
 
 
