@@ -18,12 +18,14 @@ if TYPE_CHECKING:
     from ._asyncio import open_asyncio_engine as open_asyncio_engine
     from ._config import EngineConfig as EngineConfig
     from ._engine import Engine as Engine
+    from ._engine import EngineStatus as EngineStatus
     from ._engine import open_engine as open_engine
     from ._errors import EngineError as EngineError
     from ._errors import EngineLockedError as EngineLockedError
     from ._errors import InvalidArgumentError as InvalidArgumentError
     from ._errors import InvalidScheduleError as InvalidScheduleError
     from ._errors import JobNotFoundError as JobNotFoundError
+    from ._errors import KillInProgressError as KillInProgressError
     from ._errors import LimitExceededError as LimitExceededError
     from ._errors import SpawnError as SpawnError
     from ._errors import StoreError as StoreError
@@ -80,6 +82,7 @@ _EXPORTS: dict[str, str] = {
     "CronJob": ".cron",
     "CronService": ".cron",
     "Engine": "._engine",
+    "EngineStatus": "._engine",
     "EngineClient": ".server._client",
     "EngineClosedError": "._asyncio",
     "EngineConfig": "._config",
@@ -93,6 +96,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidArgumentError": "._errors",
     "InvalidScheduleError": "._errors",
     "JobNotFoundError": "._errors",
+    "KillInProgressError": "._errors",
     "JobStatus": ".cron",
     "JobStore": ".cron",
     "LimitExceededError": "._errors",

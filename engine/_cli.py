@@ -130,6 +130,12 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
         metavar="ARGV",
         help=f"{prefix}the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
     )
+    p.add_argument(
+        "--containment",
+        choices=("auto", "cgroup", "process-group"),
+        default="auto",
+        help=f"{prefix}a cgroup v2 leaf per run, or the process group (default: auto, cgroup where writable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             state_dir=resolve_state_dir(args.state_dir),
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
+            containment=args.containment,
         )
     except ValueError as exc:
         raise CommandFailedError(str(exc)) from None

@@ -101,6 +101,7 @@ def _serve_argv(state_dir: str, args: argparse.Namespace) -> list[str]:
     argv += ["--grace-seconds", repr(args.grace_seconds)]
     if args.exit_watch_shell:
         argv += ["--exit-watch-shell", args.exit_watch_shell]
+    argv += ["--containment", args.containment]
     return argv
 
 

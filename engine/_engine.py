@@ -251,6 +251,8 @@ async def _open_services(
         ) as cron,
         trio.open_nursery() as watch_nursery,
     ):
+        if config.end_unclaimed_orphans:
+            await supervisor.own_process()
         supervisor.add_observer(guardian)
         tool = SubprocessTool(service, config=config)
         watchers = CronExitWatchers(

@@ -15,6 +15,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidScheduleError",
     "JobNotFoundError",
+    "KillInProgressError",
     "LimitExceededError",
     "SpawnError",
     "StoreError",
@@ -79,6 +80,11 @@ class LimitExceededError(EngineError, RuntimeError):
 
 class StoreError(EngineError, OSError):
     """Raised by a job store when a read or a write transaction fails; nothing of the write is kept."""
+
+
+class KillInProgressError(EngineError, RuntimeError):
+    """Raised by ``SubProcessService.create`` while ``kill_all`` (or ``kill_project`` of the same project)
+    is ending processes; nothing was started. Create again once it has returned."""
 
 
 class EngineLockedError(EngineError, RuntimeError):

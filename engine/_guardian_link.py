@@ -12,7 +12,7 @@ import trio
 
 from ._guardian import BOOTSTRAP
 from ._pidfd import wait_exited
-from ._procfs import read_proc
+from ._procfs import GUARDIAN_VAR, RUN_MARKER_VAR, read_proc
 from ._spawn import spawn_process
 from ._supervisor import ManagedRun
 from ._sweep import GroupRecord, records_dir, remove_token, write_token
@@ -60,7 +60,8 @@ class GuardianLink:
                 str(self.grace_seconds),
                 str(self.kill_wait_seconds),
             )
-            env = {k: v for k, v in os.environ.items() if k != "GADGET_ENGINE_RUN"}
+            env = {k: v for k, v in os.environ.items() if k != RUN_MARKER_VAR}
+            env[GUARDIAN_VAR] = self.state_dir  # the engine's own child, never an orphan to end
             self.pid = spawn_process(argv, cwd="/", env=env, stdout_fd=log, stderr_fd=log, stdin_fd=read_end)
         finally:
             os.close(read_end)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from . import _libc
 
 __all__ = [
+    "GUARDIAN_VAR",
     "RUN_MARKER_VAR",
     "ProcInfo",
     "children_of",
@@ -28,6 +29,9 @@ __all__ = [
     "scan_processes",
     "set_child_subreaper",
 ]
+
+#: The environment variable of the guardian process (its value: the state dir); it is the engine's.
+GUARDIAN_VAR = "GADGET_ENGINE_GUARDIAN"
 
 #: The environment variable every child gets, naming its run (``<supervisor token>:<run id>``); like
 #: Jenkins' ``BUILD_ID`` or systemd's ``INVOCATION_ID`` it lets the engine attribute a descendant that
@@ -184,8 +188,8 @@ def engine_children(*, max_age_seconds: float = 0.0) -> frozenset[int]:
     return found
 
 
-def read_marker(pid: int) -> str | None:
-    """The value of :data:`RUN_MARKER_VAR` in a live process's environment, or ``None``.
+def read_marker(pid: int, var: str = RUN_MARKER_VAR) -> str | None:
+    """The value of :data:`RUN_MARKER_VAR` (or ``var``) in a live process's environment, or ``None``.
 
     While a process is in the middle of ``exec`` the kernel shows its environment as empty for a moment
     (the new memory map is in place, its environment bounds not yet); an empty read of a live, non-zombie
@@ -205,7 +209,7 @@ def read_marker(pid: int) -> str | None:
         time.sleep(_MARKER_RETRY_SECONDS)
     else:
         return None
-    prefix = RUN_MARKER_VAR.encode() + b"="
+    prefix = var.encode() + b"="
     for entry in data.split(b"\0"):
         if entry.startswith(prefix):
             return entry[len(prefix) :].decode("utf-8", "replace")

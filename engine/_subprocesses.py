@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -23,13 +24,15 @@ import attrs
 import trio
 
 from ._config import EngineConfig
-from ._errors import LimitExceededError, SpawnError, SubProcessNotFoundError
+from ._errors import KillInProgressError, LimitExceededError, SpawnError, SubProcessNotFoundError
 from ._input import check_argv, check_env, check_read_args
 from ._logs import LogPair, LogSlice, Stream, check_stream
 from ._project import Project
 from ._supervisor import ManagedRun, RunExit, RunState, SpawnSpec, Supervisor, TerminationReason
 
 __all__ = ["SubProcess", "SubProcessService", "SubProcessSummary", "open_subprocess_service"]
+
+_log = logging.getLogger("engine.subprocesses")
 
 #: How often the log-cap task looks at the files of live children (the design's floor is 1 s).
 CAP_POLL_SECONDS = 1.0
@@ -64,18 +67,27 @@ class SubProcess:
 
     @property
     def state(self) -> RunState:
-        """``RUNNING`` while the process lives, ``EXITING`` while its tree is being ended, then ``EXITED``."""
-        return RunState.EXITED if self._run.exit is not None else self._run.state
+        """``RUNNING`` while the process lives, ``EXITING`` while a kill or halt ends it, then ``EXITED``.
+
+        The process is the leader: once it has exited it is ``EXITED`` at once, while what is left of its
+        tree drains (SP-03, see ``ManagedRun.leader_exit``).
+        """
+        return RunState.EXITED if self._run.leader_exit is not None else self._run.state
 
     @property
     def exit(self) -> RunExit | None:
-        """How the process ended, or ``None`` while it is alive."""
-        return self._run.exit
+        """How the process ended, or ``None`` while it is alive (final once :attr:`ended`)."""
+        return self._run.leader_exit
 
     @property
     def running(self) -> bool:
-        """Whether the process (or its tree) is still alive."""
-        return self._run.exit is None
+        """Whether the process (the leader) is still alive."""
+        return self._run.leader_exit is None
+
+    @property
+    def ended(self) -> bool:
+        """Whether its whole tree is gone and reaped (a leader's leftovers included)."""
+        return self._run.exit is not None
 
     @property
     def stdout_path(self) -> str:
@@ -191,6 +203,8 @@ class SubProcessService:
     _nursery: trio.Nursery = attrs.field(alias="nursery")
     _records: list[SubProcess] = attrs.field(init=False, factory=list)
     _pending: dict[str, int] = attrs.field(init=False, factory=dict)
+    _fences: dict[str | None, int] = attrs.field(init=False, factory=dict)
+    _settled: trio.Event = attrs.field(init=False, factory=trio.Event)
     _log_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
     _capper: trio.CancelScope | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
@@ -240,6 +254,11 @@ class SubProcessService:
         self._check_limits(project)
         if self._closed:
             raise RuntimeError("the subprocess service is stopped; start a new engine to create processes")
+        if self._fences.get(None) or self._fences.get(project.id):
+            raise KillInProgressError(
+                "a killAll (or a kill of this project's processes) is under way; nothing was started: "
+                "create again once it has returned"
+            )
         _check_directory(project)
         directory = os.path.join(project.directory, self._config.gadget_dir_name, "subprocess-logs")
         # As trio's open_process does: every step registers its undo, and a failure at any step, after
@@ -284,6 +303,26 @@ class SubProcessService:
             self._pending[project.id] -= 1
             if not self._pending[project.id]:
                 del self._pending[project.id]
+            settled, self._settled = self._settled, trio.Event()
+            settled.set()
+
+    @contextlib.asynccontextmanager
+    async def _fence(self, project_id: str | None) -> AsyncIterator[None]:
+        """Refuse new creates (of ``project_id``; ``None``: all) and wait for those under way (SP-16).
+
+        A create that had started before the fence finishes and has a record, which the caller then kills
+        with the rest; one that comes during the fence raises :class:`KillInProgressError`; after it,
+        ``create`` works again.
+        """
+        self._fences[project_id] = self._fences.get(project_id, 0) + 1
+        try:
+            while self._pending if project_id is None else self._pending.get(project_id):
+                await self._settled.wait()
+            yield
+        finally:
+            self._fences[project_id] -= 1
+            if not self._fences[project_id]:
+                del self._fences[project_id]
 
     async def _end_now(self, run: ManagedRun) -> None:
         with trio.CancelScope(shield=True):
@@ -376,10 +415,13 @@ class SubProcessService:
             )
 
     async def _stop(self, sp: SubProcess) -> bool:
-        """End ``sp``'s tree if it is alive; ``True`` when this call is the one that stopped it."""
+        """End ``sp``'s tree if it is alive; ``True`` when this call is the one that stopped it.
+
+        After the leader's own exit, what is left of its tree (SP-03's drain) is ended at once.
+        """
         if sp._stopping or sp.exit is not None:
-            if sp.exit is None:  # another call is ending it: wait for the same exit
-                await sp._run.wait()
+            if not sp.ended:  # another call is ending it, or the leader exited and its tree drains
+                await self._supervisor.cancel(sp._run)
             else:
                 await trio.lowlevel.checkpoint()
             return False
@@ -435,7 +477,7 @@ class SubProcessService:
         async with trio.open_nursery() as nursery:
             for sp in records:
                 nursery.start_soon(self._kill_quietly, sp)
-        return all(sp.exit is not None and not sp.exit.survivors for sp in records)
+        return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
 
     async def _kill_quietly(self, sp: SubProcess) -> None:
         if not sp._removed:
@@ -450,7 +492,8 @@ class SubProcessService:
         """
         if not isinstance(project_id, str):
             raise TypeError(f"project_id must be a string, got {project_id!r}")
-        await self._kill_many([sp for sp in self._records if sp.project.id == project_id])
+        async with self._fence(project_id):
+            await self._kill_many([sp for sp in self._records if sp.project.id == project_id])
 
     async def kill_all(self) -> bool:
         """Kill every subprocess of every project (concurrently) and delete every log file.
@@ -459,10 +502,35 @@ class SubProcessService:
 
         Cancellation: as :meth:`kill_subprocess`, for each of them.
 
+        Creates under way when it starts finish and are killed by this same call; creates that come while
+        it runs raise :class:`KillInProgressError`, and work again once it has returned (SP-16).
+
+        An orphan re-parented to the engine (the subreaper) that no run claims is ended too when the
+        engine owns its process (``EngineConfig.end_unclaimed_orphans``: ``serve``, ``mcp``); embedded,
+        where the host's own children look the same, it is only named in the engine log.
+
         Returns:
-            ``True`` when every process group was verified empty (no survivor of SIGKILL anywhere).
+            ``True`` when every run was verified ended, with no survivor of SIGKILL anywhere: in cgroup
+            containment every leaf is empty; in process-group containment every group and every tracked
+            escapee is gone, and no unclaimed orphan is left (embedded: none is there). What it cannot
+            prove: a process that left its group and scrubbed its environment without the engine as
+            subreaper (see ``docs/guide-escalation.md``).
         """
-        return await self._kill_many(list(self._records))
+        async with self._fence(None):
+            verified = await self._kill_many(list(self._records))
+        orphans = self._supervisor.unclaimed_children()
+        if not orphans:
+            return verified
+        if not self._config.end_unclaimed_orphans:
+            _log.warning(
+                "kill_all: %d unclaimed children of the engine left running (not started by it, or a "
+                "run's escapees it cannot attribute): %s",
+                len(orphans),
+                ", ".join(f"{pid} ({_command_name(pid)})" for pid in sorted(orphans)),
+            )
+            return False
+        survivors = await self._supervisor.end_processes(orphans)
+        return verified and not survivors
 
     async def halt_subprocess(self, sp: SubProcess) -> bool:
         """End ``sp`` by escalation but keep its record and both log files for inspection.
@@ -603,6 +671,14 @@ class SubProcessService:
         self._closed = True
         if self._capper is not None:
             self._capper.cancel()
+
+
+def _command_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return "gone"
 
 
 def _gone(sp: SubProcess, stream: Stream) -> SubProcessNotFoundError:

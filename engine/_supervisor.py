@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import itertools
 import os
+import signal
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -22,8 +25,17 @@ import trio
 
 from ._containment import Containment, Placement, open_containment
 from ._errors import unwrap_single
-from ._procfs import RUN_MARKER_VAR, read_proc, set_child_subreaper
+from ._procfs import (
+    GUARDIAN_VAR,
+    RUN_MARKER_VAR,
+    ProcInfo,
+    engine_children,
+    read_marker,
+    read_proc,
+    set_child_subreaper,
+)
 from ._spawn import spawn_process
+from ._sweep import end_processes
 from ._termination import ProcessTree, wait_gone
 
 __all__ = [
@@ -272,6 +284,13 @@ class RunObserver(Protocol):
         """Called once the run's tree is reaped, before ``wait`` returns."""
 
 
+def _now_ticks() -> int:
+    """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` start times count in."""
+    with open("/proc/uptime", encoding="ascii") as f:
+        uptime = float(f.read().split()[0])
+    return int(uptime * os.sysconf("SC_CLK_TCK"))
+
+
 @final
 @attrs.define(eq=False)
 class Supervisor:
@@ -288,6 +307,10 @@ class Supervisor:
     kill_wait_seconds: float
     subreaper: bool
     _containment: Containment = attrs.field(alias="containment")
+    #: End orphans no run claims (``kill_all``, the supervisor's exit): the engine owns its process.
+    end_unclaimed_orphans: bool = attrs.field(default=False, kw_only=True)
+    _started_ticks: int = attrs.field(init=False, factory=_now_ticks)
+    _reaping: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _runs: dict[int, ManagedRun] = attrs.field(init=False, factory=dict)
     _leaders: set[int] = attrs.field(init=False, factory=set)
@@ -307,6 +330,106 @@ class Supervisor:
     def add_observer(self, observer: RunObserver) -> None:
         """Have ``observer`` told, synchronously, of every run started and ended from now on."""
         self._observers.append(observer)
+
+    def claims(self, info: ProcInfo) -> bool:
+        """Whether process ``info`` belongs to this supervisor: a run's leader, group, session, leaf,
+        tracked escapee or marker (a watched command's too), or the engine's guardian."""
+        if info.pid in self._leaders or info.pgid in self._leaders or info.sid in self._leaders:
+            return True
+        if self._containment.holds(info.pid):
+            return True
+        if any(info.pid in run._tree.tracked for run in self._runs.values()):
+            return True
+        if info.zombie:
+            return False  # no environment left to read
+        marker = read_marker(info.pid)
+        if marker is not None and marker.partition(":")[0] in (
+            self._containment.token,
+            self._containment.token + "w",
+        ):
+            return True
+        return read_marker(info.pid, GUARDIAN_VAR) is not None
+
+    def unclaimed_children(self) -> dict[int, int]:
+        """Live children of the engine process that no run claims, ``{pid: start_time}``.
+
+        Under the subreaper these are orphans the engine adopted whose run cannot be told (a daemon that
+        double-forked, left its group and scrubbed its environment, in process-group containment), or,
+        embedded, the host's own children started since the supervisor opened: they look the same.
+        """
+        if not self.subreaper:
+            return {}
+        out: dict[int, int] = {}
+        for pid in engine_children():
+            info = read_proc(pid)
+            if info is None or info.zombie or info.start_time < self._started_ticks:
+                continue
+            if not self.claims(info):
+                out[pid] = info.start_time
+        return out
+
+    async def end_processes(self, targets: dict[int, int]) -> list[int]:
+        """End ``targets`` (``{pid: start_time}``) by the escalation (blocking driver, in a worker thread)
+        and reap those that are the engine's children; return the survivors.
+
+        Cancellation: shielded; bounded by the grace period and the kill wait.
+        """
+        with trio.CancelScope(shield=True):
+            survivors = await trio.to_thread.run_sync(
+                functools.partial(
+                    end_processes,
+                    targets,
+                    grace_seconds=self.grace_seconds,
+                    kill_wait_seconds=self.kill_wait_seconds,
+                )
+            )
+        for pid in targets:
+            _reap_if_zombie(pid)
+        return survivors
+
+    def reap_zombies(self) -> None:
+        """Reap the zombies among the engine's children that are not run leaders (each run reaps its
+        own): those a run claims, or every one when :attr:`end_unclaimed_orphans` is set.
+
+        By pid only, never ``waitpid(-1)`` (that would take trio's and an embedding host's children);
+        ``waitid(..., WNOWAIT)`` looks before anything is reaped.
+        """
+        for pid in engine_children() - self._leaders:
+            try:
+                looked = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                continue
+            if looked is None:
+                continue  # alive
+            info = read_proc(pid)
+            if info is not None and (self.end_unclaimed_orphans or self.claims(info)):
+                _reap_if_zombie(pid)
+
+    async def own_process(self) -> None:
+        """The engine owns its whole process (``serve``, ``mcp``): from now on, end unclaimed orphans at
+        ``kill_all`` and at the exit (:attr:`end_unclaimed_orphans`), and reap adopted zombies as they
+        appear (NB-02), woken by SIGCHLD (no polling), where this process is a subreaper and SIGCHLD is
+        free (the main thread, no handler installed).
+
+        Embedded, the host owns its signals and its children: zombies a run's tree hands to the engine are
+        reaped when that run ends, and no SIGCHLD handler is installed.
+
+        Cancellation: safe; the reaping task runs in the supervisor's nursery.
+        """
+        self.end_unclaimed_orphans = True
+        if self.subreaper and _can_take_sigchld():
+            await self._nursery.start(self._reap_on_sigchld)
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def _reap_on_sigchld(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with self._reaping, trio.open_signal_receiver(signal.SIGCHLD) as batches:
+            task_status.started()
+            self.reap_zombies()
+            async for _ in batches:
+                self.reap_zombies()
 
     def runs(self, scope_key: str | None = None) -> list[ManagedRun]:
         """The runs not yet ended (all of them, or those of ``scope_key``), oldest first."""
@@ -529,6 +652,7 @@ class Supervisor:
 
     def _close(self) -> None:
         self._closing = True
+        self._reaping.cancel()  # each run reaps its own; the exit reaps the orphans it ends
         for run in self.runs():
             if run.outlive_engine_crash and run._requested is None:
                 self._detach(run)
@@ -542,6 +666,14 @@ class Supervisor:
         """
         run._detached = True
         run._cancel_scope.cancel()
+
+
+def _reap_if_zombie(pid: int) -> None:
+    try:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child, or reaped already
 
 
 def _exit_of(
@@ -575,6 +707,13 @@ async def _wait_shielded(run: ManagedRun) -> RunExit:
         with trio.CancelScope(shield=True):
             await run.wait()
         raise
+
+
+def _can_take_sigchld() -> bool:
+    """Whether the supervisor may handle SIGCHLD: the main thread, and no handler of the host's there."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    return signal.getsignal(signal.SIGCHLD) in (signal.SIG_DFL, None)
 
 
 @asynccontextmanager
@@ -614,18 +753,25 @@ async def open_supervisor(
                 chosen = await stack.enter_async_context(open_containment(containment, subreaper=active))
             else:
                 chosen = containment
-            async with trio.open_nursery() as nursery:
-                sup = Supervisor(
-                    nursery=nursery,
-                    grace_seconds=grace_seconds,
-                    kill_wait_seconds=kill_wait_seconds,
-                    subreaper=active,
-                    containment=chosen,
-                )
-                try:
-                    yield sup
-                finally:
-                    sup._close()
+            sup: Supervisor | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    sup = Supervisor(
+                        nursery=nursery,
+                        grace_seconds=grace_seconds,
+                        kill_wait_seconds=kill_wait_seconds,
+                        subreaper=active,
+                        containment=chosen,
+                    )
+                    try:
+                        yield sup
+                    finally:
+                        sup._close()
+            finally:
+                if sup is not None and sup.end_unclaimed_orphans:
+                    orphans = sup.unclaimed_children()
+                    if orphans:
+                        await sup.end_processes(orphans)
     except BaseExceptionGroup as group:
         unwrap_single(group)
     finally:

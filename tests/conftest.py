@@ -126,6 +126,13 @@ def containment(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def needs_cgroup() -> None:
+    """Skip (with the reason printed) where cgroup containment cannot be used."""
+    if why := cgroup_unusable():
+        pytest.skip(f"cgroup containment is not usable here: {why}")
+
+
+@pytest.fixture
 async def supervisor(containment: str) -> AsyncIterator[Supervisor]:
     async with open_supervisor(
         grace_seconds=SHORT_GRACE, kill_wait_seconds=2.0, containment=containment

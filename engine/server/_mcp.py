@@ -125,6 +125,7 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
 
 
 async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
+    config = attrs.evolve(config, end_unclaimed_orphans=True)  # mcp owns its whole process
     state_dir = config.resolved_state_dir()
     async with open_engine(config) as engine:
         engine.supervisor.add_observer(RunLogger())  # spawned / exited lines on stderr, as serve logs them

@@ -24,6 +24,7 @@ from .._errors import (
     InvalidArgumentError,
     InvalidScheduleError,
     JobNotFoundError,
+    KillInProgressError,
     LimitExceededError,
     SpawnError,
     StoreError,
@@ -71,6 +72,7 @@ APPLICATION_CODES: Final[tuple[tuple[type[EngineError], int], ...]] = (
     (StoreError, -32006),
     (EngineLockedError, -32007),
     (InvalidArgumentError, -32008),
+    (KillInProgressError, -32009),
     (EngineError, -32000),
 )
 

@@ -311,6 +311,7 @@ async def serve(
         EngineLockedError: another engine runs on the state directory (the message names its pid).
         OSError: the socket cannot be made.
     """
+    config = attrs.evolve(config, end_unclaimed_orphans=True)  # serve owns its whole process
     state_dir = config.resolved_state_dir()
     config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
     entered = False
