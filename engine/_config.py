@@ -64,6 +64,16 @@ class EngineConfig:
             ``mcp`` log ``fired`` through one); an observer must not block.
         guardian: start the guardian process that ends the children if the engine dies (records of
             live groups are kept in the state dir either way, for the next engine's start-up sweep).
+        max_connections: connections the RPC socket of ``serve`` (or of an embedding ``mcp``) serves at
+            once; one more gets an error line and is closed (default 128).
+        connection_idle_seconds: how long a connection may take to send a complete request, counted from
+            its start or from its last answer, before it gets an error line and is closed, in seconds
+            (default 60; a follower such as ``log -f`` asks every second and is never idle).
+        max_request_bytes: the longest request line the socket reads, in bytes (default 1 MiB); a longer
+            one gets an error line and its connection is closed.
+        repair_store: at start, when the job store is damaged (a truncated or WAL-damaged file, rows that
+            cannot be read), keep what can be read in a new store and move the damaged file aside
+            (``serve --repair``) instead of refusing to start.
     """
 
     state_dir: str | None = attrs.field(
@@ -85,6 +95,11 @@ class EngineConfig:
     )
     watch_hooks: Mapping[str, Callable[[str], Awaitable[None]]] | None = None
     fire_observers: tuple[Callable[[FiredEvent], None], ...] = ()
+    # Trust nothing on the wire or on disk (docs/security.md): the socket's limits, the store's repair.
+    max_connections: int = attrs.field(default=128, validator=_positive_int)
+    connection_idle_seconds: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))
+    max_request_bytes: int = attrs.field(default=1024 * 1024, validator=_positive_int)
+    repair_store: bool = False
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""
