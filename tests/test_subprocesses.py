@@ -30,7 +30,7 @@ from engine import (
     SubProcessService,
     TerminationReason,
 )
-from engine._logs import LogPair
+from engine._logpair import LogPair
 
 from .children import (
     SESSION,
@@ -85,7 +85,7 @@ async def test_create_runs_in_project_directory_with_private_logs(tmp_path: Path
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
         for path in log_paths(sp):
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert sorted(os.listdir(folder)) == sorted(os.path.basename(p) for p in log_paths(sp))
+        assert sorted(os.listdir(folder)) == sorted([".gitignore", *(os.path.basename(p) for p in log_paths(sp))])
         assert await engine.service.get_log(sp.pid, "stdout") == project.directory + "\n"
         assert await engine.service.get_log(sp.pid, "stderr") == "to-err\n"
 
@@ -180,7 +180,7 @@ async def test_create_limits_name_the_setting_and_leave_nothing(tmp_path: Path) 
         with pytest.raises(LimitExceededError, match="max_processes "):
             await service.create(p2, "sleep", [mark("311.5")])
         assert len(service.ps()) == 3
-        assert len(os.listdir(log_dir(p2))) == 2
+        assert len(os.listdir(log_dir(p2))) == 3  # two logs and the .gitignore
         await service.halt_pid(service.ps()[0].pid)  # a halted process no longer counts
         await service.create(p1, "true")
     assert not pgrep(rf"sleep 311\.5{SESSION}")
@@ -235,7 +235,7 @@ async def test_kill_all_kills_every_project_and_verifies(tmp_path: Path) -> None
         assert await service.kill_all() is True
         assert service.ps() == []
         assert not pgrep(rf"sleep 312\.[23]{SESSION}")
-        assert os.listdir(log_dir(p1)) == [] and os.listdir(log_dir(p2)) == []
+        assert os.listdir(log_dir(p1)) == [".gitignore"] and os.listdir(log_dir(p2)) == [".gitignore"]
         assert await service.kill_all() is True  # nothing left: still verified empty
 
 

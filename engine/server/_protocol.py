@@ -28,6 +28,7 @@ from .._errors import (
     SpawnError,
     StoreError,
     SubProcessNotFoundError,
+    UntrustedPathError,
 )
 from .._input import string_problem
 
@@ -71,6 +72,7 @@ APPLICATION_CODES: Final[tuple[tuple[type[EngineError], int], ...]] = (
     (StoreError, -32006),
     (EngineLockedError, -32007),
     (InvalidArgumentError, -32008),
+    (UntrustedPathError, -32009),
     (EngineError, -32000),
 )
 
