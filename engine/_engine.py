@@ -22,8 +22,10 @@ from ._sweep import sweep_records
 from ._tool import SubprocessTool
 from ._trust import check_state_dir, make_state_dir, open_own_file
 from .cron._exit_watchers import CronExitWatchers
+from .cron._protocol import JobStore
 from .cron._service import CronService, open_cron_service
 from .cron._shell import resolve_exit_watch_shell
+from .cron._store import SqliteJobStore
 
 __all__ = ["Engine", "open_engine"]
 
@@ -86,6 +88,13 @@ def _lock_state_dir(state_dir: str) -> int:
     return fd
 
 
+def _job_store(config: EngineConfig, state_dir: str) -> JobStore:
+    """The cron store: ``config.store_factory``'s, else SQLite in the state dir (``repair_store`` on)."""
+    if config.store_factory is not None:
+        return config.store_factory(state_dir)
+    return SqliteJobStore.in_state_dir(state_dir, repair=config.repair_store)
+
+
 @asynccontextmanager
 async def open_engine(
     config: EngineConfig | None = None, *, on_fire: FireHandler | None = None
@@ -133,7 +142,7 @@ async def open_engine(
             open_cron_service(
                 state_dir=state_dir,
                 supervisor=supervisor,
-                store=config.store_factory(state_dir) if config.store_factory is not None else None,
+                store=_job_store(config, state_dir),
                 now=config.wall_clock,
                 on_fire=on_fire,
                 fire_observers=config.fire_observers,
