@@ -101,6 +101,28 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="ARGV",
         help="the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
     )
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="if the job store is damaged: keep what can be read in a new one, move the damaged file aside",
+    )
+    p.add_argument(
+        "--max-connections", type=_positive_int, default=128, metavar="N", help="socket connections at once"
+    )
+    p.add_argument(
+        "--idle-seconds",
+        type=_finite_seconds,
+        default=60.0,
+        metavar="S",
+        help="close a connection that sends no complete request for S seconds",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=1024 * 1024,
+        metavar="N",
+        help="the longest request line, in bytes",
+    )
     p = add(
         "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
     )

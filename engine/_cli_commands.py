@@ -85,6 +85,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             state_dir=resolve_state_dir(args.state_dir),
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
+            repair_store=getattr(args, "repair", False),
+            max_connections=getattr(args, "max_connections", 128),
+            connection_idle_seconds=getattr(args, "idle_seconds", 60.0),
+            max_request_bytes=getattr(args, "max_request_bytes", 1024 * 1024),
         )
     except ValueError as exc:
         raise CommandFailedError(str(exc)) from None
