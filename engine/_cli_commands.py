@@ -36,6 +36,8 @@ LOG_FOLLOW_SECONDS: Final = 0.25
 #: How often ``events --follow`` asks for new events, in seconds.
 EVENTS_FOLLOW_SECONDS: Final = 0.5
 _PAGE_BYTES: Final = 1024 * 1024
+#: The longest command ``list`` shows in its table, in characters.
+COMMAND_COLUMN_CHARS: Final = 200
 
 
 class CommandFailedError(Exception):
@@ -65,6 +67,15 @@ def _short_time(value: object) -> str:
     except ValueError:
         return value
     return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _command_line(command: str, args: Sequence[str]) -> str:
+    """The command as one line of a table, cut to :data:`COMMAND_COLUMN_CHARS` (``--json`` and
+    ``subprocess.summarize`` keep the whole argv)."""
+    line = " ".join(" ".join((command, *args)).splitlines())
+    if len(line) <= COMMAND_COLUMN_CHARS:
+        return line
+    return f"{line[: COMMAND_COLUMN_CHARS - 30]}... ({len(line.encode())} bytes in all)"
 
 
 def _describe_payload(payload: dict[str, Any]) -> str:
@@ -145,7 +156,7 @@ def list_subprocesses(client: EngineClient, args: argparse.Namespace) -> int:
             r["project_slug"],
             r["status"],
             _short_time(r["created_at"]),
-            " ".join([r["command"], *r["args"]]),
+            _command_line(r["command"], r["args"]),
         ]
         for r in records
     ]

@@ -24,7 +24,7 @@ import trio
 
 from ._config import EngineConfig
 from ._errors import EngineError, LimitExceededError, SpawnError, SubProcessNotFoundError
-from ._input import check_argv, check_env, check_read_args
+from ._input import check_argv, check_env, check_read_args, show
 from ._logpair import LogPair
 from ._logs import LogSlice, Stream, check_stream
 from ._project import Project
@@ -103,8 +103,8 @@ class SubProcess:
 
     def __repr__(self) -> str:
         status = self._run.exit.describe() if self._run.exit is not None else self.state.value
-        argv = [self.command, *self.args]
-        return f"<SubProcess {self.pid} {self.project.slug} {argv!r}: {status}>"
+        argv = show([self.command, *self.args])  # shortened: a 128 KiB argument is not a 128 KiB repr
+        return f"<SubProcess {self.pid} {self.project.slug} {argv}: {status}>"
 
 
 @attrs.frozen
