@@ -184,7 +184,7 @@ class RpcServer:
             deadline = trio.current_time() + self.idle_seconds
 
     async def _refuse_idle(self, stream: trio.SocketStream, *, partial: bool) -> None:
-        what = "a complete request" if partial else "a request"
+        what = "complete request" if partial else "request"
         log_event("connection_closed", level=logging.WARNING, reason="idle", idle_seconds=self.idle_seconds)
         message = (
             f"no {what} within {self.idle_seconds:g} s (EngineConfig.connection_idle_seconds); "
