@@ -48,7 +48,8 @@ def status(sock: socket.socket) -> dict[str, object]:
 def limited(tmp_path: Path) -> Iterator[Served]:
     served = start_serve(
         tmp_path / "state",
-        "--max-connections", "3", "--idle-seconds", "1", "--max-request-bytes", "4096", "--grace-seconds", "2",
+        "--max-connections", "3", "--idle-seconds", "1", "--max-request-bytes", "4096",
+        "--grace-seconds", "2",
     )  # fmt: skip
     yield served
     assert served.stop() == 0
