@@ -123,7 +123,7 @@ async def test_on_exit_job_on_a_full_state_dir_fires_with_the_commands_own_exit_
         grace_seconds=0.3,
         kill_wait_seconds=2.0,
         exit_watch_shell=("bash", "-c", "--"),
-        watch_retry_seconds=(0.2,),
+        watch_retry_seconds=(0.2,),  # type: ignore[arg-type]  # attrs converter=tuple: mypy sees Iterable[_T_co]
     )
     command = f"while [ ! -e {go} ]; do sleep 0.02; done; echo done-{marker}; exit 0"
     async with open_engine(config) as engine:
