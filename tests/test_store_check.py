@@ -29,6 +29,7 @@ def config(state: Path, **settings: object) -> EngineConfig:
         grace_seconds=0.3,
         kill_wait_seconds=2.0,
         guardian=False,
+        exit_watch_shell=("bash", "-c", "--"),
         **settings,  # type: ignore[arg-type]  # EngineConfig checks them
     )
 

@@ -59,7 +59,13 @@ def as_nobody(*argv: str) -> list[str]:
 
 
 def config(state: Path) -> EngineConfig:
-    return EngineConfig(state_dir=str(state), grace_seconds=0.3, kill_wait_seconds=2.0, guardian=False)
+    return EngineConfig(
+        state_dir=str(state),
+        grace_seconds=0.3,
+        kill_wait_seconds=2.0,
+        guardian=False,
+        exit_watch_shell=("bash", "-c", "--"),  # no login profile: not the point here
+    )
 
 
 # ---- the rules ------------------------------------------------------------------------------------------
