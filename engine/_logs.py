@@ -223,12 +223,10 @@ class LogFile:
         """
         try:
             fd = self._open(os.O_RDWR)
-        except LogGoneError:
+        except LogGoneError as gone:
             if not self._warned:
                 self._warned = True
-                _log.warning(
-                    "log %s is not the file the engine made (a link, a FIFO?): not capped", self.path
-                )
+                _log.warning("log %s is not capped: %s", self.path, gone.strerror)
             return 0
         except FileNotFoundError:
             return 0
