@@ -4,7 +4,8 @@ error, its fd count is back where it started and its memory grew by less than 20
 
 The CI run is short (``GADGET_FUZZ_MESSAGES``, default 1500 per surface, a few seconds each); the 10,000
 message run of the issue is the same test with ``GADGET_FUZZ_MESSAGES=10000``. ``GADGET_FUZZ_SEED``
-replays a run (the seed is printed).
+replays a run (the seed is printed). Every :data:`CLEAN_EVERY` messages the jobs and processes the fuzz
+made are removed, as an agent would remove them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ MiB = 1024 * 1024
 MAX_GROWTH = 20 * MiB
 #: How long a warm-up runs before the baseline is taken (caches, first imports, SQLite pages).
 WARM_UP = 300
+#: Every so many messages the jobs and processes the fuzz made are removed, as an agent would: the
+#: measure is of what messages leave behind, not of hundreds of jobs firing every second at once.
+CLEAN_EVERY = 2000
 
 
 class Connection:
@@ -85,14 +89,14 @@ class Connection:
         return answer["result"]
 
 
-def _rpc_clean_up(conn: Connection) -> None:
+def _rpc_clean_up(conn: Connection, settle_seconds: float = 1.0) -> None:
     conn.call("subprocess.kill_all")
     for job in conn.call("cron.list"):
         try:
             conn.call("cron.remove", job_id=job["id"])
         except AssertionError:
             pass  # removed meanwhile (a one-shot job that ran)
-    time.sleep(1.0)  # the watchers of removed on-exit jobs end, the cap task goes idle
+    time.sleep(settle_seconds)  # the watchers of removed on-exit jobs end, the cap task goes idle
 
 
 def _rpc_run(
@@ -101,7 +105,9 @@ def _rpc_run(
     """Send ``count`` messages; how many were answered, and how many with a result. Internal errors
     (-32603) are collected."""
     answered = succeeded = 0
-    for line, expects in rpc_messages(rng, project, count, MAX_REQUEST_BYTES):
+    for index, (line, expects) in enumerate(rpc_messages(rng, project, count, MAX_REQUEST_BYTES)):
+        if index % CLEAN_EVERY == CLEAN_EVERY - 1:
+            _rpc_clean_up(conn, 0.2)
         expects = expects and bool(line.strip())
         if not conn.send(line):
             conn.reopen()
@@ -225,16 +231,18 @@ class McpProcess:
         return code
 
 
-def _mcp_clean_up(mcp: McpProcess) -> None:
+def _mcp_clean_up(mcp: McpProcess, settle_seconds: float = 1.0) -> None:
     mcp.call("k", "subprocess", {"cmd": "killAll"})
     for line in mcp.call("l", "cron_list", {}).splitlines():
         if line.startswith("id: "):
             mcp.call("r", "cron_remove", {"id": line.split()[1]})
-    time.sleep(1.0)
+    time.sleep(settle_seconds)
 
 
 def _mcp_run(mcp: McpProcess, rng: random.Random, project: str, count: int, first_id: int) -> None:
     for i in range(count):
+        if i % CLEAN_EVERY == CLEAN_EVERY - 1:
+            _mcp_clean_up(mcp, 0.2)
         mcp.send(mcp_message(rng, first_id + i, project))
         if i % 25 == 24:  # bound the work in flight: a ping after every batch, answered in order of reading
             ping = f"ping-{first_id + i}"
