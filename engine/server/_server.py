@@ -107,15 +107,15 @@ class RpcServer:
         """
         try:
             async with stream:
+                pid, uid, _gid = peer_credentials(stream.socket)
+                if uid != self.allowed_uid:  # another user hears nothing, not even the limits
+                    log_event("peer_refused", level=logging.WARNING, peer_pid=pid, peer_uid=uid)
+                    return
                 if self._active >= self.max_connections:
                     await self._refuse_busy(stream)
                     return
                 self._active += 1
                 try:
-                    pid, uid, _gid = peer_credentials(stream.socket)
-                    if uid != self.allowed_uid:
-                        log_event("peer_refused", level=logging.WARNING, peer_pid=pid, peer_uid=uid)
-                        return
                     await self._serve_requests(stream)
                 finally:
                     self._active -= 1
