@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ._errors import SpawnError as SpawnError
     from ._errors import StoreError as StoreError
     from ._errors import SubProcessNotFoundError as SubProcessNotFoundError
+    from ._errors import UntrustedPathError as UntrustedPathError
     from ._logs import LogSlice as LogSlice
     from ._project import Project as Project
     from ._prompts import TOOL_MODES as TOOL_MODES
@@ -120,6 +121,7 @@ _EXPORTS: dict[str, str] = {
     "SystemEvent": ".cron",
     "TOOL_MODES": "._prompts",
     "TerminationReason": "._supervisor",
+    "UntrustedPathError": "._errors",
     "compute_next_run_at": ".cron",
     "open_asyncio_engine": "._asyncio",
     "open_engine": "._engine",

@@ -138,6 +138,32 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
     )
 
 
+def _server_options(p: argparse.ArgumentParser) -> None:
+    """The socket's limits and the store's repair, which ``serve`` and ``start`` take (docs/security.md)."""
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="if the job store is damaged: keep what can be read in a new one, move the damaged file aside",
+    )
+    p.add_argument(
+        "--max-connections", type=_positive_int, default=128, metavar="N", help="socket connections at once"
+    )
+    p.add_argument(
+        "--idle-seconds",
+        type=_finite_seconds,
+        default=60.0,
+        metavar="S",
+        help="close a connection that sends no complete request for S seconds",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=1024 * 1024,
+        metavar="N",
+        help="the longest request line, in bytes",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gadget-engine`` parser (the completion scripts are generated from it)."""
     common = argparse.ArgumentParser(add_help=False)
@@ -162,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("start", service.start, "start the engine in the background; return once it answers")
     _engine_options(p)
+    _server_options(p)
     p.add_argument(
         "--wait-seconds", type=_duration, default=30.0, metavar="S", help="how long to wait (default 30)"
     )
@@ -177,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", service.status, "show the engine's pid, version, uptime, store, runs and jobs")
     p = add("serve", commands.serve, "run the engine in the foreground until SIGINT or SIGTERM")
     _engine_options(p)
+    _server_options(p)
     p = add(
         "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
     )

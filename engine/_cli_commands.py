@@ -13,8 +13,8 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from ._cli_follow import print_events
 from ._cli_output import EXIT_FAILED, EXIT_OK, CommandFailedError, emit_json, table
@@ -27,6 +27,18 @@ from .server._protocol import decode_line, describe_schedule
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
+
+#: The longest command ``list`` shows in its table, in characters.
+COMMAND_COLUMN_CHARS: Final = 200
+
+
+def _command_line(command: str, args: Sequence[str]) -> str:
+    """The command as one line of a table, cut to :data:`COMMAND_COLUMN_CHARS` (``--json`` and
+    ``subprocess.summarize`` keep the whole argv)."""
+    line = " ".join(shlex.join((command, *args)).splitlines())
+    if len(line) <= COMMAND_COLUMN_CHARS:
+        return line
+    return f"{line[: COMMAND_COLUMN_CHARS - 30]}... ({len(line.encode())} bytes in all)"
 
 
 def _describe_payload(payload: dict[str, Any]) -> str:
@@ -48,6 +60,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
             containment=args.containment,
+            repair_store=getattr(args, "repair", False),
+            max_connections=getattr(args, "max_connections", 128),
+            connection_idle_seconds=getattr(args, "idle_seconds", 60.0),
+            max_request_bytes=getattr(args, "max_request_bytes", 1024 * 1024),
         )
     except ValueError as exc:
         raise CommandFailedError(str(exc)) from None
@@ -127,7 +143,7 @@ def list_subprocesses(client: EngineClient, args: argparse.Namespace) -> int:
             r["project_slug"],
             r["status"],
             show_moment(r["created_at"]),
-            shlex.join([r["command"], *r["args"]]),
+            _command_line(r["command"], r["args"]),
         ]
         for r in records
     ]

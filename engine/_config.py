@@ -74,6 +74,16 @@ class EngineConfig:
         end_unclaimed_orphans: the engine owns its whole process (``serve``, ``mcp``): a child re-parented
             to it that no run claims is ended by ``kill_all`` and by the engine's exit. Embedded
             (``False``, the default), the host's own children look the same, so they are only reported.
+        max_connections: connections the RPC socket of ``serve`` (or of an embedding ``mcp``) serves at
+            once; one more gets an error line and is closed (default 128).
+        connection_idle_seconds: how long a connection may take to send a complete request, counted from
+            its start or from its last answer, before it gets an error line and is closed, in seconds
+            (default 60; a follower such as ``log -f`` asks every second and is never idle).
+        max_request_bytes: the longest request line the socket reads, in bytes (default 1 MiB); a longer
+            one gets an error line and its connection is closed.
+        repair_store: at start, when the job store is damaged (a truncated or WAL-damaged file, rows that
+            cannot be read), keep what can be read in a new store and move the damaged file aside
+            (``serve --repair``) instead of refusing to start.
     """
 
     state_dir: str | None = attrs.field(
@@ -97,6 +107,11 @@ class EngineConfig:
     fire_observers: tuple[Callable[[FiredEvent], None], ...] = ()
     containment: str = attrs.field(default="auto", validator=attrs.validators.in_(CONTAINMENT_MODES))
     end_unclaimed_orphans: bool = False
+    # Trust nothing on the wire or on disk (docs/security.md): the socket's limits, the store's repair.
+    max_connections: int = attrs.field(default=128, validator=_positive_int)
+    connection_idle_seconds: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))
+    max_request_bytes: int = attrs.field(default=1024 * 1024, validator=_positive_int)
+    repair_store: bool = False
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

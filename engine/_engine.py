@@ -25,10 +25,13 @@ from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
 from ._sweep import sweep_records
 from ._tool import SubprocessTool
+from ._trust import check_state_dir, make_state_dir, open_own_file
 from ._version import __version__
 from .cron._exit_watchers import CronExitWatchers
+from .cron._protocol import JobStore
 from .cron._service import CronService, open_cron_service
 from .cron._shell import resolve_exit_watch_shell
+from .cron._store import SqliteJobStore
 
 __all__ = ["Engine", "EngineStatus", "open_engine"]
 
@@ -134,18 +137,41 @@ class EngineStatus:
 
 
 def _lock_state_dir(state_dir: str) -> int:
-    os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    fd = os.open(os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """Create (0700) and check the state directory, take its lock, then check what it holds.
+
+    Nothing in the directory is read before it is known to be ours (``_trust``): the lock file is
+    opened without following a link, and the entries are checked under the lock, before the start-up
+    sweep reads ``groups/`` and the cron service opens the store.
+
+    Raises:
+        UntrustedPathError: the directory or an entry in it is not ours (the message names it).
+        EngineLockedError: another engine holds the lock.
+    """
+    make_state_dir(state_dir)
+    fd = open_own_file(
+        os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600, what="the state directory's lock"
+    )
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EngineLockedError(
+                f"another engine holds the state directory {state_dir!r}; stop it or use another --state-dir"
+            ) from None
+        check_state_dir(state_dir)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except BaseException:
         os.close(fd)
-        raise EngineLockedError(
-            f"another engine holds the state directory {state_dir!r}; stop it or use another --state-dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+        raise
     return fd
+
+
+def _job_store(config: EngineConfig, state_dir: str) -> JobStore:
+    """The cron store: ``config.store_factory``'s, else SQLite in the state dir (``repair_store`` on)."""
+    if config.store_factory is not None:
+        return config.store_factory(state_dir)
+    return SqliteJobStore.in_state_dir(state_dir, repair=config.repair_store)
 
 
 @asynccontextmanager
@@ -171,6 +197,8 @@ async def open_engine(
 
     Raises:
         EngineLockedError: another engine holds the state directory.
+        UntrustedPathError: the state directory, or something in it, is not the engine's own: another
+            owner, writable by group or others, a symbolic link (``docs/security.md``).
     """
     config = config if config is not None else EngineConfig()
     state_dir = config.resolved_state_dir()
@@ -244,7 +272,7 @@ async def _open_services(
         open_cron_service(
             state_dir=state_dir,
             supervisor=supervisor,
-            store=config.store_factory(state_dir) if config.store_factory is not None else None,
+            store=_job_store(config, state_dir),
             now=config.wall_clock,
             on_fire=on_fire,
             fire_observers=config.fire_observers,

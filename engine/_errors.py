@@ -20,6 +20,7 @@ __all__ = [
     "SpawnError",
     "StoreError",
     "SubProcessNotFoundError",
+    "UntrustedPathError",
 ]
 
 
@@ -85,6 +86,19 @@ class StoreError(EngineError, OSError):
 class KillInProgressError(EngineError, RuntimeError):
     """Raised by ``SubProcessService.create`` while ``kill_all`` (or ``kill_project`` of the same project)
     is ending processes; nothing was started. Create again once it has returned."""
+
+
+class UntrustedPathError(EngineError, PermissionError):
+    """Raised when a path the engine would act on is not its own to trust.
+
+    The state directory and what the engine keeps in it (the lock, the job store, the socket and its
+    pointer file, ``groups/``), and the log folders under a project (``.gadget``,
+    ``subprocess-logs``): each must be owned by the engine's uid, not writable by group or others, and
+    the kind of file expected, never a symbolic link. Raised by ``open_engine`` at start, by
+    ``SubProcessService.create`` for a log folder, and by the clients before they trust the state
+    directory's pointer file. The message names the path and says how to fix it. See
+    ``docs/security.md``.
+    """
 
 
 class EngineLockedError(EngineError, RuntimeError):

@@ -60,6 +60,7 @@ __all__ = [
     "check_string",
     "check_strings",
     "check_text",
+    "escape_text",
     "read_directory",
     "read_fields",
     "read_moment",
@@ -127,6 +128,15 @@ def string_problem(text: str) -> str | None:
         char = f"U+{ord(text[exc.start]):04X}"
         return f"holds the lone surrogate {char}, which is not text (a name that is not UTF-8?)"
     return None
+
+
+def escape_text(text: str) -> str:
+    """``text`` with what :func:`string_problem` finds shown as escapes: a lone surrogate as ``\\udcff``,
+    NUL as ``\\x00``. For a value read back from disk that the engine never let in (an older engine's
+    record, a file planted in the store): shown, never refused, so it cannot stop a listing."""
+    if string_problem(text) is None:
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\0", "\\x00")
 
 
 def check_string(value: object, field: str) -> str:

@@ -1,9 +1,7 @@
-"""Subprocess log files: a child's pair of files from creation to deletion, paging reads for agents,
-and the per-stream size cap.
+"""Subprocess log files: one stream's file, its paging reads for agents and its size cap.
 
-A :class:`LogPair` is the two files of one child: created under temporary names before the spawn, given
-their final names (``subproc-<pid>.stdout.log`` / ``.stderr.log``) once the pid is known, capped while
-the child runs, read, and deleted by ``kill``. Each file is a :class:`LogFile`.
+A child's two files are a :class:`~engine._logpair.LogPair` (creation, names, deletion); each file is a
+:class:`LogFile`: capped while the child runs, read, and identified by the inode the engine made.
 
 A child writes straight into its log files (the engine never sees its output), so the cap is enforced
 from outside: every so often the engine looks at a file's size and drops its oldest part. Where the
@@ -15,23 +13,32 @@ offsets handed out earlier still mean the same bytes.
 
 Reads never load more than the caller asked for: they seek and read bounded chunks, and start after the
 dropped part (a punched region reads as zeros and is never returned).
+
+Nothing is taken on trust (``docs/security.md``): the folder is reached without following links
+(:class:`~engine._logdir.LogFolder`), each file is opened with ``O_NOFOLLOW | O_NONBLOCK`` from the folder's
+descriptor, and the cap, the reads and the deletion act only on the inode the engine created (same device
+and inode, a regular file): a link, a FIFO or another file put in its place is "gone", never followed,
+read, punched or waited on. A file truncated from outside (``> log``) is noticed (it shrank): what it
+holds now starts a new stretch of offsets after every offset handed out before, so readers see the new
+lines and a follower's next offset still works.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
 import logging
 import os
-import tempfile
-from collections.abc import Iterable
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal, final
+import stat
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
 from . import _libc
+from ._logdir import LogFolder, LogGoneError
 from ._logread import count_lines, read_forward, read_tail
 
 if TYPE_CHECKING:
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STREAMS",
     "LogFile",
-    "LogPair",
+    "LogGoneError",
     "LogSlice",
     "Stream",
     "check_stream",
@@ -84,13 +91,6 @@ def final_log_paths(directory: str, pid: int, generation: int | None = None) -> 
     return (os.path.join(directory, f"{stem}.stdout.log"), os.path.join(directory, f"{stem}.stderr.log"))
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 @attrs.frozen
 class LogSlice:
     """A bounded piece of one log, with the facts needed to ask for more.
@@ -123,15 +123,94 @@ class LogFile:
 
     Attributes:
         path: where the file is now (it moves when a reused pid sends an old record's files aside).
-        base: logical offset of the file's physical byte 0 (grows only in the copy fallback).
+        base: logical offset of the file's physical byte 0 (grows in the copy fallback, and when the file
+            was truncated from outside).
         dropped: logical offset of the first byte still kept; everything before it is gone.
         punch: whether hole punching is used (turned off for good on a filesystem that refuses it).
+        folder: the folder the file is reached through (``None``: opened by ``path``, without following a
+            link, for a file given by hand).
+        identity: the file's ``(st_dev, st_ino)`` when the engine made it; another file at ``path`` is not
+            this log (``None``: taken at the first open).
     """
 
     path: str
     base: int = 0
     dropped: int = 0
     punch: bool = True
+    folder: LogFolder | None = attrs.field(default=None, kw_only=True)
+    identity: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
+    _seen: int = attrs.field(init=False, default=0)  # the physical size last seen
+    _warned: bool = attrs.field(init=False, default=False)
+
+    # ---- opening the inode the engine made, and nothing else -----------------------------------------
+
+    def _check(self, info: os.stat_result) -> None:
+        if not stat.S_ISREG(info.st_mode):
+            raise LogGoneError(errno.ENOENT, "not the log file the engine made (not a file)", self.path)
+        if self.identity is None:
+            self.identity = (info.st_dev, info.st_ino)
+        elif (info.st_dev, info.st_ino) != self.identity:
+            raise LogGoneError(errno.ENOENT, "not the log file the engine made (another file)", self.path)
+
+    def _open(self, flags: int) -> int:
+        """A descriptor of the log (``flags`` plus ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC``), checked to be
+        the inode the engine made; anything else at its path raises :class:`LogGoneError`, never opened
+        when ``lstat`` already tells (a FIFO is never waited on)."""
+        flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            if self.folder is None:
+                fd = os.open(self.path, flags)
+            else:
+                name = os.path.basename(self.path)
+                with self.folder.opened() as folder:
+                    self._check(os.stat(name, dir_fd=folder, follow_symlinks=False))
+                    fd = os.open(name, flags, dir_fd=folder)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # a link, a FIFO, a folder
+                raise LogGoneError(errno.ENOENT, "not the log file the engine made", self.path) from None
+            raise
+        try:
+            self._check(os.fstat(fd))
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def opened(self, flags: int) -> Iterator[int]:
+        """:meth:`_open` as a context manager that closes the descriptor.
+
+        Raises:
+            FileNotFoundError: the file is gone, or is not the one the engine made (:class:`LogGoneError`).
+        """
+        fd = self._open(flags)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def stat(self) -> os.stat_result | None:
+        """``lstat`` of the file when it is still the one the engine made, else ``None``."""
+        try:
+            with self.opened(os.O_RDONLY) as fd:
+                return os.fstat(fd)
+        except OSError:
+            return None
+
+    def _observe(self, fd: int, size: int) -> None:
+        """Notice a truncation from outside (the file shrank): what it holds now starts after every
+        offset handed out so far, from its first byte of data (a punched hole that remains is skipped)."""
+        first = self.dropped - self.base
+        if size < self._seen or size < first:
+            self.base += self._seen
+            try:
+                data = os.lseek(fd, 0, os.SEEK_DATA) if size else 0
+            except OSError:  # ENXIO: only holes; EINVAL: no SEEK_DATA here
+                data = size if self.punch else 0
+            self.dropped = self.base + min(data, size)
+            _log.warning("log %s was truncated from outside; reading on from what it holds now", self.path)
+        self._seen = size
 
     # ---- the cap ---------------------------------------------------------------------------------
 
@@ -139,14 +218,21 @@ class LogFile:
         """Drop the oldest bytes so that about ``cap_bytes`` stay on disk; return how many were dropped.
 
         With hole punching the kept part is at most ``cap_bytes`` plus one filesystem block (holes are
-        block-aligned); the newest bytes are never touched. A missing file is left alone.
+        block-aligned); the newest bytes are never touched. A missing file is left alone, and so is
+        anything that is not the file the engine made (logged once).
         """
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            fd = self._open(os.O_RDWR)
+        except LogGoneError as gone:
+            if not self._warned:
+                self._warned = True
+                _log.warning("log %s is not capped: %s", self.path, gone.strerror)
+            return 0
         except FileNotFoundError:
             return 0
         try:
             st = os.fstat(fd)
+            self._observe(fd, st.st_size)
             if self.base + st.st_size - self.dropped <= cap_bytes:
                 return 0
             if self.punch and _fallocate() is not None:
@@ -198,6 +284,7 @@ class LogFile:
                 break
             size = newer
         os.ftruncate(fd, written)
+        self._seen = written
         dropped = self.base + keep_from - self.dropped
         self.base += keep_from
         self.dropped = self.base
@@ -209,7 +296,7 @@ class LogFile:
         """Every byte still kept, decoded (invalid UTF-8 replaced): :meth:`read` without bounds.
 
         Raises:
-            FileNotFoundError: the file is gone.
+            FileNotFoundError: the file is gone, or is not the one the engine made.
         """
         return self.read(offset=None, limit=None, tail=None, max_bytes=None).text
 
@@ -223,10 +310,11 @@ class LogFile:
         UTF-8 character, a tail read keeps the newest bytes.
 
         Raises:
-            FileNotFoundError: the file is gone.
+            FileNotFoundError: the file is gone, or is not the one the engine made (:class:`LogGoneError`).
         """
-        with open(self.path, "rb") as f:
+        with os.fdopen(self._open(os.O_RDONLY), "rb") as f:
             size = os.fstat(f.fileno()).st_size
+            self._observe(f.fileno(), size)
             first = self.dropped - self.base  # physical position of the first kept byte
             if tail is not None:
                 start, data = read_tail(f, first, size, tail, max_bytes)
@@ -244,152 +332,3 @@ class LogFile:
             dropped_bytes=self.dropped,
             truncated=start > first or end < size,
         )
-
-
-def _make_log_dir(path: str) -> list[str]:
-    """Create the log folder (mode 0700) and its missing parents; return the folders made, innermost
-    first."""
-    missing: list[str] = []
-    probe = path
-    while not os.path.isdir(probe):
-        missing.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
-    return missing
-
-
-def _remove_empty_dirs(folders: Iterable[str]) -> None:
-    for folder in folders:  # innermost first; stop at the first that is not empty
-        try:
-            os.rmdir(folder)
-        except OSError:
-            break
-
-
-@final
-@attrs.define(eq=False)
-class LogPair:
-    """The two log files of one child, from creation (before the spawn) to deletion.
-
-    Made by :meth:`create`. The files are created empty (mode 0600, in a folder of mode 0700) under
-    temporary names, given to the child as its stdout and stderr, and renamed to their final names by
-    :meth:`rename` once the pid is known; the child's descriptors follow a rename.
-
-    Attributes:
-        directory: the folder holding both files.
-    """
-
-    directory: str
-    _files: dict[Stream, LogFile] = attrs.field(alias="files")
-    _made: tuple[str, ...] = attrs.field(alias="made", default=())
-
-    @classmethod
-    def create(cls, directory: str) -> LogPair:
-        """Create the folder (and its missing parents) and two empty files under temporary names.
-
-        On failure nothing is left: no file, no folder this call made.
-
-        Raises:
-            OSError: a folder or a file cannot be created.
-        """
-        made = _make_log_dir(directory)
-        paths: list[str] = []
-        try:
-            for stream in STREAMS:
-                fd, path = tempfile.mkstemp(prefix=".subproc-", suffix=f".{stream}.log.tmp", dir=directory)
-                os.close(fd)
-                paths.append(path)
-        except BaseException:
-            for path in paths:
-                _unlink_quietly(path)
-            _remove_empty_dirs(made)
-            raise
-        files = {stream: LogFile(path) for stream, path in zip(STREAMS, paths, strict=True)}
-        return cls(directory=directory, files=files, made=tuple(made))
-
-    def path(self, stream: Stream) -> str:
-        """Where the ``stream`` file is now."""
-        return self._files[stream].path
-
-    @property
-    def paths(self) -> tuple[str, str]:
-        """``(stdout path, stderr path)``, where they are now."""
-        return self._files["stdout"].path, self._files["stderr"].path
-
-    def rename(self, pid: int, others: Iterable[LogPair] = ()) -> None:
-        """Give both files their final names, ``subproc-<pid>.stdout.log`` / ``.stderr.log``.
-
-        Files already holding those names (a kept record of an earlier child that had the same pid)
-        move aside first, to ``subproc-<pid>-<n>.*`` with the first free ``n``; the pair among
-        ``others`` that owns them follows them.
-
-        Raises:
-            OSError: a rename failed; each file is where its path says.
-        """
-        finals = final_log_paths(self.directory, pid)
-        if any(os.path.lexists(p) for p in finals):
-            generation = 1
-            while any(os.path.lexists(p) for p in final_log_paths(self.directory, pid, generation)):
-                generation += 1
-            aside = final_log_paths(self.directory, pid, generation)
-            owners = {log.path: log for pair in others for log in pair._files.values()}
-            for old, new in zip(finals, aside, strict=True):
-                if os.path.lexists(old):
-                    os.rename(old, new)
-                if old in owners:
-                    owners[old].path = new
-        for stream, path in zip(STREAMS, finals, strict=True):
-            log = self._files[stream]
-            os.rename(log.path, path)
-            log.path = path
-
-    def enforce_cap(self, cap_bytes: int) -> int:
-        """Keep each file within about ``cap_bytes`` (see :meth:`LogFile.enforce_cap`); a file that
-        fails is logged and left as it is. Returns the bytes dropped."""
-        dropped = 0
-        for log in self._files.values():
-            try:
-                dropped += log.enforce_cap(cap_bytes)
-            except OSError as exc:
-                _log.warning("log cap of %s failed: %s", log.path, exc)
-        return dropped
-
-    def read(
-        self,
-        stream: Stream,
-        *,
-        offset: int | None = None,
-        limit: int | None = None,
-        tail: int | None = None,
-        max_bytes: int | None = None,
-    ) -> LogSlice:
-        """A slice of the ``stream`` file (see :meth:`LogFile.read`); every kept byte by default.
-
-        Raises:
-            FileNotFoundError: the file is gone.
-        """
-        return self._files[stream].read(offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
-
-    def modified_at(self) -> datetime | None:
-        """The later modification time of the two files (aware UTC), or ``None`` when both are gone."""
-        times = []
-        for log in self._files.values():
-            try:
-                times.append(os.stat(log.path).st_mtime)
-            except OSError:
-                continue
-        return datetime.fromtimestamp(max(times), UTC) if times else None
-
-    def delete(self) -> None:
-        """Delete both files (missing is fine); the folder stays."""
-        for log in self._files.values():
-            _unlink_quietly(log.path)
-
-    def discard(self) -> None:
-        """Undo :meth:`create`: delete both files and the folders it made, when they are empty."""
-        self.delete()
-        _remove_empty_dirs(self._made)

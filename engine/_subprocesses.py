@@ -24,9 +24,10 @@ import attrs
 import trio
 
 from ._config import EngineConfig
-from ._errors import KillInProgressError, LimitExceededError, SpawnError, SubProcessNotFoundError
-from ._input import check_argv, check_env, check_read_args
-from ._logs import LogPair, LogSlice, Stream, check_stream
+from ._errors import EngineError, KillInProgressError, LimitExceededError, SpawnError, SubProcessNotFoundError
+from ._input import check_argv, check_env, check_read_args, show
+from ._logpair import LogPair
+from ._logs import LogSlice, Stream, check_stream
 from ._project import Project
 from ._supervisor import ManagedRun, RunExit, RunState, SpawnSpec, Supervisor, TerminationReason
 
@@ -114,8 +115,8 @@ class SubProcess:
 
     def __repr__(self) -> str:
         status = self._run.exit.describe() if self._run.exit is not None else self.state.value
-        argv = [self.command, *self.args]
-        return f"<SubProcess {self.pid} {self.project.slug} {argv!r}: {status}>"
+        argv = show([self.command, *self.args])  # shortened: a 128 KiB argument is not a 128 KiB repr
+        return f"<SubProcess {self.pid} {self.project.slug} {argv}: {status}>"
 
 
 @attrs.frozen
@@ -187,6 +188,22 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _create_logs(directory: str, project: Project) -> LogPair:
+    """The log pair of a new child, in ``directory`` reached from the project directory."""
+    inside = os.path.commonpath([directory, project.directory]) == project.directory
+    try:
+        return LogPair.create(directory, base=project.directory if inside else None)
+    except EngineError:
+        raise
+    except OSError as exc:
+        raise SpawnError(
+            f"cannot create the log files in {directory}: {exc.strerror or exc}",
+            errno=exc.errno,
+            path=directory,
+            reason="bad log folder",
+        ) from None
+
+
 @final
 @attrs.define(eq=False)
 class SubProcessService:
@@ -227,10 +244,11 @@ class SubProcessService:
 
         The child gets the engine's environment plus ``env`` (as ``systemd-run --setenv`` does).
 
-        The logs are created (mode 0600, folder 0700) under temporary names before the spawn and renamed
-        to ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid is known; the child's descriptors
-        follow the rename. When a kept record already owns those names, its files move aside to
-        ``subproc-<pid>-<n>.*`` first.
+        The logs are created (mode 0600, folder 0700 with a ``.gitignore`` holding ``*``) under temporary
+        names before the spawn and renamed to ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid
+        is known; the child's descriptors follow the rename. When a kept record already owns those names,
+        its files move aside to ``subproc-<pid>-<n>.*`` first. The folders under the project are reached
+        without following links and must be the engine user's own (``docs/security.md``).
 
         A failure at any step leaves nothing of this call: after the spawn (a rename that fails) the
         child is killed at once (``cancel(force=True)``, shielded), and the files and the folders this
@@ -243,8 +261,11 @@ class SubProcessService:
             ValueError, TypeError: ``cmd`` or ``args`` is not a program and a list of strings, or
                 ``env`` is not a mapping of variable names to strings.
             LimitExceededError: ``max_processes_per_project`` or ``max_processes`` would be exceeded.
-            SpawnError: the program or the project directory cannot be used; no record, no file is left.
-            OSError: a log folder or file cannot be made or renamed; no record, no file is left.
+            SpawnError: the program, the project directory or the log folder cannot be used (a file in
+                the way, a folder that cannot be made: reason ``"bad log folder"``); no record, no file
+                is left.
+            UntrustedPathError: ``.gadget`` or the log folder is a symbolic link or another user's.
+            OSError: a log file cannot be renamed; no record, no file is left.
             RuntimeError: the service is stopped.
         """
         if not isinstance(project, Project):
@@ -265,18 +286,19 @@ class SubProcessService:
         # the spawn too, runs them all (end the child, delete the files and the folders made here).
         async with contextlib.AsyncExitStack() as undo:
             with self._reserve(project):
-                logs = LogPair.create(directory)
+                logs = _create_logs(directory, project)
                 undo.callback(logs.discard)
-                run = await self._supervisor.spawn(
-                    SpawnSpec(
-                        argv=argv,
-                        cwd=project.directory,
-                        env=extra_env,
-                        stdout=logs.path("stdout"),
-                        stderr=logs.path("stderr"),
-                        scope_key=project.scope_key,
+                with logs.open_for_child() as (out, err):
+                    run = await self._supervisor.spawn(
+                        SpawnSpec(
+                            argv=argv,
+                            cwd=project.directory,
+                            env=extra_env,
+                            stdout=out,
+                            stderr=err,
+                            scope_key=project.scope_key,
+                        )
                     )
-                )
                 undo.push_async_callback(self._end_now, run)
                 logs.rename(run.pid, (sp._logs for sp in self._records))
                 sp = SubProcess(
@@ -683,7 +705,9 @@ def _command_name(pid: int) -> str:
 
 def _gone(sp: SubProcess, stream: Stream) -> SubProcessNotFoundError:
     path = sp._logs.path(stream)
-    return SubProcessNotFoundError(f"the {stream} log of subprocess {sp.pid} is gone ({path})")
+    return SubProcessNotFoundError(
+        f"the {stream} log of subprocess {sp.pid} is gone, or is no longer the file the engine made ({path})"
+    )
 
 
 @asynccontextmanager

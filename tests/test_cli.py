@@ -21,7 +21,7 @@ from engine.server._client import RpcError
 from engine.server._location import default_state_dir
 from engine.server._protocol import INVALID_PARAMS, METHOD_NOT_FOUND
 
-from .children import SESSION, pgrep
+from .children import SESSION, mark, pgrep
 from .serve_support import Served, alive, cli, env_without_state_dir, start_serve, wait_until
 
 
@@ -471,3 +471,17 @@ def test_cli_errors_have_no_json_rpc_words() -> None:
     invalid = RpcError("invalid params: job_id must be a non-empty string, got ' '", code=INVALID_PARAMS)
     assert user_message(invalid) == "job_id must be a non-empty string, got ' '"
     assert user_message(OSError("disk\nfull")) == "disk full"
+
+
+def test_cli_list_line_caps_a_huge_argv_and_json_keeps_it(served: Served, project: Path) -> None:
+    """A 128 KiB argument does not make a 128 KiB ``list`` line; ``--json`` (the summary) keeps it."""
+    huge = "h" * (128 * 1024 - 1)
+    pid = _create(served, project, "sh", "-c", f"sleep {mark('340.95')}", huge)
+    try:
+        table = served.cli("list")
+        (line,) = [row for row in table.stdout.splitlines() if row.startswith(f"{pid} ")]
+        assert len(line) < 400 and "bytes in all)" in line
+        (record,) = [r for r in _json_lines(served.cli("list", "--json").stdout) if r["pid"] == pid]
+        assert record["args"] == ["-c", f"sleep {mark('340.95')}", huge]
+    finally:
+        served.cli("kill", str(pid))

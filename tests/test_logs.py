@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import LogSlice
-from engine._logs import LogFile, LogPair, check_stream, final_log_paths
+from engine._logpair import LogPair
+from engine._logs import LogFile, check_stream, final_log_paths
 
 from .children import py
 from .service_support import engine_at, make_project
@@ -70,14 +71,14 @@ def test_log_pair_create_rename_read_delete(tmp_path: Path) -> None:
         pair.rename(4242)
         out.write(b"one\ntwo\n")
     assert pair.paths == final_log_paths(str(folder), 4242)
-    assert sorted(os.listdir(folder)) == ["subproc-4242.stderr.log", "subproc-4242.stdout.log"]
+    assert sorted(os.listdir(folder)) == [".gitignore", "subproc-4242.stderr.log", "subproc-4242.stdout.log"]
     assert pair.read("stdout").text == "one\ntwo\n"
     assert pair.read("stdout", tail=1, max_bytes=100).text == "two\n"
     assert pair.read("stderr").total_bytes == 0
     modified = pair.modified_at()
     assert modified is not None and modified.tzinfo is not None
     pair.delete()
-    assert os.listdir(folder) == [] and pair.modified_at() is None
+    assert os.listdir(folder) == [".gitignore"] and pair.modified_at() is None
     with pytest.raises(FileNotFoundError):
         pair.read("stdout")
 

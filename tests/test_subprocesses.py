@@ -30,7 +30,7 @@ from engine import (
     SubProcessService,
     TerminationReason,
 )
-from engine._logs import LogPair
+from engine._logpair import LogPair
 
 from .children import (
     SESSION,
@@ -85,7 +85,8 @@ async def test_create_runs_in_project_directory_with_private_logs(tmp_path: Path
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
         for path in log_paths(sp):
             assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert sorted(os.listdir(folder)) == sorted(os.path.basename(p) for p in log_paths(sp))
+        names = [".gitignore", *(os.path.basename(p) for p in log_paths(sp))]
+        assert sorted(os.listdir(folder)) == sorted(names)
         assert await engine.service.get_log(sp.pid, "stdout") == project.directory + "\n"
         assert await engine.service.get_log(sp.pid, "stderr") == "to-err\n"
 
@@ -180,7 +181,7 @@ async def test_create_limits_name_the_setting_and_leave_nothing(tmp_path: Path) 
         with pytest.raises(LimitExceededError, match="max_processes "):
             await service.create(p2, "sleep", [mark("311.5")])
         assert len(service.ps()) == 3
-        assert len(os.listdir(log_dir(p2))) == 2
+        assert len(os.listdir(log_dir(p2))) == 3  # two logs and the .gitignore
         await service.halt_pid(service.ps()[0].pid)  # a halted process no longer counts
         await service.create(p1, "true")
     assert not pgrep(rf"sleep 311\.5{SESSION}")
@@ -235,7 +236,7 @@ async def test_kill_all_kills_every_project_and_verifies(tmp_path: Path) -> None
         assert await service.kill_all() is True
         assert service.ps() == []
         assert not pgrep(rf"sleep 312\.[23]{SESSION}")
-        assert os.listdir(log_dir(p1)) == [] and os.listdir(log_dir(p2)) == []
+        assert os.listdir(log_dir(p1)) == [".gitignore"] and os.listdir(log_dir(p2)) == [".gitignore"]
         assert await service.kill_all() is True  # nothing left: still verified empty
 
 
@@ -743,3 +744,15 @@ async def test_log_cap_task_runs_only_while_children_live(tmp_path: Path) -> Non
             while service._capper is not None:  # one last pass over the finished child, then it ends
                 await trio.sleep(0.1)
         assert sp._capped_final
+
+
+async def test_repr_caps_a_huge_argv_and_summarize_keeps_it(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    huge = "h" * (128 * 1024 - 1)
+    async with engine_at(tmp_path) as engine:
+        sp = await engine.service.create(project, "sh", ["-c", f"sleep {mark('340.96')}", huge])
+        assert len(repr(sp)) < 300 and repr(sp).startswith(f"<SubProcess {sp.pid} project ['sh', '-c',")
+        assert engine.service.summarize(sp).args == ("-c", f"sleep {mark('340.96')}", huge)
+        text = await engine.tool.execute({"cmd": "list"}, project)
+        assert len(text) < 300
+        await engine.service.kill_subprocess(sp)

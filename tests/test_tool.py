@@ -112,7 +112,7 @@ async def test_tool_create_list_log_halt_kill_texts(tmp_path: Path) -> None:
 
         killed = await tool.execute({"cmd": "kill", "pid": pid}, project)
         assert killed == f"SUBPROCESS KILLED\npid: {pid}"
-        assert os.listdir(folder) == []
+        assert os.listdir(folder) == [".gitignore"]
         assert (
             await tool.execute({"cmd": "list"}, project)
             == "SUBPROCESS LIST\nNo subprocesses in this project."

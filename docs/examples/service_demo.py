@@ -55,10 +55,12 @@ async def wait_for_port(log_path: Path) -> int:
 
 
 def what_is_left(pid: int, log_folder: Path) -> tuple[list[str], list[str], bool]:
-    """Log files still in the folder, matching processes (``pgrep -f``), whether ``/proc/<pid>`` exists."""
+    """Log files still in the folder (its ``.gitignore`` stays), matching processes (``pgrep -f``), whether
+    ``/proc/<pid>`` exists."""
     out = subprocess.run(["pgrep", "-f", SERVER_PATTERN], capture_output=True, text=True, check=False)
     processes = [p for p in out.stdout.split() if int(p) != os.getpid()]
-    return os.listdir(log_folder), processes, os.path.exists(f"/proc/{pid}")
+    logs = [name for name in os.listdir(log_folder) if name != ".gitignore"]
+    return logs, processes, os.path.exists(f"/proc/{pid}")
 
 
 async def main() -> int:

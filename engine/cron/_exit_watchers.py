@@ -366,7 +366,14 @@ class CronExitWatchers:
         await self._hook("after_spawn", job.id)
         result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
         record = await trio.to_thread.run_sync(read_exit_file, paths.exit_file)
-        if record is None:  # the shim itself was killed: fall back to what the supervisor saw
+        if record is None:  # the shim was killed, or could not write (a full disk): what the supervisor saw
+            logger.warning(
+                "on-exit job %s: its exit was not recorded (the shim says why in %s); "
+                "using what the supervisor saw: %s",
+                job.id,
+                paths.stderr,
+                result.describe(),
+            )
             record = {"exit_code": result.exit_code, "signal": result.signal}
         if env and not await trio.Path(paths.started).exists():
             record = {**record, "reason": "not_started"}

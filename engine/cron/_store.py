@@ -3,7 +3,9 @@
 ``<state_dir>/cron.sqlite3`` in WAL mode with ``synchronous=FULL``, one connection used from worker
 threads one call at a time (``trio.to_thread.run_sync`` behind a ``CapacityLimiter(1)``). Every write is
 one transaction: it commits as a whole or, raising :class:`StoreError`, leaves nothing behind. A row
-that cannot be read is logged and skipped, so one bad record never hides the others.
+that cannot be read is logged and skipped, so one bad record never hides the others; at :meth:`open`
+such a row, or a damaged file, stops the start-up with a clear error instead (``_store_check``), and text
+the engine would not let in today is shown escaped (``_rows``).
 
 Two columns serve the exit watchers: ``pending_fire`` (a committed fire not yet recorded in the event log,
 see ``_events``) and ``watch_state`` (whatever a watcher needs to find its command again after a restart).
@@ -30,11 +32,18 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from .._errors import JobNotFoundError, StoreError
+from .._errors import EngineError, JobNotFoundError, StoreError
 from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
 from ._job import CronJob
-from ._migrations import migrate
 from ._protocol import JobChange, JobStore
+from ._rows import (
+    EVENT_COLUMNS,
+    event_or_none,
+    job_or_none,
+    pending_or_none,
+    watch_state_or_none,
+)
+from ._store_check import connect_checked
 from ._watch_state import WatchState
 
 __all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]  # JobStore re-exported
@@ -44,45 +53,6 @@ logger = logging.getLogger("engine.cron")
 STORE_FILE_NAME = "cron.sqlite3"
 
 _T = TypeVar("_T")
-_R = TypeVar("_R")
-
-#: The columns of an event as :func:`_event_from_row` reads them.
-_EVENT_COLUMNS = "cursor, job_id, project, " + ", ".join(PENDING_FIRE_FIELDS)
-
-
-def _loads(text: str | None, what: str, job_id: str) -> dict[str, Any] | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        logger.error("cron store: the %s of job %s is unreadable; skipped", what, job_id)
-        return None
-    return value
-
-
-def _record_from_text(
-    text: str | None, what: str, job_id: str, parse: Callable[[dict[str, Any]], _R]
-) -> _R | None:
-    """The record in a JSON column (``parse`` reads it), or ``None``; an unreadable one is logged."""
-    data = _loads(text, what, job_id)
-    if data is None:
-        return None
-    try:
-        return parse(data)
-    except ValueError as exc:
-        logger.error("cron store: the %s of job %s is unreadable (%s); skipped", what, job_id, exc)
-        return None
-
-
-def _pending_from_text(text: str | None, job_id: str) -> PendingFire | None:
-    return _record_from_text(text, "pending fire", job_id, PendingFire.from_dict)
-
-
-def _watch_state_from_text(text: str | None, job_id: str) -> WatchState | None:
-    return _record_from_text(text, "watch state", job_id, WatchState.from_dict)
 
 
 @attrs.define(eq=False)
@@ -92,17 +62,20 @@ class SqliteJobStore:
     Args:
         path: the database file (``<state_dir>/cron.sqlite3``; see :meth:`in_state_dir`).
         connection_factory: the ``sqlite3.Connection`` class to use (tests pass one that fails on purpose).
+        repair: at :meth:`open`, repair a damaged store (keep every readable row in a new file, move the
+            damaged one aside) instead of refusing it (``EngineConfig.repair_store``).
     """
 
     path: str
     connection_factory: type[sqlite3.Connection] = sqlite3.Connection
+    repair: bool = attrs.field(default=False, kw_only=True)
     _conn: sqlite3.Connection | None = attrs.field(init=False, default=None)
     _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
 
     @classmethod
-    def in_state_dir(cls, state_dir: str) -> SqliteJobStore:
+    def in_state_dir(cls, state_dir: str, *, repair: bool = False) -> SqliteJobStore:
         """The store of a state directory: ``<state_dir>/cron.sqlite3``."""
-        return cls(os.path.join(state_dir, STORE_FILE_NAME))
+        return cls(os.path.join(state_dir, STORE_FILE_NAME), repair=repair)
 
     def describe(self) -> str:
         """``sqlite:<path>``."""
@@ -136,39 +109,37 @@ class SqliteJobStore:
         return await trio.to_thread.run_sync(run, limiter=self._limiter)
 
     async def open(self) -> None:
-        """Open (creating or migrating) the database.
+        """Open (creating or migrating) the database, after checking it is ours and whole.
+
+        The file and its ``-wal``/``-shm`` must be regular files of the engine's user (never links);
+        a store that would lose something if opened (a write-ahead log damaged before a committed
+        transaction, a truncated or broken file, a row that cannot be read) is refused, or repaired when
+        :attr:`repair` is set (``_store_check``).
 
         Cancellation: the opening runs to its end; the cancellation is delivered after it.
 
         Raises:
-            StoreError: the file cannot be opened, or was written by a newer schema.
+            StoreError: the file cannot be opened, was written by a newer schema, or is damaged
+                (``DamagedStoreError``: the message names the file and ``--repair``).
+            UntrustedPathError: a file of the store is a link, another user's or writable by others.
         """
 
-        def connect() -> sqlite3.Connection:
+        def connect(path: str) -> sqlite3.Connection:
+            return sqlite3.connect(
+                path, factory=self.connection_factory, check_same_thread=False, isolation_level=None
+            )
+
+        def open_checked() -> sqlite3.Connection:
             try:
-                os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-                conn = sqlite3.connect(
-                    self.path, factory=self.connection_factory, check_same_thread=False, isolation_level=None
-                )
-            except (sqlite3.Error, OSError) as exc:
-                raise StoreError(f"cannot open the job store {self.path!r}: {exc}") from exc
-            try:
-                os.chmod(self.path, 0o600)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute("PRAGMA synchronous=FULL")
-                conn.execute("PRAGMA busy_timeout=5000")
-                migrate(conn, self.path)
-            except (sqlite3.Error, OSError) as exc:
-                conn.close()
-                if isinstance(exc, StoreError):
+                return connect_checked(self.path, connect, repair=self.repair)
+            except StoreError:
+                raise
+            except OSError as exc:
+                if isinstance(exc, EngineError):
                     raise
                 raise StoreError(f"cannot open the job store {self.path!r}: {exc}") from exc
-            except BaseException:
-                conn.close()
-                raise
-            return conn
 
-        self._conn = await trio.to_thread.run_sync(connect, limiter=self._limiter)
+        self._conn = await trio.to_thread.run_sync(open_checked, limiter=self._limiter)
 
     async def aclose(self) -> None:
         """Close the connection (a no-op when closed).
@@ -192,7 +163,7 @@ class SqliteJobStore:
         ).fetchone()
         if row is None:
             raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
-        job = _job_from_row(job_id, row[0])
+        job = job_or_none(job_id, row[0])
         if job is None:
             raise JobNotFoundError(f"job_id {job_id!r} names a cron job whose record is unreadable")
         return job, row
@@ -208,7 +179,7 @@ class SqliteJobStore:
 
         def run(conn: sqlite3.Connection) -> list[CronJob]:
             rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
-            return [job for job in (_job_from_row(r[0], r[1]) for r in rows) if job is not None]
+            return [job for job in (job_or_none(r[0], r[1]) for r in rows) if job is not None]
 
         return await self._call(run, write=False)
 
@@ -265,10 +236,10 @@ class SqliteJobStore:
             ).fetchone()
             if row is None:
                 raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
-            pending = _pending_from_text(row[1], job_id)
+            pending = pending_or_none(row[1], job_id)
             event = None if pending is None else self._append(conn, job_id, row[2], pending, acked=acked)
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-            return _job_from_row(job_id, row[0]), event
+            return job_or_none(job_id, row[0]), event
 
         return await self._call(run, write=True)
 
@@ -292,10 +263,10 @@ class SqliteJobStore:
         conn: sqlite3.Connection, job_id: str, project: str | None, fire: PendingFire, *, acked: bool
     ) -> FiredEvent:
         row = conn.execute(
-            f"SELECT {_EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire.fire_id,)
+            f"SELECT {EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire.fire_id,)
         ).fetchone()
         if row is not None:
-            event = _event_from_row(row[:-1])
+            event = event_or_none(row[:-1])
             if event is None:
                 raise StoreError(f"the logged event of fire {fire.fire_id!r} is unreadable")
             if acked and not row[-1]:
@@ -321,8 +292,8 @@ class SqliteJobStore:
                 )
             event = self._append(conn, job_id, row[1], fire, acked=acked)
             if row[0] is not None:  # clear the job's pending fire if it is this one (or unreadable)
-                pending = _loads(row[0], "pending fire", job_id)
-                if pending is None or pending.get("fire_id") == event.fire_id:
+                pending = pending_or_none(row[0], job_id)
+                if pending is None or pending.fire_id == event.fire_id:
                     conn.execute("UPDATE jobs SET pending_fire = NULL WHERE id = ?", (job_id,))
             return event
 
@@ -363,9 +334,9 @@ class SqliteJobStore:
 
         def run(conn: sqlite3.Connection) -> list[FiredEvent]:
             rows = conn.execute(
-                f"SELECT {_EVENT_COLUMNS} FROM events WHERE acked = 0 ORDER BY cursor"
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE acked = 0 ORDER BY cursor"
             ).fetchall()
-            return [e for e in (_event_from_row(r) for r in rows) if e is not None]
+            return [e for e in (event_or_none(r) for r in rows) if e is not None]
 
         return await self._call(run, write=False)
 
@@ -378,8 +349,8 @@ class SqliteJobStore:
             ).fetchall()
             found = []
             for job_id, data, text in rows:
-                job = _job_from_row(job_id, data)
-                fire = _pending_from_text(text, job_id)
+                job = job_or_none(job_id, data)
+                fire = pending_or_none(text, job_id)
                 if job is not None and fire is not None:
                     found.append((job, fire))
             return found
@@ -405,7 +376,7 @@ class SqliteJobStore:
 
         def run(conn: sqlite3.Connection) -> dict[str, WatchState]:
             rows = conn.execute("SELECT id, watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
-            states = {job_id: _watch_state_from_text(text, job_id) for job_id, text in rows}
+            states = {job_id: watch_state_or_none(text, job_id) for job_id, text in rows}
             return {k: v for k, v in states.items() if v is not None}
 
         return await self._call(run, write=False)
@@ -415,32 +386,8 @@ class SqliteJobStore:
 
         def run(conn: sqlite3.Connection) -> list[FiredEvent]:
             rows = conn.execute(
-                f"SELECT {_EVENT_COLUMNS} FROM events WHERE cursor > ? ORDER BY cursor", (since,)
+                f"SELECT {EVENT_COLUMNS} FROM events WHERE cursor > ? ORDER BY cursor", (since,)
             ).fetchall()
-            return [e for e in (_event_from_row(r) for r in rows) if e is not None]
+            return [e for e in (event_or_none(r) for r in rows) if e is not None]
 
         return await self._call(run, write=False)
-
-
-def _job_from_row(job_id: str, data: str) -> CronJob | None:
-    try:
-        job = CronJob.from_dict(json.loads(data))
-        if job.id != job_id:
-            raise ValueError(f"the record holds id {job.id!r}")
-        return job
-    except ValueError as exc:
-        logger.error("cron store: the record of job %s is unreadable (%s); skipped", job_id, exc)
-        return None
-
-
-def _event_from_row(row: tuple[Any, ...]) -> FiredEvent | None:
-    cursor, job_id, project, *rest = row
-    fields = dict(zip(PENDING_FIRE_FIELDS, rest, strict=True))
-    fields["truncated"] = bool(fields["truncated"])
-    try:
-        return FiredEvent.from_pending(
-            PendingFire.from_dict(fields), cursor=cursor, job_id=job_id, project=project
-        )
-    except ValueError as exc:
-        logger.error("cron store: event %s is unreadable (%s); skipped", cursor, exc)
-        return None

@@ -19,11 +19,14 @@ Nothing here imports Trio (see ``docs/rpc.md`` for importing the clients where T
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import socket
+import struct
 from types import TracebackType
 from typing import Any
 
-from .._errors import EngineError
+from .._errors import EngineError, UntrustedPathError
 from ._location import find_socket_path, lock_holder, resolve_state_dir
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
@@ -52,6 +55,36 @@ class EngineConnectionError(EngineError, ConnectionError):
     """
 
 
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def check_peer(sock: socket.socket, path: str) -> None:
+    """Refuse a socket whose listener runs as another user (``SO_PEERCRED``) before anything is sent.
+
+    A request can carry secrets (``-e API_TOKEN=...``): it goes only to an engine of this user.
+
+    Raises:
+        UntrustedPathError: the engine at ``path`` runs as another uid.
+    """
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, _gid = _PEERCRED.unpack(raw)
+    if uid != os.geteuid():
+        raise UntrustedPathError(
+            f"the socket {path} is served by pid {pid} of uid {uid}, not by this user (uid "
+            f"{os.geteuid()}); a client talks only to an engine of its own user: use your own --state-dir"
+        )
+
+
+def _stale(sock: Any) -> bool:
+    """Whether a kept connection is readable between calls: the engine closed it (its idle timeout,
+    with a line saying so) or sent something nobody asked for. Either way: reconnect before sending."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
 class EngineSocketMissingError(EngineError, ConnectionError):
     """Raised by :meth:`EngineClient.connect` when an engine holds the state directory but nothing answers
     on its socket (its socket file was removed: the engine binds it again within seconds).
@@ -75,7 +108,7 @@ def _not_running(state_dir: str, path: str) -> EngineNotRunningError | EngineSoc
         )
     return EngineNotRunningError(
         f"no engine is running on {state_dir} (nothing answers on {path}); "
-        f"start one with: gadget-engine --state-dir {state_dir} serve"
+        f"start one with: gadget-engine --state-dir {state_dir} start"
     )
 
 
@@ -143,19 +176,27 @@ class EngineClient:
     def connect(self) -> None:
         """Open the connection if it is not open yet.
 
+        A connection kept from an earlier call that the engine has closed meanwhile (its idle timeout)
+        is replaced by a new one.
+
         Raises:
             EngineNotRunningError: no socket, or nobody answers on it, and no engine holds the state
                 directory.
             EngineSocketMissingError: an engine holds the state directory, but its socket is missing.
             PermissionError: the socket belongs to another user.
+            UntrustedPathError: the state directory or its pointer file is not this user's, or the
+                engine on the socket runs as another user.
         """
         if self._sock is not None:
-            return
+            if not _stale(self._sock):
+                return
+            self.close()
         path = self.socket_path
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_seconds)
         try:
             sock.connect(path)
+            check_peer(sock, path)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
             sock.close()
             raise _not_running(self.state_dir, path) from None
@@ -261,14 +302,22 @@ class AsyncEngineClient:
                 directory.
             EngineSocketMissingError: an engine holds the state directory, but its socket is missing.
             PermissionError: the socket belongs to another user.
+            UntrustedPathError: as :meth:`EngineClient.connect`.
         """
         if self._writer is not None:
-            return
+            if not _stale(self._writer.get_extra_info("socket")):
+                return
+            await self.aclose()
         path = self.socket_path
         try:
             reader, writer = await asyncio.open_unix_connection(path, limit=MAX_RESPONSE_BYTES)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
             raise _not_running(self.state_dir, path) from None
+        try:
+            check_peer(writer.get_extra_info("socket"), path)
+        except BaseException:
+            writer.close()
+            raise
         self._reader, self._writer = reader, writer
 
     async def aclose(self) -> None:

@@ -6,7 +6,8 @@ The socket is ``<state_dir>/engine.sock``. A Unix socket path holds at most 107 
 from the state directory, and ``<state_dir>/engine.sock.path`` names it. Clients read that file first.
 
 Standard library only (``platformdirs`` is imported when the default state directory is asked for): the
-clients import this module.
+clients import this module. A client believes ``engine.sock.path`` only when the state directory and the
+file are its user's own, and talks only to a socket whose peer runs as its user (``_client``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import hashlib
 import os
 import stat
 from typing import Final
+
+from .._errors import UntrustedPathError
+from .._trust import read_pointer
 
 __all__ = [
     "SOCKET_NAME",
@@ -97,12 +101,20 @@ def choose_socket_path(state_dir: str) -> str:
 
 
 def find_socket_path(state_dir: str) -> str:
-    """The socket a client connects to: the one ``engine.sock.path`` names, else the default one."""
+    """The socket a client connects to: the one ``engine.sock.path`` names, else the default one.
+
+    The pointer is believed only when the state directory and the file are this user's own (owner,
+    mode, no symbolic link: ``engine._trust.read_pointer``); an unreadable one counts as none.
+
+    Raises:
+        UntrustedPathError: the state directory or its pointer file is not this user's own.
+    """
     try:
-        with open(os.path.join(state_dir, SOCKET_POINTER_NAME), encoding="utf-8") as f:
-            named = f.read().strip()
+        named = read_pointer(state_dir, SOCKET_POINTER_NAME)
+    except UntrustedPathError:
+        raise
     except OSError:
-        named = ""
+        named = None
     return named or os.path.join(state_dir, SOCKET_NAME)
 
 

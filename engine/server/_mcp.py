@@ -134,7 +134,7 @@ async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
             listener, path = await bind_socket(state_dir)
             try:
                 async with trio.open_nursery() as nursery:
-                    server = RpcServer(Methods(engine, path, __version__))
+                    server = RpcServer.from_config(Methods(engine, path, __version__), config)
                     await nursery.start(trio.serve_listeners, server.handle_connection, [listener])
                     log_event("ready", pid=os.getpid(), mode="embedded", state_dir=state_dir, socket=path)
                     backend = EmbeddedBackend(Methods(engine, path, __version__))

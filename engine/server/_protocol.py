@@ -29,8 +29,9 @@ from .._errors import (
     SpawnError,
     StoreError,
     SubProcessNotFoundError,
+    UntrustedPathError,
 )
-from .._input import string_problem
+from .._input import escape_text, string_problem
 
 __all__ = [
     "APPLICATION_CODES",
@@ -73,6 +74,7 @@ APPLICATION_CODES: Final[tuple[tuple[type[EngineError], int], ...]] = (
     (EngineLockedError, -32007),
     (InvalidArgumentError, -32008),
     (KillInProgressError, -32009),
+    (UntrustedPathError, -32010),
     (EngineError, -32000),
 )
 
@@ -193,8 +195,25 @@ def parse_request(line: bytes) -> Request:
     return Request(method=method, params=params, id=request_id, notification="id" not in value)
 
 
+def _escaped(value: object) -> object:
+    if isinstance(value, str):
+        return escape_text(value)
+    if isinstance(value, Mapping):
+        return {_escaped(k): _escaped(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escaped(v) for v in value]
+    return value
+
+
 def _dump(value: Mapping[str, object]) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    """One line of UTF-8 JSON; text that is not UTF-8 (a lone surrogate read back from an old record) is
+    sent escaped (``\\udcff``), never a reason to fail the answer."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        return text.encode() + b"\n"
+    except UnicodeEncodeError:
+        text = json.dumps(_escaped(value), ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode() + b"\n"
 
 
 def encode_request(method: str, params: Mapping[str, object], request_id: int) -> bytes:

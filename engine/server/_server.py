@@ -3,7 +3,9 @@
 :func:`serve` is what ``gadget-engine serve`` runs. The socket is ``<state_dir>/engine.sock`` (mode 0600
 in the 0700 state directory; see :mod:`._location` for long paths). Each connection is served by its own
 task in the server's nursery, one request after the other; a connection that misbehaves (a peer of
-another user, a request over :data:`MAX_LINE_BYTES`, a disconnect mid-request) is dropped alone.
+another user, a request over ``EngineConfig.max_request_bytes``, no complete request within
+``connection_idle_seconds``, a disconnect mid-request) is dropped alone, and over ``max_connections``
+a new one is refused (``docs/security.md``).
 
 Stopping (``docs/guide-cli.md`` has the table): SIGTERM, SIGHUP, a first SIGINT or the ``engine.stop``
 method stop it gracefully (every child ended by escalation, watched on-exit commands left running for
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import socket as stdlib_socket
 import struct
@@ -30,6 +33,7 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
+from .._trust import open_own_file
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, choose_socket_path, lock_holder
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
@@ -56,6 +60,10 @@ _RECEIVE_BYTES: Final = 64 * 1024
 _PROBE_SECONDS: Final = 1.0
 #: At a stop: how long requests being answered get to finish before their connections close, in seconds.
 _ANSWER_SECONDS: Final = 1.0
+#: How long the error line sent before a refused connection is closed may wait for the peer, in seconds.
+_LAST_WORD_SECONDS: Final = 1.0
+#: Refused connections (over ``max_connections``) are logged at most once per this many seconds.
+_REFUSAL_LOG_SECONDS: Final = 10.0
 
 
 def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
@@ -70,15 +78,27 @@ def peer_credentials(sock: trio.socket.SocketType) -> tuple[int, int, int]:
 class RpcServer:
     """Serves newline-delimited JSON-RPC 2.0 over accepted connections.
 
+    Each limit is a setting (``EngineConfig``, see :meth:`from_config`); a connection over one gets one
+    error line (``INVALID_REQUEST``, id ``null``) saying which, and is closed.
+
     Attributes:
         methods: the method table requests are dispatched to.
         max_line_bytes: the longest request line accepted, in bytes.
         allowed_uid: the only peer uid served (``SO_PEERCRED``); others are dropped unanswered.
+        max_connections: connections served at once.
+        idle_seconds: how long a connection may take to send a complete request, counted from its start
+            or its last answer (while a request is being answered, the clock stops), in seconds; also
+            the longest an answer may wait for the peer to read it.
     """
 
     methods: Methods
     max_line_bytes: int = MAX_LINE_BYTES
     allowed_uid: int = attrs.field(factory=os.getuid)
+    max_connections: int = 128
+    idle_seconds: float = 60.0
+    _active: int = attrs.field(init=False, default=0)
+    _refusals: int = attrs.field(init=False, default=0)
+    _refusal_logged_at: float = attrs.field(init=False, default=-math.inf)
     _answering: int = attrs.field(init=False, default=0)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
 
@@ -91,6 +111,17 @@ class RpcServer:
             await self._idle.wait()
         await trio.lowlevel.checkpoint()
 
+    @classmethod
+    def from_config(cls, methods: Methods, config: EngineConfig) -> RpcServer:
+        """A server with the socket limits of ``config`` (``max_connections``,
+        ``connection_idle_seconds``, ``max_request_bytes``)."""
+        return cls(
+            methods,
+            max_line_bytes=config.max_request_bytes,
+            max_connections=config.max_connections,
+            idle_seconds=config.connection_idle_seconds,
+        )
+
     async def handle_connection(self, stream: trio.SocketStream) -> None:
         """Serve one connection until its peer closes it; never raises but ``Cancelled``.
 
@@ -99,18 +130,49 @@ class RpcServer:
         try:
             async with stream:
                 pid, uid, _gid = peer_credentials(stream.socket)
-                if uid != self.allowed_uid:
+                if uid != self.allowed_uid:  # another user hears nothing, not even the limits
                     log_event("peer_refused", level=logging.WARNING, peer_pid=pid, peer_uid=uid)
                     return
-                await self._serve_requests(stream)
+                if self._active >= self.max_connections:
+                    await self._refuse_busy(stream)
+                    return
+                self._active += 1
+                try:
+                    await self._serve_requests(stream)
+                finally:
+                    self._active -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer went away, mid-request or not: only this connection ends
         except Exception:
             logging.getLogger("engine.serve").exception("a connection failed")
 
+    async def _refuse_busy(self, stream: trio.SocketStream) -> None:
+        self._refusals += 1
+        now = trio.current_time()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_SECONDS:  # a flood gives one line per period
+            log_event(
+                "connection_refused",
+                level=logging.WARNING,
+                reason="too many connections",
+                limit=self.max_connections,
+                refused=self._refusals,
+            )
+            self._refusal_logged_at, self._refusals = now, 0
+        message = (
+            f"too many connections: the engine serves at most {self.max_connections} at once "
+            "(EngineConfig.max_connections); the connection is closed, try again later"
+        )
+        await self._send_last(stream, message)
+
+    async def _send_last(self, stream: trio.SocketStream, message: str) -> None:
+        """Send one error line before the connection is closed, if the peer takes it within a second."""
+        with trio.move_on_after(_LAST_WORD_SECONDS):
+            await stream.send_all(encode_error(None, INVALID_REQUEST, message))
+
     async def _serve_requests(self, stream: trio.SocketStream) -> None:
         buffer = bytearray()
         scanned = 0
+        deadline = trio.current_time() + self.idle_seconds
         while True:
             newline = buffer.find(b"\n", scanned)
             if newline < 0:
@@ -118,11 +180,14 @@ class RpcServer:
                     await self._refuse_too_large(stream)
                     return
                 scanned = len(buffer)
-                data = await stream.receive_some(_RECEIVE_BYTES)
-                if not data:
-                    return  # the peer closed; a partial request is dropped
-                buffer += data
-                continue
+                with trio.move_on_at(deadline):
+                    data = await stream.receive_some(_RECEIVE_BYTES)
+                    if not data:
+                        return  # the peer closed; a partial request is dropped
+                    buffer += data
+                    continue
+                await self._refuse_idle(stream, partial=bool(buffer))
+                return
             if newline > self.max_line_bytes:
                 await self._refuse_too_large(stream)
                 return
@@ -135,17 +200,34 @@ class RpcServer:
             try:
                 response = await self.respond(line)
                 if response is not None:
-                    await stream.send_all(response)
+                    with trio.move_on_after(self.idle_seconds) as sending:
+                        await stream.send_all(response)
+                    if sending.cancelled_caught:
+                        log_event("connection_closed", level=logging.WARNING, reason="answer not read")
+                        return
             finally:
                 self._answering -= 1
                 if not self._answering:
                     self._idle.set()
                     self._idle = trio.Event()
+            deadline = trio.current_time() + self.idle_seconds
+
+    async def _refuse_idle(self, stream: trio.SocketStream, *, partial: bool) -> None:
+        what = "complete request" if partial else "request"
+        log_event("connection_closed", level=logging.WARNING, reason="idle", idle_seconds=self.idle_seconds)
+        message = (
+            f"no {what} within {self.idle_seconds:g} s (EngineConfig.connection_idle_seconds); "
+            "the connection is closed"
+        )
+        await self._send_last(stream, message)
 
     async def _refuse_too_large(self, stream: trio.SocketStream) -> None:
         log_event("request_too_large", level=logging.WARNING, limit_bytes=self.max_line_bytes)
-        message = f"request larger than {self.max_line_bytes} bytes; the connection is closed"
-        await stream.send_all(encode_error(None, INVALID_REQUEST, message))
+        message = (
+            f"request larger than {self.max_line_bytes} bytes (EngineConfig.max_request_bytes); "
+            "the connection is closed"
+        )
+        await self._send_last(stream, message)
 
     async def respond(self, line: bytes) -> bytes | None:
         """The response line to one request line, or ``None`` for a notification.
@@ -194,7 +276,9 @@ def _write_pointer(state_dir: str, path: str) -> None:
             os.unlink(pointer)
         return
     temp = pointer + ".tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)  # a leftover (or a link someone put there): never written through
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(path + "\n")
     os.replace(temp, pointer)
@@ -249,9 +333,10 @@ def _lock_holder(state_dir: str) -> str:
     if holder is not None:
         return f"pid {holder}"
     try:
-        with open(os.path.join(state_dir, "lock"), encoding="ascii") as f:
-            pid = f.read().strip()
-    except (OSError, ValueError):
+        fd = open_own_file(os.path.join(state_dir, "lock"), os.O_RDONLY, what="the lock")
+        with os.fdopen(fd, "rb") as f:
+            pid = f.read(64).decode("ascii", "replace").strip()
+    except OSError:
         pid = ""
     return f"pid {pid}" if pid.isdigit() else "pid unknown"
 
@@ -262,13 +347,17 @@ async def _bind_again(state_dir: str) -> trio.SocketListener:
 
 
 async def _serve_until_stopped(
-    engine: Engine, state_dir: str, signals: AsyncIterator[int], task_status: trio.TaskStatus[str]
+    engine: Engine,
+    config: EngineConfig,
+    state_dir: str,
+    signals: AsyncIterator[int],
+    task_status: trio.TaskStatus[str],
 ) -> None:
     """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body)."""
     listener, path = await bind_socket(state_dir)
     try:
         stop = StopRequest()
-        server = RpcServer(Methods(engine, path, __version__, stop=stop.by_method))
+        server = RpcServer.from_config(Methods(engine, path, __version__, stop=stop.by_method), config)
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as listening:
                 await listening.start(
@@ -322,7 +411,7 @@ async def serve(
                     async with open_engine(config) as engine:
                         entered = True
                         engine.supervisor.add_observer(RunLogger())
-                        await _serve_until_stopped(engine, state_dir, signals, task_status)
+                        await _serve_until_stopped(engine, config, state_dir, signals, task_status)
                         stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
                     stopping.cancel_scope.cancel()
             except BaseExceptionGroup as group:

@@ -1,0 +1,231 @@
+"""Whether a path is the engine's own to trust: its owner, its mode, its kind, never a symbolic link.
+
+The engine often runs as a user's own daemon and sometimes as root. Whatever it finds in its state
+directory it acts on: the job store holds commands it runs, ``groups/`` names process groups it signals
+at start-up, ``engine.sock.path`` tells a client where to send a request (with the environment it
+carries). So the state directory and each of those entries is trusted only when it is *ours*:
+
+- owned by the engine's effective uid (root trusts only root's files, too);
+- not writable by group or others (``chmod 700`` fixes it);
+- the kind expected (a directory, a regular file, a socket), and never a symbolic link, which is
+  neither followed nor chmod'ed.
+
+The state directory itself may be reached through a symbolic link (the user chose the path); the
+directory it resolves to is checked. Everything in it is looked at with ``lstat``.
+
+Clients use :func:`read_pointer` before they trust ``engine.sock.path``. Standard library only: the
+clients import this module.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from typing import Final, Literal
+
+from ._errors import UntrustedPathError
+
+__all__ = [
+    "STATE_ENTRIES",
+    "Kind",
+    "check_entry",
+    "check_stat",
+    "check_state_dir",
+    "describe_problem",
+    "make_state_dir",
+    "open_own_file",
+    "read_pointer",
+]
+
+Kind = Literal["directory", "file", "socket"]
+
+#: What the engine keeps in its state directory, and the kind each must be (checked when present).
+STATE_ENTRIES: Final[Mapping[str, Kind]] = {
+    "lock": "file",
+    "cron.sqlite3": "file",
+    "cron.sqlite3-wal": "file",
+    "cron.sqlite3-shm": "file",
+    "cron.sqlite3-journal": "file",
+    "engine.sock": "socket",
+    "engine.sock.path": "file",
+    "engine.sock.path.tmp": "file",
+    "guardian.log": "file",
+    "cgroup.path": "file",
+    "groups": "directory",
+    "watch-logs": "directory",
+}
+#: Folders of the state directory whose every entry must be a regular file of ours.
+_FOLDERS_OF_FILES: Final = ("groups", "watch-logs")
+#: The longest pointer file a client reads, in bytes (a socket path is at most 107).
+_POINTER_BYTES: Final = 4096
+
+_KIND_TESTS: Final[Mapping[Kind, tuple[str, object]]] = {
+    "directory": ("a directory", stat.S_ISDIR),
+    "file": ("a regular file", stat.S_ISREG),
+    "socket": ("a socket", stat.S_ISSOCK),
+}
+
+
+def _what_it_is(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def describe_problem(info: os.stat_result, kind: Kind) -> str | None:
+    """What makes a file with ``info`` (from ``lstat``) not ours to trust as a ``kind``, or ``None``."""
+    name, test = _KIND_TESTS[kind]
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link, which the engine does not follow"
+    if not test(info.st_mode):  # type: ignore[operator]  # the stat.S_IS* predicates
+        return f"is {_what_it_is(info.st_mode)}, not {name}"
+    euid = os.geteuid()
+    if info.st_uid != euid:
+        return f"is owned by uid {info.st_uid}, not by this engine's uid {euid}"
+    writable = [who for who, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if info.st_mode & bit]
+    if writable:
+        return f"is writable by {' and '.join(writable)} (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def check_stat(info: os.stat_result, path: str, kind: Kind, what: str, fix: str) -> None:
+    """Raise :class:`UntrustedPathError` when ``info`` (of ``path``) is not ours as a ``kind``.
+
+    Args:
+        info: ``lstat`` (or ``fstat``) of ``path``.
+        path: the path, for the message.
+        kind: what it must be.
+        what: what it is to the engine, for the message ("the job store").
+        fix: how to fix it, for the message.
+    """
+    problem = describe_problem(info, kind)
+    if problem is not None:
+        raise UntrustedPathError(f"{what} {path} {problem}; {fix}")
+
+
+def _state_fix(state_dir: str) -> str:
+    return f"run `chmod 700 {state_dir}` as its owner, or use another --state-dir"
+
+
+def check_entry(state_dir: str, name: str, kind: Kind, *, what: str | None = None) -> bool:
+    """Check the entry ``name`` of the state directory if it exists; whether it exists.
+
+    Raises:
+        UntrustedPathError: it exists but is not ours (see the module).
+    """
+    path = os.path.join(state_dir, name)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    fix = "remove it (the engine makes its own), or use another --state-dir"
+    check_stat(info, path, kind, what or f"the state directory's {name!r}", fix)
+    return True
+
+
+def make_state_dir(state_dir: str) -> None:
+    """Create the state directory (mode 0700, whatever the umask) if it is missing, and check it.
+
+    Raises:
+        UntrustedPathError: it is not ours: another owner, writable by group or others, not a directory.
+        OSError: it cannot be created.
+    """
+    try:
+        os.makedirs(state_dir, mode=0o700)
+    except FileExistsError:
+        pass
+    else:
+        os.chmod(state_dir, 0o700)  # makedirs' mode is filtered by the umask
+    info = os.stat(state_dir)  # the state dir itself may be reached through a link the user chose
+    check_stat(info, state_dir, "directory", "the state directory", _state_fix(state_dir))
+
+
+def check_state_dir(state_dir: str) -> None:
+    """Check the state directory and every entry the engine keeps in it (see the module).
+
+    Run at start, before anything in it is read: a store, a group record or a pointer planted by
+    someone else, or a symbolic link in their place, is refused here with a message naming it.
+
+    Raises:
+        UntrustedPathError: the directory or one of its entries is not ours.
+        OSError: the directory cannot be read.
+    """
+    check_stat(os.stat(state_dir), state_dir, "directory", "the state directory", _state_fix(state_dir))
+    for name, kind in STATE_ENTRIES.items():
+        if check_entry(state_dir, name, kind) and name in _FOLDERS_OF_FILES:
+            folder = os.path.join(state_dir, name)
+            for entry in _entries(folder):
+                what = f"the file {entry!r} in {name}/ of the state directory"
+                check_entry(folder, entry, "file", what=what)
+
+
+def _entries(folder: str) -> Iterator[str]:
+    with os.scandir(folder) as scan:
+        for entry in scan:
+            yield entry.name
+
+
+def open_own_file(path: str, flags: int, mode: int = 0o600, *, what: str) -> int:
+    """Open ``path`` without following a symbolic link, and check the file is a regular one of ours.
+
+    ``O_NOFOLLOW``, ``O_NONBLOCK`` (a FIFO in its place never blocks the open) and ``O_CLOEXEC`` are
+    added to ``flags``; ``O_NONBLOCK`` is cleared again once the file is known to be regular.
+
+    Raises:
+        UntrustedPathError: ``path`` is a symbolic link, not a regular file, or not ours.
+        OSError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedPathError(
+                f"{what} {path} is a symbolic link, which the engine does not follow; remove it"
+            ) from None
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
+            raise UntrustedPathError(f"{what} {path} is a FIFO, not a regular file; remove it") from None
+        raise
+    try:
+        check_stat(os.fstat(fd), path, "file", what, "remove it, or use another --state-dir")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_pointer(state_dir: str, name: str) -> str | None:
+    """The first line of the state directory's pointer file ``name``, or ``None`` when there is none.
+
+    The clients call this before they connect where ``engine.sock.path`` says: a pointer is believed
+    only when the state directory and the file are ours (see the module). A missing state directory
+    or file is ``None``.
+
+    Raises:
+        UntrustedPathError: the state directory or the pointer file is not ours.
+    """
+    try:
+        info = os.stat(state_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    check_stat(info, state_dir, "directory", "the state directory", _state_fix(state_dir))
+    path = os.path.join(state_dir, name)
+    try:
+        fd = open_own_file(path, os.O_RDONLY, what="the socket pointer")
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_POINTER_BYTES)
+    text = data.decode("utf-8", "replace").strip()
+    return text.splitlines()[0] if text else None

@@ -1,0 +1,308 @@
+"""Logs under a project trust nothing there (``engine/_logdir.py``, ``_logs.py``): issue 16, NB-05, NB-09.
+
+A cloned repository may hold a symlinked ``.gadget``; a child (same uid) may swap its log for a link or a
+FIFO. The engine follows no link, acts only on the inode it made, and never blocks on a special file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import SpawnError, SubProcessNotFoundError, UntrustedPathError
+from engine._logdir import LogFolder
+
+from .children import PY, mark, pgrep, py
+from .serve_support import start_serve
+from .service_support import engine_at, log_dir, make_project
+
+KiB = 1024
+
+
+def _digest(path: Path) -> tuple[str, int]:
+    return hashlib.sha256(path.read_bytes()).hexdigest(), os.stat(path).st_blocks
+
+
+# ---- the folder ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077, 0o277])
+def test_log_folder_is_0700_with_a_gitignore_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    project = tmp_path / "p"
+    project.mkdir()
+    old = os.umask(umask)
+    try:
+        folder = LogFolder.make(str(project / ".gadget" / "subprocess-logs"), base=str(project))
+    finally:
+        os.umask(old)
+    for path in (project / ".gadget", project / ".gadget" / "subprocess-logs"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert (path / ".gitignore").read_text().splitlines()[-1] == "*"
+    assert folder.made == 2 and folder.wrote_ignores == (1, 2)
+    folder.unmake()
+    assert os.listdir(project) == []
+
+
+def test_existing_gadget_folder_gets_no_gitignore_but_the_log_folder_does(tmp_path: Path) -> None:
+    project = tmp_path / "p"
+    (project / ".gadget").mkdir(parents=True, mode=0o755)
+    (project / ".gadget" / "settings.json").write_text("{}")
+    LogFolder.make(str(project / ".gadget" / "subprocess-logs"), base=str(project))
+    assert sorted(os.listdir(project / ".gadget")) == ["settings.json", "subprocess-logs"]
+    assert stat.S_IMODE((project / ".gadget").stat().st_mode) == 0o755  # the user's folder is left as it is
+    assert (project / ".gadget" / "subprocess-logs" / ".gitignore").exists()
+
+
+async def test_symlinked_gadget_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """Tried: a ``.gadget`` symlink committed in a cloned repository made the engine chmod the target
+    0700 and write into it."""
+    project = make_project(tmp_path)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    (target / "keep.txt").write_text("mine")
+    os.symlink(target, Path(project.directory) / ".gadget")
+    marker = mark("340.71")
+    async with engine_at(tmp_path) as engine:
+        with pytest.raises(UntrustedPathError, match=r"\.gadget is a symbolic link"):
+            await engine.service.create(project, "sleep", [marker])
+        text = await engine.tool.execute({"cmd": "create", "command": "sleep", "args": [marker]}, project)
+        assert text.startswith("SUBPROCESS ERROR: ") and "symbolic link" in text
+        assert engine.service.ps() == [] and pgrep(f"sleep {marker}") == []
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755 and os.listdir(target) == ["keep.txt"]
+
+
+async def test_symlinked_log_folder_is_refused(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    (Path(project.directory) / ".gadget").mkdir()
+    os.symlink(target, log_dir(project))
+    async with engine_at(tmp_path) as engine:
+        with pytest.raises(UntrustedPathError, match="subprocess-logs is a symbolic link"):
+            await engine.service.create(project, "true")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755 and os.listdir(target) == []
+
+
+async def test_gadget_that_is_a_file_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    """Tried: a ``.gadget`` that is a file answered ``-32603`` and logged a traceback."""
+    project = make_project(tmp_path)
+    (Path(project.directory) / ".gadget").write_text("a file")
+    async with engine_at(tmp_path) as engine:
+        with pytest.raises(SpawnError, match=r"\.gadget is a file, not a folder; rename or remove it") as got:
+            await engine.service.create(project, "true")
+        assert got.value.reason == "bad log folder"
+    served = start_serve(tmp_path / "served")
+    try:
+        with served.client() as client, pytest.raises(SpawnError, match="is a file, not a folder"):
+            client.call("subprocess.create", project=project.directory, command="true")
+        result = served.cli("create", "--project", project.directory, "--", "true")
+        assert result.returncode == 1 and "is a file, not a folder" in result.stderr
+    finally:
+        assert served.stop() == 0
+    assert "Traceback" not in served.log() and "level=error" not in served.log()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give .gadget to another uid (nobody, 65534)")
+async def test_log_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    gadget = Path(project.directory) / ".gadget"
+    gadget.mkdir()
+    os.chown(gadget, 65534, 65534)
+    async with engine_at(tmp_path) as engine:
+        with pytest.raises(UntrustedPathError, match="owned by uid 65534, not by this engine's uid 0"):
+            await engine.service.create(project, "true")
+    assert os.listdir(gadget) == []
+
+
+# ---- the files ---------------------------------------------------------------------------------------
+
+_SWAP = """
+import os, sys, time
+sys.stdout.write("x" * 200_000 + "\\n"); sys.stdout.flush()
+log = os.path.join(".gadget", "subprocess-logs", f"subproc-{{os.getpid()}}.stdout.log")
+os.unlink(log)
+{swap}
+print("swapped", file=sys.stderr, flush=True)
+time.sleep({marker})
+"""
+
+
+async def test_log_replaced_by_a_symlink_is_never_capped_nor_read(tmp_path: Path) -> None:
+    """Tried: a log replaced by a symlink made the cap punch holes in the target (3 MiB of an outside
+    file zeroed) and ``log`` read it."""
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"precious data\n" * (3 * 1024 * 1024 // 14))
+    before = _digest(outside)
+    project = make_project(tmp_path)
+    marker = mark("340.72")
+    code = _SWAP.format(swap=f"os.symlink({str(outside)!r}, log)", marker=marker)
+    async with engine_at(tmp_path, log_cap_bytes=64 * KiB) as engine:
+        sp = await engine.service.create(project, PY, py(code)[1:])
+        with trio.fail_after(10):
+            while "swapped" not in Path(sp.stderr_path).read_text():
+                await trio.sleep(0.05)
+        await trio.sleep(2.5)  # two passes of the cap task
+        assert _digest(outside) == before
+        with pytest.raises(SubProcessNotFoundError, match="no longer the file the engine made"):
+            await engine.service.read_log(sp.pid, "stdout", tail=5)
+        text = await engine.tool.execute({"cmd": "log", "pid": sp.pid, "which": "stdout"}, project)
+        assert text.startswith("SUBPROCESS ERROR: ") and "precious" not in text
+        assert (await engine.service.get_log(sp.pid, "stderr")) == "swapped\n"  # the other log is fine
+        await engine.service.kill_subprocess(sp)
+    assert _digest(outside) == before  # kill removed the link, never its target
+    assert sorted(os.listdir(log_dir(project))) == [".gitignore"]
+
+
+async def test_fifo_in_place_of_a_log_never_blocks_reads_cap_or_halt(tmp_path: Path) -> None:
+    """Tried: a child that replaced its log with a FIFO hung every log read, ``halt`` and the cap."""
+    project = make_project(tmp_path)
+    other = make_project(tmp_path, "other")
+    marker = mark("340.73")
+    code = _SWAP.format(swap="os.mkfifo(log)", marker=marker)
+    async with engine_at(tmp_path, log_cap_bytes=64 * KiB) as engine:
+        sp = await engine.service.create(project, PY, py(code)[1:])
+        neighbour = await engine.service.create(other, "sh", ["-c", f"echo hello; sleep {marker}"])
+        with trio.fail_after(10):
+            while "swapped" not in Path(sp.stderr_path).read_text():
+                await trio.sleep(0.05)
+        with trio.fail_after(3):
+            await trio.sleep(1.5)  # the cap passes over the FIFO
+            with pytest.raises(SubProcessNotFoundError):
+                await engine.service.read_log(sp.pid, "stdout")
+            text = await engine.tool.execute({"cmd": "log", "pid": sp.pid, "which": "stdout"}, project)
+            assert text.startswith("SUBPROCESS ERROR: ")
+            assert await engine.service.get_log(neighbour.pid, "stdout") == "hello\n"
+            summary = engine.service.summarize(sp)
+            assert summary.state.value == "running"
+        with trio.fail_after(5):
+            assert await engine.service.halt_pid(sp.pid) is True
+        assert stat.S_ISFIFO(os.lstat(sp.stdout_path).st_mode)  # halt keeps what is there
+        with trio.fail_after(5):
+            await engine.service.kill_pid(sp.pid)
+        assert not os.path.lexists(sp.stdout_path)  # the FIFO in the engine's folder went with the kill
+    assert pgrep(marker) == []
+
+
+def test_fifo_log_does_not_stop_serve_from_ending_on_sigterm(tmp_path: Path) -> None:
+    project = tmp_path / "app"
+    project.mkdir()
+    marker = mark("340.74")
+    served = start_serve(tmp_path / "state")
+    try:
+        code = _SWAP.format(swap="os.mkfifo(log)", marker=marker)
+        created = served.cli("create", "--project", str(project), "--", *py(code))
+        assert created.returncode == 0, created.stderr
+        pid = created.stdout.strip()
+        stderr_log = project / ".gadget" / "subprocess-logs" / f"subproc-{pid}.stderr.log"
+        deadline = time.monotonic() + 10
+        while "swapped" not in stderr_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        result = served.cli("log", pid, timeout=10)
+        assert result.returncode == 1 and "gone" in result.stderr and time.monotonic() - started < 5
+        assert served.cli("list").returncode == 0
+        started = time.monotonic()
+        assert served.stop() == 0 and time.monotonic() - started < 10
+    finally:
+        if served.proc.poll() is None:
+            served.kill_hard()
+    assert pgrep(marker) == [] and "Traceback" not in served.log()
+
+
+# ---- NB-05 and NB-09 ---------------------------------------------------------------------------------
+
+_NB05 = """
+import sys, time
+sys.stdout.write("y" * 299_999 + "\\n"); sys.stdout.flush()
+i = 0
+while True:
+    i += 1
+    print(f"line {i}", flush=True)
+    time.sleep(0.2)
+"""
+
+
+async def test_nb05_reads_after_an_outside_truncation_show_the_new_lines(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path, log_cap_bytes=64 * KiB) as engine:
+        sp = await engine.service.create(project, PY, py(_NB05 + f"# {mark('340.75')}")[1:])
+        await trio.sleep(3.0)
+        first = await engine.service.read_log(sp.pid, "stdout", tail=1)
+        assert first.dropped_bytes > 0  # the cap dropped the oldest bytes before the truncation
+        os.truncate(sp.stdout_path, 0)
+        at_truncation = int(first.text.split()[1])
+        await trio.sleep(3.0)
+        got = await engine.service.read_log(sp.pid, "stdout", tail=3)
+        tool = await engine.tool.execute({"cmd": "log", "pid": sp.pid, "which": "stdout", "tail": 3}, project)
+        on_disk = Path(sp.stdout_path).read_bytes().decode()
+        assert "y" not in on_disk
+        newest = int(on_disk.splitlines()[-1].split()[1])
+        for text in (got.text, tool.split("---\n", 1)[1]):
+            numbers = [int(line.split()[1]) for line in text.splitlines()[:3]]
+            assert len(numbers) == 3 and numbers == list(range(numbers[0], numbers[0] + 3)), text
+            assert at_truncation < numbers[0] and newest - 3 <= numbers[-1] <= newest  # written after it
+        assert got.next_offset >= first.next_offset  # offsets handed out before still come before
+        later = await engine.service.read_log(sp.pid, "stdout", offset=first.next_offset, limit=1000)
+        assert later.text.startswith("line ")  # a follower at its old offset reads the new lines
+        await engine.service.kill_subprocess(sp)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+@pytest.mark.parametrize("gadget_exists", [False, True])
+async def test_nb09_logs_never_show_in_git_status(tmp_path: Path, gadget_exists: bool) -> None:
+    project = make_project(tmp_path)
+    root = Path(project.directory)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, env=env, capture_output=True, text=True, check=True
+        ).stdout
+
+    git("init", "-q")
+    (root / "README").write_text("hi\n")
+    if gadget_exists:
+        (root / ".gadget").mkdir()
+        (root / ".gadget" / "notes.md").write_text("tracked\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    async with engine_at(tmp_path) as engine:
+        sp = await engine.service.create(project, "sh", ["-c", f"echo TOKEN=abc123; sleep {mark('340.76')}"])
+        with trio.fail_after(10):
+            while "TOKEN" not in Path(sp.stdout_path).read_text():
+                await trio.sleep(0.05)
+        assert git("status", "--porcelain", "-uall") == ""
+        git("add", "-A")
+        assert git("diff", "--cached", "--name-only") == ""
+        assert (root / ".gadget" / ".gitignore").exists() is not gadget_exists
+        await engine.service.kill_subprocess(sp)
+
+
+# ---- the inode the engine made -------------------------------------------------------------------------
+
+
+async def test_cap_and_reads_skip_a_log_replaced_by_another_regular_file(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path, log_cap_bytes=16 * KiB) as engine:
+        sp = await engine.service.create(project, "sh", ["-c", f"echo mine; sleep {mark('340.77')}"])
+        with trio.fail_after(10):
+            while "mine" not in Path(sp.stdout_path).read_text():
+                await trio.sleep(0.05)
+        impostor = Path(sp.stdout_path + ".new")
+        impostor.write_bytes(b"z" * (64 * KiB))
+        os.replace(impostor, sp.stdout_path)  # another file under the log's name
+        await trio.sleep(1.5)
+        assert Path(sp.stdout_path).read_bytes() == b"z" * (64 * KiB)  # never capped: not ours
+        with pytest.raises(SubProcessNotFoundError):
+            await engine.service.get_log(sp.pid, "stdout")
+        await engine.service.kill_subprocess(sp)
+        assert Path(sp.stdout_path).exists()  # a regular file the engine did not make is left alone

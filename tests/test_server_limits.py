@@ -1,0 +1,141 @@
+"""Limits of the RPC socket (``engine/server/_server.py``): connections, idle time, request size.
+
+Each is a setting (``EngineConfig`` and a ``serve`` option); over a limit the peer gets one error line
+saying which and the connection is closed, and the engine goes on serving everyone else.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.server._client import EngineClient
+
+from .children import ignoring_sigint, mark
+from .serve_support import Served, start_serve
+
+
+def connect(served: Served) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(served.socket_path)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything until the engine closes the connection."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def status(sock: socket.socket) -> dict[str, object]:
+    sock.sendall(b'{"jsonrpc":"2.0","method":"status","id":1}\n')
+    line = b""
+    while not line.endswith(b"\n"):
+        line += sock.recv(65536)
+    answer: dict[str, object] = json.loads(line)
+    return answer
+
+
+@pytest.fixture
+def limited(tmp_path: Path) -> Iterator[Served]:
+    served = start_serve(
+        tmp_path / "state",
+        "--max-connections", "3", "--idle-seconds", "1", "--max-request-bytes", "4096",
+        "--grace-seconds", "2",
+    )  # fmt: skip
+    yield served
+    assert served.stop() == 0
+    assert "Traceback" not in served.log()
+
+
+def test_connections_over_the_limit_get_an_error_line_and_are_closed(limited: Served) -> None:
+    held = [connect(limited) for _ in range(3)]
+    try:
+        for sock in held:
+            assert "result" in status(sock)  # each is served (and, answered, its idle clock restarts)
+        extra = connect(limited)
+        refused = json.loads(read_all(extra))
+        extra.close()
+        assert refused["id"] is None and refused["error"]["code"] == -32600
+        assert refused["error"]["message"].startswith("too many connections: the engine serves at most 3")
+        held.pop().close()
+        time.sleep(0.1)
+        again = connect(limited)
+        assert "result" in status(again)
+        again.close()
+    finally:
+        for sock in held:
+            sock.close()
+    assert "event=connection_refused" in limited.log() and "limit=3" in limited.log()
+
+
+def test_a_connection_without_a_complete_request_is_closed_when_idle(limited: Served) -> None:
+    silent = connect(limited)
+    started = time.monotonic()
+    closed = json.loads(read_all(silent))
+    silent.close()
+    assert 0.8 < time.monotonic() - started < 4
+    assert closed["error"]["message"].startswith("no request within 1 s")
+    trickle = connect(limited)  # a slow trickle does not keep it open either
+    started = time.monotonic()
+    try:
+        for byte in b'{"jsonrpc":"2.0","method":"status"':
+            trickle.sendall(bytes([byte]))
+            time.sleep(0.1)
+    except BrokenPipeError:
+        pass
+    closed = json.loads(read_all(trickle))
+    trickle.close()
+    assert closed["error"]["message"].startswith("no complete request within 1 s")
+    assert time.monotonic() - started < 6
+
+
+def test_a_request_being_answered_is_never_idle_and_followers_are_served(
+    limited: Served, tmp_path: Path
+) -> None:
+    project = tmp_path / "app"
+    project.mkdir()
+    stubborn = limited.cli("create", "--project", str(project), "--", *ignoring_sigint(mark("340.81")))
+    pid = stubborn.stdout.strip()
+    started = time.monotonic()
+    killed = limited.cli("kill", pid)  # the grace (2 s, over the idle 1 s) + a SIGKILL: answered slowly
+    assert killed.returncode == 0, killed.stderr
+    assert time.monotonic() - started > 1.8
+    ticker = (
+        "import time\nfor i in range(12):\n    print(f'tick {i}', flush=True); time.sleep(0.25)\n"
+        f"# {mark('340.82')}"
+    )
+    created = limited.cli("create", "--project", str(project), "--", "python3", "-c", ticker)
+    followed = limited.cli("log", created.stdout.strip(), "--follow", timeout=30)  # ~3 s, asks every 0.25 s
+    assert followed.returncode == 0 and followed.stdout.splitlines()[-1] == "tick 11"
+    assert time.monotonic() - started > 2
+    with EngineClient(str(limited.state_dir), timeout_seconds=10) as client:  # a kept connection
+        client.call("status")
+        time.sleep(1.6)  # the engine closed it meanwhile: the client opens another
+        assert client.call("status")["pid"] == limited.proc.pid
+
+
+def test_a_request_over_the_size_limit_is_refused_and_closed(limited: Served) -> None:
+    for line in (
+        b'{"jsonrpc":"2.0","method":"status","params":{"x":"' + b"a" * 5000 + b'"},"id":1}\n',
+        b"b" * 9000,
+    ):
+        sock = connect(limited)
+        try:
+            sock.sendall(line)
+        except BrokenPipeError:
+            pass
+        refused = json.loads(read_all(sock))
+        sock.close()
+        assert refused["error"]["message"].startswith("request larger than 4096 bytes")
+    sock = connect(limited)
+    assert "result" in status(sock)
+    sock.close()
