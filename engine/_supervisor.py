@@ -106,6 +106,8 @@ class SpawnSpec:
         inherit_env: start from the engine's environment.
         stdout: a path opened with ``O_APPEND`` (mode 0600), a descriptor, or ``None`` for ``/dev/null``.
         stderr: likewise.
+        stdin: a descriptor the child's stdin is a copy of (the read end of a pipe the caller keeps
+            writing to), or ``None`` for ``/dev/null``.
         scope_key: the scope the run belongs to.
         replace_existing_scope: end every run of ``scope_key`` (reaped) before this one starts.
         max_runtime_seconds: end the run by escalation after this many seconds.
@@ -127,6 +129,9 @@ class SpawnSpec:
     inherit_env: bool = True
     stdout: str | int | None = attrs.field(default=None, validator=_stream_target)
     stderr: str | int | None = attrs.field(default=None, validator=_stream_target)
+    stdin: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(int))
+    )
     scope_key: str = attrs.field(default="default", validator=attrs.validators.instance_of(str))
     replace_existing_scope: bool = False
     max_runtime_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
@@ -222,6 +227,7 @@ class ManagedRun:
     _leader_exit: RunExit | None = attrs.field(init=False, default=None)
     _detached: bool = attrs.field(init=False, default=False)
     _done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _leader_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _requested: TerminationReason | None = attrs.field(init=False, default=None)
 
@@ -268,6 +274,23 @@ class ManagedRun:
         await self._done.wait()
         assert self._exit is not None
         return self._exit
+
+    async def wait_leader_exit(self) -> RunExit:
+        """Wait until the leader has exited (reaped), and return :attr:`leader_exit`; what is left of its
+        tree may still be draining.
+
+        Cancellation: safe; the run goes on and can be waited for again.
+        """
+        await self._leader_done.wait()
+        exit = self.leader_exit
+        assert exit is not None
+        return exit
+
+    def pids(self) -> list[int]:
+        """The live pids of the run's tree, found afresh: its leaf's members in cgroup containment; the
+        leader while alive, its group and the escapees found so far in process-group containment."""
+        self._tree.snapshot(fresh=False)
+        return self._tree.remaining()
 
     def __repr__(self) -> str:
         status = self._exit.describe() if self._exit is not None else self._state.value
@@ -485,7 +508,9 @@ class Supervisor:
                     fds.append(target)
             pid = self._containment.spawn(
                 placement,
-                lambda: spawn_process(argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1]),
+                lambda: spawn_process(
+                    argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1], stdin_fd=spec.stdin
+                ),
             )
         except BaseException:
             self._containment.release(placement)
@@ -557,6 +582,7 @@ class Supervisor:
             with run._cancel_scope:
                 await tree.wait_leader()
                 run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
+                run._leader_done.set()
                 if tree.leftovers():
                     # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
                     # is gone or the grace period has passed, and is then ended by the escalation.
@@ -601,6 +627,7 @@ class Supervisor:
             run._state = RunState.EXITED
             self._containment.release(run._placement)
             self._forget(run)
+            run._leader_done.set()
             run._done.set()
 
     def _forget(self, run: ManagedRun, *, ended: bool = True) -> None:
