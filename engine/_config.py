@@ -84,6 +84,9 @@ class EngineConfig:
         repair_store: at start, when the job store is damaged (a truncated or WAL-damaged file, rows that
             cannot be read), keep what can be read in a new store and move the damaged file aside
             (``serve --repair``) instead of refusing to start.
+        tool_extensions: the ``subprocess`` tool offers more than the spec (``stdin``, ``ready``,
+            ``restart``, ``notify_on_exit``, ``new``, ``grep``, ``input``, ``wait``); ``False``: its
+            definition is exactly the spec's six commands (``docs/guide-subprocesses.md``).
     """
 
     state_dir: str | None = attrs.field(
@@ -112,6 +115,7 @@ class EngineConfig:
     connection_idle_seconds: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))
     max_request_bytes: int = attrs.field(default=1024 * 1024, validator=_positive_int)
     repair_store: bool = False
+    tool_extensions: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""
