@@ -64,6 +64,14 @@ def _whole(minimum: int) -> Callable[[str], int]:
 _positive_int = _whole(1)
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 1 to 65535."""
+    port = _positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {show(text)}")
+    return port
+
+
 def _finite_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds >= 0 (``nan`` and ``inf`` are usage errors)."""
     try:
@@ -210,6 +218,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--project", required=True, metavar="DIR")
     p.add_argument("-e", "--env", action="append", type=_env_item, metavar="KEY=VALUE")
+    p.add_argument("--stdin", action="store_true", help="give it a stdin pipe (write with: input PID TEXT)")
+    p.add_argument("--ready-log", metavar="RE", help="return once a line of its output matches RE")
+    p.add_argument("--ready-port", type=_port, metavar="N", help="return once it listens on TCP port N")
+    p.add_argument(
+        "--ready-timeout", type=_finite_seconds, metavar="S", help="wait for ready at most S s (default 30)"
+    )
+    p.add_argument(
+        "--restart",
+        choices=("no", "on-failure", "always"),
+        help="restart it when it exits on its own (default: no)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_whole(0),
+        metavar="N",
+        help="restarts within 60 s before a crash loop (default 5)",
+    )
+    p.add_argument(
+        "--notify-on-exit", action="store_true", help="its own final exit becomes an event (see: events)"
+    )
     p.add_argument("argv", nargs="+", metavar="CMD")
     p = add("list", commands.list_subprocesses, "list the subprocesses")
     p.add_argument("--project", metavar="DIR", help="only this project's")
@@ -228,6 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--tail", type=_positive_int, metavar="N", help="only the last N lines")
     p.add_argument("-f", "--follow", action="store_true", help="go on until the process has exited")
+    p.add_argument("--new", action="store_true", help="only what is new since the last log --new")
+    p.add_argument("--grep", metavar="RE", help="only the lines matching RE, with their numbers")
+    p = add("input", commands.send_input, "write TEXT and a newline to a subprocess's stdin")
+    p.add_argument("pid", type=_positive_int, metavar="PID")
+    p.add_argument("text", metavar="TEXT")
+    p.add_argument("--eof", action="store_true", help="then close its stdin (end of input)")
+    p.add_argument("--no-newline", action="store_true", help="send TEXT as it is, without a newline")
+    p = add("wait", commands.wait, "wait until a subprocess has exited; print how it ended")
+    p.add_argument("pid", type=_positive_int, metavar="PID")
+    p.add_argument(
+        "--timeout", type=_finite_seconds, default=30.0, metavar="S", help="at most S s (default 30, max 300)"
+    )
 
     cron = add("cron", None, "scheduled and on-exit jobs")
     cron_sub = cron.add_subparsers(dest="cron_command", required=True, metavar="COMMAND")

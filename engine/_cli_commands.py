@@ -102,8 +102,36 @@ def split_hint(command: str, args: object, *, tool: bool = False) -> str:
     )
 
 
+def _create_options(args: argparse.Namespace) -> dict[str, object]:
+    """``create``'s extension options as the RPC's ``stdin``, ``ready``, ``restart``, ``notify_on_exit``."""
+    options: dict[str, object] = {}
+    if args.stdin:
+        options["stdin"] = True
+    if args.ready_log is not None or args.ready_port is not None:
+        ready: dict[str, object] = {}
+        if args.ready_log is not None:
+            ready["log"] = args.ready_log
+        if args.ready_port is not None:
+            ready["port"] = args.ready_port
+        if args.ready_timeout is not None:
+            ready["timeout"] = args.ready_timeout
+        options["ready"] = ready
+    elif args.ready_timeout is not None:
+        args.parser.error("--ready-timeout goes with --ready-log or --ready-port")
+    if args.restart is not None:
+        options["restart"] = {"mode": args.restart}
+        if args.max_restarts is not None:
+            options["restart"] = {"mode": args.restart, "max_restarts": args.max_restarts}
+    elif args.max_restarts is not None:
+        args.parser.error("--max-restarts goes with --restart on-failure|always")
+    if args.notify_on_exit:
+        options["notify_on_exit"] = True
+    return options
+
+
 def create(client: EngineClient, args: argparse.Namespace) -> int:
     env = dict(args.env or ())
+    options = _create_options(args)
     try:
         summary = client.call(
             "subprocess.create",
@@ -111,13 +139,43 @@ def create(client: EngineClient, args: argparse.Namespace) -> int:
             command=args.argv[0],
             args=args.argv[1:],
             env=env,
+            **options,
         )
     except SpawnError as exc:
         hint = split_hint(args.argv[0], args.argv[1:])
         if not hint:
             raise
         raise CommandFailedError(f"{exc}{hint}") from None
+    if "ready" in options and not args.json:
+        print(summary["pid"])
+        state = summary["ready"]
+        detail = {"exited": f" ({summary['status']})", "timeout": " (still running)"}.get(state, "")
+        print(f"ready: {state}{detail}", file=sys.stderr)
+        return EXIT_OK
     return _print_created(args, summary, "pid")
+
+
+def send_input(client: EngineClient, args: argparse.Namespace) -> int:
+    """``input PID TEXT [--eof] [--no-newline]``: TEXT (and a newline) to the process's stdin."""
+    text = args.text if args.no_newline else args.text + "\n"
+    result = client.call("subprocess.input", pid=args.pid, text=text, eof=args.eof)
+    if args.json:
+        emit_json([result])
+    return EXIT_OK
+
+
+def wait(client: EngineClient, args: argparse.Namespace) -> int:
+    """``wait PID [--timeout S]``: print the status once the process has exited (exit 1: still running)."""
+    if args.timeout > 300:
+        args.parser.error("--timeout must be at most 300 seconds; run wait again to wait longer")
+    summary = client.call("subprocess.wait", pid=args.pid, timeout_seconds=args.timeout)
+    if args.json:
+        emit_json([summary])
+    elif summary["finished"]:
+        print(summary["status"])
+    if not summary["finished"]:
+        raise CommandFailedError(f"{args.pid} is still running after {args.timeout:g} s")
+    return EXIT_OK
 
 
 def _print_created(args: argparse.Namespace, record: dict[str, Any], key: str) -> int:

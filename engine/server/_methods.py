@@ -20,20 +20,28 @@ import trio
 from .._engine import Engine
 from .._errors import EngineError, InvalidArgumentError, JobNotFoundError
 from .._input import (
+    MAX_WAIT_SECONDS,
     check_env,
     check_flag,
     check_read_args,
+    check_reader,
+    check_string,
     check_strings,
     check_text,
     read_fields,
     read_payload,
     read_project,
+    read_ready,
+    read_restart,
     read_schedule,
+    read_seconds,
     read_stream,
     read_whole,
     show,
 )
 from .._project import Project
+from .._readiness import ReadyCheck
+from .._restart import RestartPolicy
 from ..cron._job import Command, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
 
@@ -103,6 +111,13 @@ def _offset(value: object, field: str) -> int:
     return read_whole(value, field, 0)
 
 
+def _wait_seconds(value: object, field: str) -> float:
+    seconds = read_seconds(value, field)
+    if seconds > MAX_WAIT_SECONDS:
+        raise InvalidArgumentError(f"{field} must be at most {MAX_WAIT_SECONDS:g} seconds, got {show(value)}")
+    return seconds
+
+
 def _tool_params(value: object, field: str) -> Mapping[str, object]:
     if not isinstance(value, Mapping):
         raise InvalidArgumentError(f"{field} must be a JSON object of tool parameters, got {show(value)}")
@@ -133,6 +148,8 @@ def to_wire(params: Mapping[str, object]) -> dict[str, object]:
             value = payload_to_dict(value)
         elif isinstance(value, Project):
             value = value.directory
+        elif isinstance(value, ReadyCheck | RestartPolicy):
+            value = value.to_dict()
         elif isinstance(value, tuple):
             value = list(value)
         out[name] = value
@@ -255,12 +272,46 @@ class Methods:
         command=_need(check_text),
         args=_may(check_strings),
         env=_may(check_env),
+        stdin=_may(check_flag),
+        ready=_may(read_ready),
+        restart=_may(read_restart),
+        notify_on_exit=_may(check_flag),
     )
     async def _create(
-        self, project: Project, command: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+        self,
+        project: Project,
+        command: str,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+        ready: ReadyCheck | None = None,
+        restart: RestartPolicy | None = None,
+        notify_on_exit: bool = False,
     ) -> object:
-        sp = await self.engine.service.create(project, command, args, env=env or None)
+        sp = await self.engine.service.create(
+            project,
+            command,
+            args,
+            env=env or None,
+            stdin=stdin,
+            ready=ready,
+            restart=restart,
+            notify_on_exit=notify_on_exit,
+        )
         return self.engine.service.summarize(sp).to_dict()
+
+    @_method("subprocess.input", pid=_need(_positive), text=_may(check_string), eof=_may(check_flag))
+    async def _input(self, pid: int, text: str = "", eof: bool = False) -> object:
+        await self.engine.service.write_stdin(pid, text, eof=eof)
+        return {"pid": pid, "sent": len(text.encode()), "eof": eof}
+
+    @_method("subprocess.wait", pid=_need(_positive), timeout_seconds=_may(_wait_seconds))
+    async def _wait(self, pid: int, timeout_seconds: float = 30.0) -> object:
+        service = self.engine.service
+        sp = service.lookup(pid)
+        with trio.move_on_after(timeout_seconds):
+            await sp.wait_finished()
+        return {**service.summarize(sp).to_dict(), "finished": sp.finished}
 
     @_method("subprocess.list", project=_may(read_project))
     async def _list(self, project: Project | None = None) -> object:
@@ -313,6 +364,9 @@ class Methods:
         limit=_may(_positive),
         tail=_may(_positive),
         max_bytes=_may(_positive),
+        new_only=_may(check_flag),
+        grep=_may(check_text),
+        reader=_may(check_reader),
     )
     async def _read_log(
         self,
@@ -322,12 +376,23 @@ class Methods:
         limit: int | None = None,
         tail: int | None = None,
         max_bytes: int = READ_LOG_MAX_BYTES,
+        new_only: bool = False,
+        grep: str | None = None,
+        reader: str = "default",
     ) -> object:
         service = self.engine.service
         sp = service.lookup(pid)
         running = sp.running  # before the read: "not running" and a drained read mean the end
         piece = await service.read_log(
-            pid, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
+            pid,
+            stream,
+            offset=offset,
+            limit=limit,
+            tail=tail,
+            max_bytes=max_bytes,
+            new_only=new_only,
+            grep=grep,
+            reader=reader,
         )
         return {**attrs.asdict(piece), "pid": sp.pid, "stream": stream, "running": running}
 
