@@ -19,6 +19,7 @@ import trio
 from ._config import EngineConfig
 from ._containment import Containment, open_containment
 from ._errors import EngineLockedError
+from ._exit_notices import send_exit_notice
 from ._guardian_link import GuardianLink
 from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
@@ -282,6 +283,7 @@ async def _open_services(
         if config.end_unclaimed_orphans:
             await supervisor.own_process()
         supervisor.add_observer(guardian)
+        service.on_final_exit = functools.partial(send_exit_notice, cron, service)  # notify_on_exit
         tool = SubprocessTool(service, config=config)
         watchers = CronExitWatchers(
             store=cron.store,

@@ -109,7 +109,7 @@ class RestartTracker:
 
     Attributes:
         policy: the policy.
-        restarts: restarts decided so far.
+        restarts: restarts decided so far (the service counts those that happened).
         recent: the times of the restarts decided within the window (any clock, in seconds).
     """
 

@@ -73,6 +73,7 @@ class SubProcess:
     #: The wait before a restart, while one is pending (a kill or halt cancels it).
     _backoff: trio.CancelScope | None = attrs.field(init=False, default=None)
     _restart_status: str | None = attrs.field(init=False, default=None)
+    _restarts: int = attrs.field(init=False, default=0)
     #: How the process before the latest restart ended.
     _last_exit: RunExit | None = attrs.field(init=False, default=None)
 
@@ -84,7 +85,7 @@ class SubProcess:
     @property
     def restarts(self) -> int:
         """How many times its process was restarted by its restart policy."""
-        return self._restart.restarts if self._restart is not None else 0
+        return self._restarts
 
     @property
     def state(self) -> RunState:

@@ -355,6 +355,7 @@ class SubProcessService:
             sp._restart_status = f"restart failed: {exc}"
             return False
         sp._last_exit = exit
+        sp._restarts += 1
         sp._run, sp._stdin = run, pipe
         sp._restart_status = None
         sp._changed_at = _now()

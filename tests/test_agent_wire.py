@@ -140,3 +140,40 @@ def test_asyncio_wrapper_stdin_ready_wait_and_new_reads(tmp_path: Path, project:
             assert (await engine.read_log(summary.pid, grep="got")).text == "2: got it\n"
 
     asyncio.run(main())
+
+
+def test_cli_and_rpc_restart_policy(served: Served, project: Path) -> None:
+    out = served.cli(
+        "create",
+        "--project",
+        str(project),
+        "--restart",
+        "on-failure",
+        "--max-restarts",
+        "1",
+        "--",
+        "bash",
+        "-c",
+        "exit 3",
+    )
+    assert out.returncode == 0, out.stderr
+    first = int(out.stdout)
+    waited = served.cli("wait", str(first), "--timeout", "30")
+    assert waited.stdout == "crash loop: 1 restarts in 60 s\n"
+    listed = [json.loads(line) for line in served.cli("list", "--json").stdout.splitlines()]
+    mine = [r for r in listed if r["first_pid"] == first]
+    assert [(r["restarts"], r["last_exit"]) for r in mine] == [(1, "exited 3")]
+    with served.client() as client:
+        summary = client.call(
+            "subprocess.create",
+            project=str(project),
+            command="true",
+            restart={"mode": "always", "max_restarts": 0},
+        )
+        done = client.call("subprocess.wait", pid=summary["pid"], timeout_seconds=20)
+        assert (done["finished"], done["status"]) == (True, "crash loop: 0 restarts in 60 s")
+        with pytest.raises(RpcError) as bad:
+            client.call("subprocess.create", project=str(project), command="true", restart={"mode": "maybe"})
+        assert bad.value.code == INVALID_PARAMS
+    usage = served.cli("create", "--project", str(project), "--max-restarts", "2", "--", "true")
+    assert usage.returncode == 2

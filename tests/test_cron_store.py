@@ -100,7 +100,7 @@ async def test_store_uses_wal_full_sync_and_a_schema_version(tmp_path: Path, sto
     conn = sqlite3.connect(tmp_path / "cron.sqlite3")
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
     finally:
         conn.close()
 
@@ -149,7 +149,7 @@ async def test_store_migrates_version_1_keeping_jobs_and_events(tmp_path: Path) 
         await s.aclose()
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
     finally:
         conn.close()
     s = SqliteJobStore(str(path))

@@ -204,3 +204,32 @@ async def test_extension_values_are_refused_with_what_to_send(tmp_path: Path) ->
         assert text.startswith("SUBPROCESS ERROR: timeout must be at most 300 seconds")
         text = await tool.execute({"cmd": "input", "pid": sp.pid}, project)
         assert text.startswith("SUBPROCESS ERROR: cmd=input needs text")
+
+
+async def test_create_with_restart_and_notify_on_exit_says_so_and_list_shows_restarts(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        tool = engine.tool
+        created = await tool.execute(
+            {
+                "cmd": "create",
+                "command": "bash",
+                "args": ["-c", "exit 3"],
+                "restart": {"mode": "on-failure", "max_restarts": 1, "window": 30, "backoff": 0.01},
+                "notify_on_exit": True,
+            },
+            project,
+        )
+        assert created.split("\n")[4:] == [
+            "restart: on-failure (at most 1 restarts in 30 s)",
+            "notify on exit: yes",
+        ]
+        first = int(created.split("\n")[1].removeprefix("pid: "))
+        waited = await tool.execute({"cmd": "wait", "pid": first, "timeout": 20}, project)
+        current = engine.service.lookup(first).pid
+        assert waited == f"SUBPROCESS WAIT\npid: {current}\nstatus: crash loop: 1 restarts in 30 s"
+        listing = await tool.execute({"cmd": "list"}, project)
+        assert listing.split("\n")[1].endswith(
+            "| status: crash loop: 1 restarts in 30 s | restarts: 1 | "
+            f"first pid: {first} | last exit: exited 3"
+        )

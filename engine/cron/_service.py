@@ -35,6 +35,7 @@ from ._command import command_log_paths, run_command
 from ._delivery import Delivery, FireHandler, FireObserver
 from ._events import FiredEvent, PendingFire, text_fire
 from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
+from ._notices import NoticeStore
 from ._plan import claim, finish, interrupted, is_due, next_wake, schedule_next, should_delete
 from ._protocol import JobStore
 from ._schedule import (
@@ -368,6 +369,31 @@ class CronService:
         await self._delete_if_done(job_id)
         return event if handed else None
 
+    async def notify(self, job_id: str, project: str | None, fire: PendingFire) -> FiredEvent | None:
+        """Deliver a fire that belongs to no job (a subprocess's exit notice, ``_notices``): persist it,
+        record it in the event log, and (embedded) hand it to ``on_fire``, as :meth:`fire_pending` does.
+
+        Cancellation: once persisted, the notice is recorded and delivered at the next start.
+
+        Returns:
+            The event, or ``None`` when the store keeps no notices (logged) or ``on_fire`` raised (it is
+            handed over again later).
+        """
+        store = self.store
+        if not isinstance(store, NoticeStore):
+            await trio.lowlevel.checkpoint()
+            logger.error("the job store %s keeps no exit notices; %s is not sent", store.describe(), job_id)
+            return None
+        await self.retry.run(
+            f"persisting exit notice {fire.fire_id} of {job_id}",
+            functools.partial(store.add_notice, job_id, project, fire),
+            logger=logger,
+        )
+        event = await self.delivery.record_notice(store, fire.fire_id)
+        if event is None:
+            return None
+        return event if await self.delivery.hand_over(event) else None
+
     async def _delete_if_done(self, job_id: str) -> None:
         try:
             job = await self.store.get_job(job_id)
@@ -490,6 +516,9 @@ class CronService:
             with contextlib.suppress(JobNotFoundError):
                 await self.delivery.record(job.id, fire)
             await self._delete_if_done(job.id)
+        if isinstance(self.store, NoticeStore):  # exit notices persisted and not recorded yet
+            for fire_id in await self.store.pending_notices():
+                await self.delivery.record_notice(self.store, fire_id)
         await self.delivery.catch_up()
 
     async def _timer(self) -> None:

@@ -35,6 +35,7 @@ import trio
 from .._errors import EngineError, JobNotFoundError, StoreError
 from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
 from ._job import CronJob
+from ._notices import add_notice, pending_notices, take_notice
 from ._protocol import JobChange, JobStore
 from ._rows import (
     EVENT_COLUMNS,
@@ -319,6 +320,29 @@ class SqliteJobStore:
             JobNotFoundError: the job is gone; nothing is appended.
         """
         return await self._call(self._record(job_id, fire, acked=True), write=True)
+
+    # -- exit notices (engine.cron._notices) ---------------------------------------------------------
+
+    async def add_notice(self, job_id: str, project: str | None, fire: PendingFire) -> None:
+        """Persist a subprocess's exit notice before it is recorded (``_notices``)."""
+        await self._call(lambda conn: add_notice(conn, job_id, project, fire), write=True)
+
+    async def record_notice(self, fire_id: str, *, acked: bool) -> FiredEvent | None:
+        """Append the notice's fire to the event log (deduplicated by ``fire_id``) and delete the notice,
+        atomically; ``None`` when no such notice is kept."""
+
+        def run(conn: sqlite3.Connection) -> FiredEvent | None:
+            taken = take_notice(conn, fire_id)
+            if taken is None:
+                return None
+            job_id, project, fire = taken
+            return self._append(conn, job_id, project, fire, acked=acked)
+
+        return await self._call(run, write=True)
+
+    async def pending_notices(self) -> list[str]:
+        """The fire ids of the notices persisted and not recorded yet, oldest first."""
+        return await self._call(pending_notices, write=False)
 
     async def ack_events(self, cursors: Iterable[int]) -> None:
         """Mark the events at ``cursors`` delivered (unknown cursors are ignored)."""
