@@ -33,6 +33,7 @@ from ._errors import (
     SubProcessNotFoundError,
 )
 from ._input import check_argv, check_env, check_flag, check_read_args, check_reader, check_string, show
+from ._keeper import keep
 from ._logpair import LogPair
 from ._logs import LogSlice, Stream, check_stream
 from ._logsearch import grep_log
@@ -300,67 +301,12 @@ class SubProcessService:
     # ---- following a record: stdin, restarts, the exit notice --------------------------------------
 
     async def _keep(self, sp: SubProcess) -> None:
-        """Follow ``sp`` from its spawn to its last exit: close its stdin when its process exits, restart
-        it by its policy, then send its exit notice. One task per record, in the service's nursery.
-
-        Cancellation: the service is closing; nothing more is restarted or sent.
-        """
-        while True:
-            exit = await sp._run.wait_leader_exit()
-            if sp._stdin is not None:
-                sp._stdin.close("the process exited")
-            if sp._restart is None or not await self._restart_after(sp, exit):
-                break
-        sp._final.set()
-        if sp.notify_on_exit and not self._asked(sp, exit) and self.on_final_exit is not None:
-            try:
-                await self.on_final_exit(sp, exit)
-            except Exception:
-                _log.exception("the exit notice of subprocess %d could not be recorded", sp.first_pid)
+        await keep(self, sp)
 
     def _asked(self, sp: SubProcess, exit: RunExit) -> bool:
         """Whether the end of ``sp``'s process was asked for (a kill, a halt, the engine's stop, a fence)."""
         fenced = bool(self._fences.get(None) or self._fences.get(sp.project.id))
         return sp._ended_on_purpose or exit.reason is TerminationReason.CANCELLED or self._closed or fenced
-
-    async def _restart_after(self, sp: SubProcess, exit: RunExit) -> bool:
-        """Decide (``engine._restart``), wait the back-off, write the marker lines and spawn the next
-        process into ``sp``; ``False`` when no restart happened."""
-        tracker = sp._restart
-        assert tracker is not None and sp._spec is not None
-        decision = tracker.decide(
-            exit_code=exit.exit_code, signal=exit.signal, asked=self._asked(sp, exit), now=trio.current_time()
-        )
-        sp._restart_status = decision.status
-        sp._changed_at = _now()
-        if not decision.restart:
-            return False
-        with trio.CancelScope() as scope:
-            sp._backoff = scope
-            try:
-                await trio.sleep(decision.delay_seconds)
-            finally:
-                sp._backoff = None
-        if scope.cancelled_caught or sp._removed or self._asked(sp, exit):
-            return False
-        sp._logs.append_line(tracker.marker(exit_code=exit.exit_code, signal=exit.signal))
-        try:
-            async with contextlib.AsyncExitStack() as undo:
-                run, pipe = await self._spawn(sp._spec, sp._logs, stdin=sp._stdin is not None, undo=undo)
-                if sp._removed or self._asked(sp, exit):
-                    return False  # a kill or halt came during the spawn: the undo ends the new process
-                undo.pop_all()
-        except (EngineError, OSError, RuntimeError) as exc:
-            _log.warning("subprocess %d could not be restarted: %s", sp.first_pid, exc)
-            sp._restart_status = f"restart failed: {exc}"
-            return False
-        sp._last_exit = exit
-        sp._restarts += 1
-        sp._run, sp._stdin = run, pipe
-        sp._restart_status = None
-        sp._changed_at = _now()
-        self._start_capper()
-        return True
 
     async def write_stdin(self, pid: int, data: str | bytes, *, eof: bool = False) -> None:
         """Write ``data`` to the stdin of the record ``pid`` names (created with ``stdin=True``); with
@@ -514,6 +460,8 @@ class SubProcessService:
         if sp._removed:
             return
         sp._removed = True
+        if sp._stdin is not None:
+            sp._stdin.close("the process was killed")
         sp._logs.delete()
         self._records.remove(sp)
 
@@ -796,6 +744,9 @@ class SubProcessService:
 
     def _close(self) -> None:
         self._closed = True
+        for sp in self._records:  # kept records: their stdin pipes go with the service
+            if sp._stdin is not None:
+                sp._stdin.close("the engine stopped")
         self._nursery.cancel_scope.cancel()  # the cap, and the records' tasks: nothing more restarts
 
 
