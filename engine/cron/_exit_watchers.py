@@ -34,6 +34,7 @@ import trio
 
 from .._cgroup import watched_leaf
 from .._errors import JobNotFoundError, SpawnError
+from .._keyed_locks import KeyedLocks
 from .._pidfd import wait_exited
 from .._procfs import read_proc
 from .._retry import RetryPolicy
@@ -149,7 +150,7 @@ class CronExitWatchers:
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
-    _state_locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+    _state_locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     _detached: bool = attrs.field(init=False, default=False)
 
     def __repr__(self) -> str:
@@ -569,13 +570,10 @@ class CronExitWatchers:
 
     # -- watch state in the store ------------------------------------------------------------------
 
-    def _state_lock(self, job_id: str) -> trio.Lock:
-        return self._state_locks.setdefault(job_id, trio.Lock())
-
     async def _save_state(self, watch: _Watch, job: CronJob) -> None:
         state = watch.state
         assert state is not None
-        async with self._state_lock(job.id):
+        async with self._state_locks.hold(job.id):
             if not self._owns(watch):
                 return
             try:
@@ -587,7 +585,7 @@ class CronExitWatchers:
                 logger.error("on-exit job %s: saving the watch state failed (%s)", job.id, exc)
 
     async def _forget(self, watch: _Watch, paths: _Paths, *, keep_logs: bool = False) -> None:
-        async with self._state_lock(watch.job_id):
+        async with self._state_locks.hold(watch.job_id):
             slot = self._table.slot(watch.job_id)
             if slot is None or slot.token == watch.token:
                 with contextlib.suppress(OSError, JobNotFoundError):
