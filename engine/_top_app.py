@@ -29,7 +29,7 @@ from ._cli_output import user_message
 from ._errors import EngineError
 from ._top_model import EngineLine, Group, JobRow, RunRow, fit, group_runs, job_lines, run_header, run_lines
 from ._top_screens import Confirm, LogScreen
-from .server._client import AsyncEngineClient
+from .server._client import AsyncEngineClient, EngineNotRunningError
 
 __all__ = ["MIN_REFRESH_SECONDS", "TopApp"]
 
@@ -130,6 +130,9 @@ class TopApp(App[int]):
             status = await self._client.call("status")
             stats = await self._client.call("subprocess.stats")
             jobs = await self._client.call("cron.list")
+        except EngineNotRunningError as exc:  # stopped: its runs were ended with it
+            self.error = f"engine not running: {user_message(exc)}"
+            self.engine, self.rows, self.jobs = None, [], []
         except (EngineError, OSError) as exc:
             self.error = f"engine not answering: {user_message(exc)}"
         else:

@@ -406,7 +406,7 @@ def test_top_lists_follows_and_kills_in_a_terminal(served: Served, project: Path
                     pass
 
 
-def test_top_filters_by_project_and_refreshes_no_faster_than_once_a_second(
+def test_top_filters_halts_resizes_and_refreshes_no_faster_than_once_a_second(
     served: Served, project: Path
 ) -> None:
     other = project.parent / "other"
@@ -433,6 +433,14 @@ def test_top_filters_by_project_and_refreshes_no_faster_than_once_a_second(
                 await pilot.press("enter")
                 await pilot.press("escape")  # clears the filter
                 await _until(pilot, lambda: f" {pids[0]} " in screen_text(app))
+                await _select(pilot, app, pids[1])
+                await pilot.press("h")
+                await _until(pilot, lambda: isinstance(app.screen, Confirm))
+                assert f"Halt {pids[1]} of other?" in screen_text(
+                    app
+                ) and "Its logs are kept." in screen_text(app)
+                await pilot.press("y")
+                await _until(pilot, lambda: any(r.pid == pids[1] and r.status == "SIGINT" for r in app.rows))
                 await pilot.resize_terminal(130, 30)
                 await _until(pilot, lambda: "LAST OUTPUT" in screen_text(app))
                 assert all(len(line) <= 130 for line in screen_text(app).splitlines())
@@ -479,7 +487,8 @@ def _guide_capture() -> str:
 
 
 def test_top_screen_matches_the_guide() -> None:
-    """The scene of the guide's capture, drawn at 80x24: two projects, an exited test run, two jobs."""
+    """The scene of the guide's capture, drawn at 80x24: two projects, an exited test run, two jobs;
+    then the engine stops, and the view says so."""
     base = tempfile.mkdtemp(prefix=f"top-{SESSION}-")  # short: the headings show the directories whole
     engine = start_serve(Path(base) / "state")
     try:
@@ -528,7 +537,11 @@ def test_top_screen_matches_the_guide() -> None:
 
                 await _until(pilot, ready)
                 await pilot.pause(0.2)
-                return screen_text(app)
+                shown = screen_text(app)
+                assert await asyncio.to_thread(engine.stop) == 0  # and the view says so
+                await _until(pilot, lambda: screen_text(app).startswith("engine not running: "))
+                assert "no runs" in screen_text(app) and "(no cron jobs)" in screen_text(app)
+                return shown
 
         shown = _drive(scenario)
         printed = normalise(shown, home=base)
