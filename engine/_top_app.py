@@ -113,6 +113,10 @@ class TopApp(App[int]):
         self._tick()
 
     async def on_unmount(self) -> None:
+        """Close the refresh connection.
+
+        Cancellation: the connection is closed at once (``AsyncEngineClient.aclose``).
+        """
         await self._client.aclose()
 
     def on_resize(self) -> None:
@@ -126,6 +130,10 @@ class TopApp(App[int]):
             self.run_worker(self._fetch(), group="refresh", exit_on_error=False)
 
     async def _fetch(self) -> None:
+        """Ask for ``status``, ``subprocess.stats`` and ``cron.list``, keep the answers, redraw.
+
+        Cancellation: the connection is dropped (the next refresh opens a new one); nothing is kept.
+        """
         try:
             status = await self._client.call("status")
             stats = await self._client.call("subprocess.stats")
@@ -262,6 +270,10 @@ class TopApp(App[int]):
         self.push_screen(Confirm(question), answered)
 
     async def _stop(self, method: str, verb: str, row: RunRow) -> None:
+        """Kill or halt ``row`` on a connection of its own, and say how it went.
+
+        Cancellation: the connection is dropped; a request the engine received completes there.
+        """
         try:
             async with AsyncEngineClient(self.state_dir) as client:
                 result: dict[str, Any] = await client.call(method, pid=row.pid)
@@ -304,4 +316,8 @@ class TopApp(App[int]):
         self._close_filter()
 
     async def action_quit(self) -> None:
+        """Quit with exit code 0.
+
+        Cancellation: not a concern (nothing is awaited).
+        """
         self.exit(0)

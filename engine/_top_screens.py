@@ -133,7 +133,10 @@ class LogScreen(Screen[None]):
         self._partial = rest
 
     async def _follow(self, stream: str) -> None:
-        """Read the tail, then on from each ``next_offset``, until the end; the reason in the title."""
+        """Read the tail, then on from each ``next_offset``, until the end; the reason in the title.
+
+        Cancellation: the connection is closed (leaving the screen, switching the stream).
+        """
         async with AsyncEngineClient(self.state_dir) as client:
             try:
                 piece: dict[str, Any] = await client.call(
