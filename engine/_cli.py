@@ -17,6 +17,7 @@ from typing import NoReturn
 from . import _cli_commands as commands
 from . import _cli_follow as follow
 from . import _cli_start as service
+from . import _top
 from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
 from ._errors import EngineError, InvalidArgumentError
 from ._input import check_env, check_json, read_seconds, read_whole, show
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("events", follow.events, "print fired events")
     p.add_argument("--since", type=_whole(0), default=0, metavar="CURSOR", help="only events after CURSOR")
     p.add_argument("-f", "--follow", action="store_true", help="wait for new events until Ctrl-C")
+    p = add("top", _top.top, "a live view of the runs and cron jobs (needs the tui extra)")
+    p.add_argument("--project", metavar="DIR", help="start filtered to this project")
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
     p.add_argument("--project", default=".", metavar="DIR")

@@ -36,6 +36,7 @@ from .._input import (
 from .._project import Project
 from ..cron._job import Command, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
+from ._stats import RunStats
 
 __all__ = ["InvalidParamsError", "MethodNotFoundError", "Methods", "to_wire"]
 
@@ -159,6 +160,9 @@ class Methods:
     stop: Callable[[bool], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
     _last_event: dict[str, object] | None = attrs.field(init=False, default=None)
+    _stats: RunStats = attrs.field(
+        init=False, default=attrs.Factory(lambda self: RunStats(self.engine), takes_self=True)
+    )
 
     @staticmethod
     def names() -> list[str]:
@@ -330,6 +334,10 @@ class Methods:
             pid, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
         )
         return {**attrs.asdict(piece), "pid": sp.pid, "stream": stream, "running": running}
+
+    @_method("subprocess.stats", project=_may(read_project))
+    async def _stats_of(self, project: Project | None = None) -> object:
+        return await self._stats.collect(project)
 
     # ---- the tool ----------------------------------------------------------------------------------
 
