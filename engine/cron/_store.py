@@ -81,9 +81,12 @@ class SqliteJobStore:
     _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
 
     @classmethod
-    def in_state_dir(cls, state_dir: str, *, repair: bool = False) -> SqliteJobStore:
+    def in_state_dir(
+        cls, state_dir: str, *, repair: bool = False, owner_lost_seconds: float = 60.0
+    ) -> SqliteJobStore:
         """The store of a state directory: ``<state_dir>/cron.sqlite3``."""
-        return cls(os.path.join(state_dir, STORE_FILE_NAME), repair=repair)
+        path = os.path.join(state_dir, STORE_FILE_NAME)
+        return cls(path, repair=repair, owner_lost_seconds=owner_lost_seconds)
 
     def describe(self) -> str:
         """``sqlite:<path>``."""
