@@ -153,6 +153,20 @@ def _server_options(p: argparse.ArgumentParser) -> None:
         help="this engine's id in the fleet (default: one generated once and kept in the state dir)",
     )
     p.add_argument(
+        "--owner-lost-seconds",
+        type=_finite_seconds,
+        default=60.0,
+        metavar="S",
+        help="fleet: an engine silent this long shows 'owner lost' on its jobs (default 60)",
+    )
+    p.add_argument(
+        "--lease-seconds",
+        type=_finite_seconds,
+        default=30.0,
+        metavar="S",
+        help="fleet: how long an undelivered event stays with the engine that logged it (default 30)",
+    )
+    p.add_argument(
         "--repair",
         action="store_true",
         help="if the job store is damaged: keep what can be read in a new one, move the damaged file aside",

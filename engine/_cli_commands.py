@@ -61,6 +61,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(
             store_url=store,
             engine_id=getattr(args, "engine_id", None),
+            owner_lost_seconds=getattr(args, "owner_lost_seconds", 60.0),
+            lease_seconds=getattr(args, "lease_seconds", 30.0),
             state_dir=resolve_state_dir(args.state_dir),
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,

@@ -108,6 +108,12 @@ def _serve_argv(state_dir: str, args: argparse.Namespace) -> list[str]:
         argv.append("--repair")
     if args.engine_id:
         argv += ["--engine-id", args.engine_id]
+    argv += [
+        "--owner-lost-seconds",
+        repr(args.owner_lost_seconds),
+        "--lease-seconds",
+        repr(args.lease_seconds),
+    ]
     return argv
 
 

@@ -34,10 +34,10 @@ def pg_server() -> str:
     with warnings.catch_warnings():
         # pgserver asks platformdirs for a runtime dir at import; without XDG_RUNTIME_DIR that warns.
         warnings.simplefilter("ignore")
-        import pgserver
+        from pgserver.postgres_server import get_server
 
         root = tempfile.mkdtemp(prefix=f"gadget-engine-pg-{os.getpid()}-")
-        _server = pgserver.get_server(os.path.join(root, "data"), cleanup_mode="delete")
+        _server = get_server(os.path.join(root, "data"), cleanup_mode="delete")
         _base_url = str(_server.get_uri())
     atexit.register(_stop)
     return _base_url
