@@ -175,7 +175,7 @@ class PostgresJobStore:
     @staticmethod
     def _write(cur: Any, job: CronJob, before: CronJob) -> None:
         if job.id != before.id or job.project != before.project or job.owner != before.owner:
-            raise ValueError("a job change must keep the job's id, project and owner")
+            raise ValueError("a job change must keep the job's id and project, and its owner")
         cur.execute(
             "UPDATE gadget_jobs SET data = %s, due_at = %s WHERE id = %s",
             (json.dumps(job.to_dict()), due_at(job), job.id),

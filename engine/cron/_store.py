@@ -186,7 +186,7 @@ class SqliteJobStore:
     @staticmethod
     def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
         if job.id != before.id or job.project != before.project or job.owner != before.owner:
-            raise ValueError("a job change must keep the job's id, project and owner")
+            raise ValueError("a job change must keep the job's id and project, and its owner")
         conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(job.to_dict()), job.id))
 
     async def list_jobs(self) -> list[CronJob]:
