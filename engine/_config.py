@@ -66,6 +66,18 @@ def _optional_shell(value: Iterable[str] | None) -> tuple[str, ...] | None:
     return shell
 
 
+#: How often a fleet member writes its heartbeat, in seconds (``cron/_fleet.HEARTBEAT_SECONDS``).
+_HEARTBEAT_SECONDS = 5.0
+
+
+def _beyond_heartbeats(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > _HEARTBEAT_SECONDS:
+        raise ValueError(
+            f"{attribute.name} must be more than {_HEARTBEAT_SECONDS:g} s (one heartbeat period), so a live "
+            f"engine never shows as lost; got {value!r}"
+        )
+
+
 @attrs.frozen
 class EngineConfig:
     """Settings of one engine (``open_engine``) or one ``gadget-engine serve``.
@@ -152,7 +164,7 @@ class EngineConfig:
     store_url: str | None = attrs.field(default=None, validator=_store_url, repr=_shown_url)
     engine_id: str | None = attrs.field(default=None, validator=_engine_id)
     lease_seconds: float = attrs.field(default=30.0, validator=_positive)
-    owner_lost_seconds: float = attrs.field(default=60.0, validator=_positive)
+    owner_lost_seconds: float = attrs.field(default=60.0, validator=_beyond_heartbeats)
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

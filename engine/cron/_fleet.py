@@ -26,7 +26,7 @@ __all__ = ["HEARTBEAT_SECONDS", "FleetMember", "LocalBeats", "run_heartbeats"]
 logger = logging.getLogger("engine.fleet")
 
 #: How often an engine writes its heartbeat, in seconds (design: at least every 5 s, not more often).
-HEARTBEAT_SECONDS: Final = 5.0
+HEARTBEAT_SECONDS: Final = 5.0  # EngineConfig checks owner_lost_seconds against the same period
 
 
 @attrs.frozen
