@@ -17,6 +17,7 @@ from typing import NoReturn
 from . import _cli_commands as commands
 from . import _cli_follow as follow
 from . import _cli_start as service
+from . import _top
 from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
 from ._errors import EngineError, InvalidArgumentError
 from ._input import check_env, check_json, read_seconds, read_whole, show
@@ -147,7 +148,33 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:
-    """The socket's limits and the store's repair, which ``serve`` and ``start`` take (docs/security.md)."""
+    """The socket's limits, the store and its repair, which ``serve`` and ``start`` take."""
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        help="a PostgreSQL job store shared by a fleet of engines, postgresql://user@host/db "
+        "(default: $GADGET_ENGINE_STORE, else SQLite in the state dir); keep its password out of the "
+        "command line: PGPASSWORD, ~/.pgpass or $GADGET_ENGINE_STORE",
+    )
+    p.add_argument(
+        "--engine-id",
+        metavar="ID",
+        help="this engine's id in the fleet (default: one generated once and kept in the state dir)",
+    )
+    p.add_argument(
+        "--owner-lost-seconds",
+        type=_finite_seconds,
+        default=60.0,
+        metavar="S",
+        help="fleet: an engine silent this long shows 'owner lost' on its jobs (default 60)",
+    )
+    p.add_argument(
+        "--lease-seconds",
+        type=_finite_seconds,
+        default=30.0,
+        metavar="S",
+        help="fleet: how long an undelivered event stays with the engine that logged it (default 30)",
+    )
     p.add_argument(
         "--repair",
         action="store_true",
@@ -304,9 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         add_cron(name, handler, help_text).add_argument("job_id", metavar="JOB_ID")
 
+    add("fleet", commands.fleet, "list the engines sharing the job store, with the age of their heartbeat")
     p = add("events", follow.events, "print fired events")
     p.add_argument("--since", type=_whole(0), default=0, metavar="CURSOR", help="only events after CURSOR")
     p.add_argument("-f", "--follow", action="store_true", help="wait for new events until Ctrl-C")
+    p = add("top", _top.top, "a live view of the runs and cron jobs (needs the tui extra)")
+    p.add_argument("--project", metavar="DIR", help="start filtered to this project")
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
     p.add_argument("--project", default=".", metavar="DIR")

@@ -28,6 +28,8 @@ from .server._protocol import decode_line, describe_schedule
 if TYPE_CHECKING:
     from ._config import EngineConfig
 
+#: The environment variable naming the job store URL of ``serve`` and ``start`` (``--store``).
+STORE_VARIABLE: Final = "GADGET_ENGINE_STORE"
 #: The longest command ``list`` shows in its table, in characters.
 COMMAND_COLUMN_CHARS: Final = 200
 
@@ -54,8 +56,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings of ``serve`` and an embedding ``mcp``, from their options."""
     from ._config import EngineConfig  # attrs and platformdirs: not for the client commands
 
+    store = getattr(args, "store", None) or os.environ.get(STORE_VARIABLE) or None
     try:
         return EngineConfig(
+            store_url=store,
+            engine_id=getattr(args, "engine_id", None),
+            owner_lost_seconds=getattr(args, "owner_lost_seconds", 60.0),
+            lease_seconds=getattr(args, "lease_seconds", 30.0),
             state_dir=resolve_state_dir(args.state_dir),
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
@@ -279,11 +286,21 @@ def _job_zone(job: dict[str, Any]) -> str | None:
     return job["schedule"].get("tz") if job["schedule"].get("kind") == "cron" else None
 
 
+def _owner(job: dict[str, Any]) -> str:
+    """Who runs a job in a fleet: ``any`` engine (a timed text), else its owner, ``owner lost`` or not."""
+    if job["payload"].get("kind") == "system_event" and job["schedule"].get("kind") != "on_exit":
+        return "any"
+    owner = job.get("owner") or "-"
+    return f"{owner} (owner lost)" if job.get("owner_lost") else owner
+
+
 def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
     jobs = [job for job in client.call("cron.list") if args.all or not _one_shot_done(job)]
     if args.json:
         emit_json(jobs)
         return EXIT_OK
+    # A fleet (jobs of several engines, or an owner lost) also shows who runs each job.
+    fleet = any(job.get("owner_lost") for job in jobs) or len({job.get("owner") for job in jobs} - {None}) > 1
     rows = [
         [
             job["id"],
@@ -293,10 +310,37 @@ def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
             _describe_payload(job["payload"]),
             show_moment(job["next_run_at"], _job_zone(job)),
             job["last_status"] or "-",
+            *([_owner(job)] if fleet else []),
         ]
         for job in jobs
     ]
-    table(["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST"], rows)
+    table(
+        ["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST", *(["OWNER"] if fleet else [])],
+        rows,
+    )
+    return EXIT_OK
+
+
+def fleet(client: EngineClient, args: argparse.Namespace) -> int:
+    """``gadget-engine fleet``: the engines sharing the job store and the age of their last heartbeat."""
+    members: list[dict[str, Any]] = client.call("fleet")
+    if args.json:
+        emit_json(members)
+        return EXIT_OK
+    rows = [
+        [
+            m["engine_id"] + (" *" if m.get("self") else ""),
+            m["host"],
+            str(m["pid"]),
+            m["version"],
+            m["containment"],
+            str(m["live_runs"]),
+            f"{m['age_seconds']:.1f} s",
+            "lost" if m["lost"] else "live",
+        ]
+        for m in members
+    ]
+    table(["ENGINE", "HOST", "PID", "VERSION", "CONTAINMENT", "RUNS", "HEARTBEAT", "STATE"], rows)
     return EXIT_OK
 
 

@@ -20,14 +20,24 @@ from typing import Any, Final
 from ._cli_output import EXIT_OK, emit_json
 from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
-from .server._client import EngineClient, EngineConnectionError, EngineNotRunningError
+from .server._client import (
+    EngineClient,
+    EngineConnectionError,
+    EngineNotRunningError,
+    EngineSocketMissingError,
+    RpcError,
+)
+from .server._protocol import METHOD_NOT_FOUND
 
 __all__ = ["EVENTS_FOLLOW_SECONDS", "LOG_FOLLOW_SECONDS", "engine_went_away", "events", "log", "print_events"]
 
 #: How often ``log --follow`` asks for more output, in seconds.
 LOG_FOLLOW_SECONDS: Final = 0.25
-#: How often ``events --follow`` asks for new events, in seconds.
+#: How often ``events --follow`` asks for new events of an engine without ``events.wait``, in seconds.
 EVENTS_FOLLOW_SECONDS: Final = 0.5
+#: How long one ``events.wait`` call of ``events --follow`` waits for an event, in seconds: the engine
+#: answers as soon as one is logged (woken by LISTEN/NOTIFY on a fleet store), so there is no polling.
+EVENTS_WAIT_SECONDS: Final = 30.0
 #: How long a follower whose connection broke watches for the socket to go (graceful) or the engine's
 #: process to end with it still there (a crash), in seconds.
 GONE_SECONDS: Final = 5.0
@@ -143,7 +153,7 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
                     out.write(piece)
                 last[stream] = piece
         return EXIT_OK
-    except (EngineConnectionError, EngineNotRunningError) as exc:
+    except (EngineConnectionError, EngineNotRunningError, EngineSocketMissingError) as exc:
         if not args.follow:
             raise
         return engine_went_away(client, socket_path, engine_pid, exc)
@@ -175,16 +185,26 @@ def events(client: EngineClient, args: argparse.Namespace) -> int:
     since = args.since
     engine_pid = int(client.call("status")["pid"]) if args.follow else 0
     socket_path = client.socket_path
+    waits = True  # the engine has ``events.wait`` (an older one is asked every EVENTS_FOLLOW_SECONDS)
     try:
+        found = client.call("events", since=since)
         while True:
-            found = client.call("events", since=since)
             print_events(found, args.json)
             if found:
                 since = found[-1]["cursor"]
             if not args.follow:
                 return EXIT_OK
+            if waits:
+                try:
+                    found = client.call("events.wait", since=since, seconds=EVENTS_WAIT_SECONDS)
+                    continue
+                except RpcError as exc:
+                    if exc.code != METHOD_NOT_FOUND:
+                        raise
+                    waits = False
             time.sleep(EVENTS_FOLLOW_SECONDS)
-    except (EngineConnectionError, EngineNotRunningError) as exc:
+            found = client.call("events", since=since)
+    except (EngineConnectionError, EngineNotRunningError, EngineSocketMissingError) as exc:
         if not args.follow:
             raise
         return engine_went_away(client, socket_path, engine_pid, exc)

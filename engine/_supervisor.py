@@ -25,6 +25,8 @@ import trio
 
 from ._containment import Containment, Placement, open_containment
 from ._errors import unwrap_single
+from ._input import show
+from ._keyed_locks import KeyedLocks
 from ._procfs import (
     GUARDIAN_VAR,
     RUN_MARKER_VAR,
@@ -294,7 +296,7 @@ class ManagedRun:
 
     def __repr__(self) -> str:
         status = self._exit.describe() if self._exit is not None else self._state.value
-        return f"<ManagedRun {self.pid} {list(self.argv)!r}: {status}>"
+        return f"<ManagedRun {self.pid} {show(list(self.argv))}: {status}>"  # a huge argv is shortened
 
 
 class RunObserver(Protocol):
@@ -337,7 +339,7 @@ class Supervisor:
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _runs: dict[int, ManagedRun] = attrs.field(init=False, factory=dict)
     _leaders: set[int] = attrs.field(init=False, factory=set)
-    _locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+    _locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     _closing: bool = attrs.field(init=False, default=False)
     _observers: list[RunObserver] = attrs.field(init=False, factory=list)
 
@@ -458,9 +460,6 @@ class Supervisor:
         """The runs not yet ended (all of them, or those of ``scope_key``), oldest first."""
         return [r for r in self._runs.values() if scope_key is None or r.scope_key == scope_key]
 
-    def _lock(self, scope_key: str) -> trio.Lock:
-        return self._locks.setdefault(scope_key, trio.Lock())
-
     async def spawn(self, spec: SpawnSpec) -> ManagedRun:
         """Start ``spec`` and return its run; it is watched until it ends.
 
@@ -477,7 +476,7 @@ class Supervisor:
         """
         if self._closing:
             raise RuntimeError("the supervisor is closed; open a new one to spawn")
-        async with self._lock(spec.scope_key):
+        async with self._locks.hold(spec.scope_key):
             if spec.replace_existing_scope:
                 await self._end_scope(spec.scope_key)
             if self._closing:
@@ -668,7 +667,7 @@ class Supervisor:
 
         Cancellation: as :meth:`cancel`.
         """
-        async with self._lock(scope_key):
+        async with self._locks.hold(scope_key):
             return await self._end_scope(scope_key)
 
     async def _end_scope(self, scope_key: str) -> list[RunExit]:

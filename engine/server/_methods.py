@@ -42,8 +42,10 @@ from .._input import (
 from .._project import Project
 from .._readiness import ReadyCheck
 from .._restart import RestartPolicy
-from ..cron._job import Command, Payload, SystemEvent, payload_to_dict, schedule_to_dict
+from ..cron._claims import floats
+from ..cron._job import Command, CronJob, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
+from ._stats import RunStats
 
 __all__ = ["InvalidParamsError", "MethodNotFoundError", "Methods", "to_wire"]
 
@@ -111,7 +113,20 @@ def _offset(value: object, field: str) -> int:
     return read_whole(value, field, 0)
 
 
+#: The longest one ``events.wait`` waits, in seconds (under the socket's idle limit).
+EVENTS_WAIT_MAX_SECONDS: Final = 50.0
+
+
 def _wait_seconds(value: object, field: str) -> float:
+    seconds = read_seconds(value, field)
+    if seconds > EVENTS_WAIT_MAX_SECONDS:
+        raise InvalidArgumentError(
+            f"{field} must be at most {EVENTS_WAIT_MAX_SECONDS:g} seconds, got {seconds}"
+        )
+    return seconds
+
+
+def _subprocess_wait_seconds(value: object, field: str) -> float:
     seconds = read_seconds(value, field)
     if seconds > MAX_WAIT_SECONDS:
         raise InvalidArgumentError(f"{field} must be at most {MAX_WAIT_SECONDS:g} seconds, got {show(value)}")
@@ -176,6 +191,9 @@ class Methods:
     stop: Callable[[bool], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
     _last_event: dict[str, object] | None = attrs.field(init=False, default=None)
+    _stats: RunStats = attrs.field(
+        init=False, default=attrs.Factory(lambda self: RunStats(self.engine), takes_self=True)
+    )
 
     @staticmethod
     def names() -> list[str]:
@@ -305,7 +323,7 @@ class Methods:
         await self.engine.service.write_stdin(pid, text, eof=eof)
         return {"pid": pid, "sent": len(text.encode()), "eof": eof}
 
-    @_method("subprocess.wait", pid=_need(_positive), timeout_seconds=_may(_wait_seconds))
+    @_method("subprocess.wait", pid=_need(_positive), timeout_seconds=_may(_subprocess_wait_seconds))
     async def _wait(self, pid: int, timeout_seconds: float = 30.0) -> object:
         service = self.engine.service
         sp = service.lookup(pid)
@@ -396,6 +414,10 @@ class Methods:
         )
         return {**attrs.asdict(piece), "pid": sp.pid, "stream": stream, "running": running}
 
+    @_method("subprocess.stats", project=_may(read_project))
+    async def _stats_of(self, project: Project | None = None) -> object:
+        return await self._stats.collect(project)
+
     # ---- the tool ----------------------------------------------------------------------------------
 
     @_method("tool.definition")
@@ -467,7 +489,28 @@ class Methods:
     @_method("cron.list", include_disabled=_may(check_flag), project=_may(read_project))
     async def _cron_list(self, include_disabled: bool = True, project: Project | None = None) -> object:
         jobs = await self.engine.cron.list(include_disabled=include_disabled)
-        return [job.to_dict() for job in jobs if project is None or job.project == project.id]
+        lost = await self._lost_owners(jobs)
+        return [  # ``owner_lost`` only where true: a job is otherwise its ``to_dict()`` as everywhere
+            {**job.to_dict(), **({"owner_lost": True} if job.id in lost else {})}
+            for job in jobs
+            if project is None or job.project == project.id
+        ]
+
+    async def _lost_owners(self, jobs: Sequence[CronJob]) -> set[str]:
+        """The ids of ``jobs`` that only another engine runs, one whose heartbeat is older than
+        ``owner_lost_seconds`` (or that never beat): ``cron list`` shows them ``owner lost``."""
+        store = self.engine.cron.store
+        elsewhere = [job for job in jobs if not floats(job) and not store.owns(job)]
+        if not elsewhere:
+            await trio.lowlevel.checkpoint()
+            return set()
+        live = {member.engine_id for member in await store.fleet() if not member.lost}
+        return {job.id for job in elsewhere if job.owner not in live}
+
+    @_method("fleet")
+    async def _fleet(self) -> object:
+        members = await self.engine.cron.store.fleet()
+        return [{**m.to_dict(), "self": m.engine_id == self.engine.engine_id} for m in members]
 
     @_method("cron.get", job_id=_need(check_text), project=_may(read_project))
     async def _cron_get(self, job_id: str, project: Project | None = None) -> object:
@@ -495,6 +538,26 @@ class Methods:
         await self._scoped(job_id, project)
         await self.engine.cron.run_now(job_id)
         return {"job_id": job_id}
+
+    @_method(
+        "events.wait",
+        since=_may(_offset),
+        seconds=_may(_wait_seconds),
+        limit=_may(_positive),
+        project=_may(read_project),
+    )
+    async def _events_wait(
+        self, since: int = 0, seconds: float = 30.0, limit: int | None = None, project: Project | None = None
+    ) -> object:
+        with trio.move_on_after(seconds):
+            while True:
+                events = await self.engine.cron.wait_events(since, seconds)
+                mine = [event for event in events if project is None or event.project == project.id]
+                if mine:
+                    return [event.to_dict() for event in mine[:limit]]
+                if events:
+                    since = events[-1].cursor
+        return []
 
     @_method("events", since=_may(_offset), limit=_may(_positive), project=_may(read_project))
     async def _events(
