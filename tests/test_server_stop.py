@@ -147,6 +147,38 @@ def test_a_second_signal_forces_the_stop_and_leaves_watched_commands(
 
 
 @pytest.mark.serial
+def test_a_second_signal_forces_the_stop_while_a_kill_waits_out_its_grace(
+    tmp_path: Path, project: Path, cleanup: list[str]
+) -> None:
+    """Found by a new user: a ``kill`` in its grace period held the stop, and a second signal waited too."""
+    state = tmp_path / "state"
+    stubborn = mark("6110.5")
+    cleanup.append(stubborn)
+    served = start_serve(state, "--grace-seconds", "20")
+    pid = _create(served, project, *ignoring_sigint(stubborn))
+    assert wait_until(lambda: served.cli("log", str(pid)).stdout == "ready\n")
+    killing = subprocess.Popen(
+        [sys.executable, "-m", "engine", "--state-dir", str(state), "kill", str(pid)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        time.sleep(0.5)  # the kill is in its 20 s grace
+        t0 = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=15) == 0
+        took = time.monotonic() - t0
+        print(f"forced stop with a kill in flight: {took:.3f} s (the grace period is 20 s)")
+        assert took < 4.0
+        assert "event=forced signal=SIGTERM" in served.log()
+        assert not alive(pid)
+    finally:
+        killing.communicate(timeout=20)
+
+
+@pytest.mark.serial
 @pytest.mark.parametrize("end_watched", [False, True])
 def test_engine_stop_method_stops_serve_and_ends_watched_commands_when_asked(
     tmp_path: Path, cleanup: list[str], end_watched: bool

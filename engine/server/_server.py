@@ -351,9 +351,14 @@ async def _serve_until_stopped(
     config: EngineConfig,
     state_dir: str,
     signals: AsyncIterator[int],
+    stopping: trio.Nursery,
     task_status: trio.TaskStatus[str],
 ) -> None:
-    """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body)."""
+    """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body).
+
+    From the stop on, a further signal forces it (:func:`force_on_next_signal`, started in ``stopping``):
+    also while requests still being answered wait for their kills (a ``kill`` in its grace period).
+    """
     listener, path = await bind_socket(state_dir)
     try:
         stop = StopRequest()
@@ -372,6 +377,7 @@ async def _serve_until_stopped(
                 task_status.started(path)
                 reason = await stop.wait(signals)
                 log_event("stopping", **reason, pid=os.getpid())
+                stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
                 listening.cancel_scope.cancel()
             with trio.move_on_after(_ANSWER_SECONDS):
                 await server.wait_idle()
@@ -411,8 +417,7 @@ async def serve(
                     async with open_engine(config) as engine:
                         entered = True
                         engine.supervisor.add_observer(RunLogger())
-                        await _serve_until_stopped(engine, config, state_dir, signals, task_status)
-                        stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
+                        await _serve_until_stopped(engine, config, state_dir, signals, stopping, task_status)
                     stopping.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 unwrap_single(group)
