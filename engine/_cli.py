@@ -20,7 +20,9 @@ from . import _cli_start as service
 from . import _top
 from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
 from ._errors import EngineError, InvalidArgumentError
-from ._input import check_env, check_json, read_seconds, read_whole, show
+from ._escalation import MAX_GRACE_SECONDS
+from ._input import MAX_INT, MAX_WAIT_SECONDS, check_env, check_json, read_seconds, read_whole, show
+from ._restart import MAX_RESTARTS
 from ._version import __version__
 from ._when import read_duration
 from .server._client import EngineClient, EngineNotRunningError
@@ -48,16 +50,20 @@ def _env_item(value: str) -> tuple[str, str]:
     return key, text
 
 
-def _whole(minimum: int) -> Callable[[str], int]:
-    """An argparse type: a whole number ``>= minimum`` (as :func:`engine._input.read_whole`)."""
+def _whole(minimum: int, maximum: int = MAX_INT) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``minimum`` to ``maximum`` (as ``_input.read_whole``)."""
 
     def parse(text: str) -> int:
         try:
-            return read_whole(int(text), "the value", minimum)
+            value = read_whole(int(text), "the value", minimum)
         except (ValueError, InvalidArgumentError):
+            value = None
+        if value is None or value > maximum:
+            top = "2**53" if maximum == MAX_INT else str(maximum)
             raise argparse.ArgumentTypeError(
-                f"expected a whole number >= {minimum}, got {show(text)}"
-            ) from None
+                f"expected a whole number from {minimum} to {top}, got {show(text)}"
+            )
+        return value
 
     return parse
 
@@ -83,6 +89,19 @@ def _finite_seconds(text: str) -> float:
         return read_seconds(value, "the value")
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds_up_to(maximum: float, *, above_zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number of seconds from 0 (or above 0) to ``maximum``, as the engine takes it."""
+
+    def read(text: str) -> float:
+        seconds = _finite_seconds(text)
+        if seconds > maximum or (above_zero and seconds == 0):
+            floor = "more than 0" if above_zero else "from 0"
+            raise argparse.ArgumentTypeError(f"expected {floor} to {maximum:g} seconds, got {show(text)}")
+        return seconds
+
+    return read
 
 
 def _duration(text: str) -> float:
@@ -129,7 +148,7 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
     prefix = "embedded: " if embedded else ""
     p.add_argument(
         "--grace-seconds",
-        type=_finite_seconds,
+        type=_seconds_up_to(MAX_GRACE_SECONDS),
         default=5.0,
         metavar="S",
         help=f"{prefix}SIGINT -> SIGKILL delay (default 5)",
@@ -249,7 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-log", metavar="RE", help="return once a line of its output matches RE")
     p.add_argument("--ready-port", type=_port, metavar="N", help="return once it listens on TCP port N")
     p.add_argument(
-        "--ready-timeout", type=_finite_seconds, metavar="S", help="wait for ready at most S s (default 30)"
+        "--ready-timeout",
+        type=_seconds_up_to(MAX_WAIT_SECONDS, above_zero=True),
+        metavar="S",
+        help="wait for ready at most S s (default 30)",
     )
     p.add_argument(
         "--restart",
@@ -258,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-restarts",
-        type=_whole(0),
+        type=_whole(0, MAX_RESTARTS),
         metavar="N",
         help="restarts within 60 s before a crash loop (default 5)",
     )
@@ -293,7 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("wait", commands.wait, "wait until a subprocess has exited; print how it ended")
     p.add_argument("pid", type=_positive_int, metavar="PID")
     p.add_argument(
-        "--timeout", type=_finite_seconds, default=30.0, metavar="S", help="at most S s (default 30, max 300)"
+        "--timeout",
+        type=_seconds_up_to(MAX_WAIT_SECONDS),
+        default=30.0,
+        metavar="S",
+        help="at most S s (default 30, max 300)",
     )
 
     cron = add("cron", None, "scheduled and on-exit jobs")

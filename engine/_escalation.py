@@ -35,9 +35,22 @@ from __future__ import annotations
 import enum
 import signal
 from collections.abc import Callable, Generator, Sequence
-from typing import NamedTuple, Protocol
+from typing import Final, NamedTuple, Protocol
 
-__all__ = ["Escalation", "EscalationTarget", "Phase", "Steps", "WaitGone", "advance", "escalate"]
+__all__ = [
+    "MAX_GRACE_SECONDS",
+    "Escalation",
+    "EscalationTarget",
+    "Phase",
+    "Steps",
+    "WaitGone",
+    "advance",
+    "escalate",
+]
+
+#: The longest grace period or kill wait an escalation takes, in seconds (an hour): a longer one would
+#: let a child that ignores SIGINT outlive ``kill``, ``stop`` and the guardian for practical purposes.
+MAX_GRACE_SECONDS: Final = 3600.0
 
 
 class EscalationTarget(Protocol):

@@ -252,8 +252,10 @@ def read_whole(value: object, field: str, minimum: int = 0) -> int:
     return check_int(value, field, minimum)
 
 
-def read_seconds(value: object, field: str, *, minimum: float | None = 0.0) -> float:
-    """A finite number of seconds (``>= minimum`` unless that is ``None``), as a float."""
+def read_seconds(
+    value: object, field: str, *, minimum: float | None = 0.0, maximum: float | None = None
+) -> float:
+    """A finite number of seconds as a float, ``>= minimum`` (unless ``None``) and ``<= maximum``."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgumentError(f"{field} must be a number of seconds, got {show(value)}")
     try:
@@ -263,6 +265,8 @@ def read_seconds(value: object, field: str, *, minimum: float | None = 0.0) -> f
     if not math.isfinite(seconds) or (minimum is not None and seconds < minimum):
         floor = "" if minimum is None else f" >= {minimum:g}"
         raise InvalidArgumentError(f"{field} must be a finite number of seconds{floor}, got {show(value)}")
+    if maximum is not None and seconds > maximum:
+        raise InvalidArgumentError(f"{field} must be at most {maximum:g} seconds, got {show(value)}")
     return seconds
 
 

@@ -25,6 +25,7 @@ import trio
 
 from ._containment import Containment, Placement, open_containment
 from ._errors import unwrap_single
+from ._escalation import MAX_GRACE_SECONDS
 from ._input import show
 from ._keyed_locks import KeyedLocks
 from ._procfs import (
@@ -77,6 +78,14 @@ class TerminationReason(enum.Enum):
 def _optional_positive(_inst: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
     if value is not None and not value >= 0:
         raise ValueError(f"{attribute.name} must be a number of seconds >= 0, got {value!r}")
+
+
+def _optional_grace(_inst: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None and not 0 <= value <= MAX_GRACE_SECONDS:
+        raise ValueError(
+            f"{attribute.name} must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g} (an hour), "
+            f"got {value!r}"
+        )
 
 
 def _stream_target(_inst: object, attribute: attrs.Attribute[str | int | None], value: object) -> None:
@@ -137,7 +146,7 @@ class SpawnSpec:
     scope_key: str = attrs.field(default="default", validator=attrs.validators.instance_of(str))
     replace_existing_scope: bool = False
     max_runtime_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
-    grace_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
+    grace_seconds: float | None = attrs.field(default=None, validator=_optional_grace)
     outlive_engine_crash: bool = False
 
     def __attrs_post_init__(self) -> None:

@@ -54,8 +54,13 @@ CRON_NICKNAMES: Final[Mapping[str, str]] = {
     "@hourly": "0 * * * *",
 }
 
+#: The farthest ahead a schedule reaches, in seconds (ten years of 365.25 days): the longest ``--every``
+#: (``cron._schedule.MAX_EVERY_SECONDS``) and the longest ``--at +DURATION``. Longer is surely a unit mistake.
+TEN_YEARS_SECONDS: Final = 10 * 365.25 * 86400
+
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 _PART = re.compile(rf"\s*({_NUMBER})\s*([wdhms])", re.IGNORECASE)
+_UNIT_ORDER = "wdhms"
 _WALL_TIME = re.compile(r"(\d{1,2}):(\d{2})(?::(\d{2}))?")
 _ZONE_SUFFIX = re.compile(r"\[([^\]]+)\]$")
 
@@ -73,11 +78,18 @@ def read_duration(text: str, field: str) -> float:
         pass  # not a plain number: a duration with units
     total = 0.0
     at = 0
+    units = ""
     while at < len(stripped):
         part = _PART.match(stripped, at)
         if part is None:
             break
-        total += float(part.group(1)) * UNIT_SECONDS[part.group(2).lower()]
+        unit = part.group(2).lower()
+        if units and _UNIT_ORDER.index(unit) <= _UNIT_ORDER.index(units[-1]):
+            raise InvalidArgumentError(
+                f"{field} takes units largest first, each once (1h30m, not 30m1h or 1h1h), got {show(text)}"
+            )
+        units += unit
+        total += float(part.group(1)) * UNIT_SECONDS[unit]
         at = part.end()
     if at == 0 or stripped[at:].strip():
         raise InvalidArgumentError(
@@ -165,7 +177,10 @@ def read_at(
     """
     stripped = text.strip()
     if stripped.startswith("+"):
-        return now() + timedelta(seconds=read_duration(stripped[1:], "--at +DURATION"))
+        ahead = read_duration(stripped[1:], "--at +DURATION")
+        if ahead > TEN_YEARS_SECONDS:
+            raise InvalidArgumentError(f"--at +DURATION must be at most ten years ahead, got {show(text)}")
+        return now() + timedelta(seconds=ahead)
     suffix = _ZONE_SUFFIX.search(stripped)
     named = read_zone(suffix.group(1), "--at [ZONE]") if suffix else None
     if suffix is not None:
@@ -189,7 +204,13 @@ def read_at(
             f"HH:MM or +DURATION, got {show(text)}"
         ) from None
     if moment.tzinfo is None:
-        return moment.replace(tzinfo=where)
+        aware = moment.replace(tzinfo=where)
+        if aware.astimezone(UTC).astimezone(where).replace(tzinfo=None) != moment:
+            raise InvalidArgumentError(
+                f"--at {show(text)} does not exist in {getattr(where, 'key', where)}: the clocks skip it "
+                "(a daylight saving change); give a time after the gap, or an offset"
+            )
+        return aware
     if named is not None or zone is not None:
         raise InvalidArgumentError(
             f"--at {show(text)} has an offset already; leave out the zone, or the offset"

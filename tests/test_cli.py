@@ -51,11 +51,42 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
         ("create", *state, "--", "true"),  # no --project
         ("create", *state, "--project", ".", "-e", "NOEQUALS", "--", "true"),
         ("cron", "add", *state, "--every", "5"),  # no payload
+        # Bounds the engine holds, said by the CLI before it asks (found by a new user):
+        ("start", *state, "--grace-seconds", "1e9"),  # a grace nothing outlives
+        ("cron", "add", *state, "--at", "+99999999999d", "--text", "x"),  # a traceback before
+        ("cron", "add", *state, "--every", "1h1h", "--text", "x"),
+        (
+            "cron",
+            "add",
+            *state,
+            "--at",
+            "2030-03-31T02:30",
+            "--tz",
+            "Europe/Paris",
+            "--text",
+            "x",
+        ),  # no such time
+        ("create", *state, "--project", ".", "--ready-timeout", "301", "--", "true"),
+        (
+            "create",
+            *state,
+            "--project",
+            ".",
+            "--restart",
+            "on-failure",
+            "--max-restarts",
+            "1001",
+            "--",
+            "true",
+        ),
+        ("wait", *state, "1", "--timeout", "1e9"),
+        ("log", *state, "99999999999999999999999"),
     ]
     procs = [subprocess.Popen([sys.executable, "-m", "engine", *c], stderr=subprocess.PIPE) for c in commands]
     for proc in procs:
-        proc.communicate(timeout=30)
-        assert proc.returncode == 2
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 2, err
+        assert b"Traceback" not in err
 
 
 def test_cli_state_dir_before_after_and_from_the_environment(served: Served) -> None:

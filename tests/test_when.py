@@ -47,6 +47,12 @@ def test_read_duration_refuses_what_is_no_duration_naming_the_option(text: str) 
         read_duration(text, "--every")
 
 
+@pytest.mark.parametrize("text", ["1h1h", "30m1h", "5s5m", "1d1w"])
+def test_read_duration_takes_each_unit_once_largest_first(text: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"^--every takes units largest first, each once"):
+        read_duration(text, "--every")
+
+
 @given(st.integers(min_value=0, max_value=10 * 365 * 86400))
 def test_format_duration_reads_back(seconds: int) -> None:
     assert read_duration(format_duration(seconds), "x") == seconds
@@ -98,6 +104,10 @@ def test_read_at_without_a_zone_is_local_time(monkeypatch: pytest.MonkeyPatch) -
         ("2030-02-01T09:00[Europe/Paris]", "Asia/Tokyo", "give one of them"),
         ("2030-02-01T09:00[Mars/Olympus]", None, "IANA time zone"),
         ("09:00", "Nowhere/City", "IANA time zone"),
+        ("+99999999999d", None, "at most ten years ahead"),
+        ("+3653d", None, "at most ten years ahead"),
+        ("2030-03-31T02:30", "Europe/Paris", "does not exist in Europe/Paris"),
+        ("2030-03-10T02:30[America/New_York]", None, "does not exist in America/New_York"),
     ],
 )
 def test_read_at_refuses_with_what_to_type(text: str, zone: str | None, message: str) -> None:

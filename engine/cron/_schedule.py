@@ -33,6 +33,7 @@ from cronsim import CronSim, CronSimError
 
 from .._errors import InvalidArgumentError, InvalidScheduleError
 from .._input import check_argument, check_optional_text, check_text, show
+from .._when import TEN_YEARS_SECONDS
 
 __all__ = [
     "MAX_CRON_EXPR_CHARS",
@@ -61,7 +62,7 @@ _MAX_CANDIDATES = 2000
 MIN_EVERY_SECONDS = 1.0
 #: The longest interval of an :class:`Every`, in seconds (ten years of 365.25 days). Longer ones run past
 #: the range of ``datetime`` and are surely a unit mistake; use :class:`At` for a far single run.
-MAX_EVERY_SECONDS = 10 * 365.25 * 86400
+MAX_EVERY_SECONDS = TEN_YEARS_SECONDS
 #: The longest time zone name of a :class:`Cron` (IANA names have at most about 40 characters).
 MAX_TZ_CHARS = 64
 #: The longest cron expression of a :class:`Cron`.

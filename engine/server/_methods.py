@@ -118,19 +118,11 @@ EVENTS_WAIT_MAX_SECONDS: Final = 50.0
 
 
 def _wait_seconds(value: object, field: str) -> float:
-    seconds = read_seconds(value, field)
-    if seconds > EVENTS_WAIT_MAX_SECONDS:
-        raise InvalidArgumentError(
-            f"{field} must be at most {EVENTS_WAIT_MAX_SECONDS:g} seconds, got {seconds}"
-        )
-    return seconds
+    return read_seconds(value, field, maximum=EVENTS_WAIT_MAX_SECONDS)
 
 
 def _subprocess_wait_seconds(value: object, field: str) -> float:
-    seconds = read_seconds(value, field)
-    if seconds > MAX_WAIT_SECONDS:
-        raise InvalidArgumentError(f"{field} must be at most {MAX_WAIT_SECONDS:g} seconds, got {show(value)}")
-    return seconds
+    return read_seconds(value, field, maximum=MAX_WAIT_SECONDS)
 
 
 def _tool_params(value: object, field: str) -> Mapping[str, object]:
