@@ -24,7 +24,13 @@ from typing import Any, Final
 
 from ._cli_output import CommandFailedError, emit_json
 from ._when import format_duration
-from .server._client import EngineClient, EngineNotRunningError, EngineSocketMissingError, RpcError
+from .server._client import (
+    EngineClient,
+    EngineNotRunningError,
+    EngineSocketMissingError,
+    EngineStoppingError,
+    RpcError,
+)
 from .server._location import resolve_state_dir
 from .server._protocol import METHOD_NOT_FOUND
 
@@ -212,6 +218,21 @@ def start(args: argparse.Namespace) -> int:
 # ---- stop ----------------------------------------------------------------------------------------------
 
 
+def _ask_to_stop(client: EngineClient, pid: int, end_watched: bool) -> None:
+    """The ``engine.stop`` call, or SIGTERM to an engine of an older version that has no such method."""
+    try:
+        client.call("engine.stop", end_watched=end_watched)
+    except RpcError as exc:
+        if exc.code != METHOD_NOT_FOUND:
+            raise
+        if end_watched:
+            raise CommandFailedError(
+                f"the engine (pid {pid}) is of an older version that cannot end watched commands; "
+                "stop it without --end-watched"
+            ) from None
+        os.kill(pid, signal.SIGTERM)  # an older engine: the signal stops it the same way
+
+
 def stop(client: EngineClient, args: argparse.Namespace) -> int:
     """``gadget-engine stop``: a graceful stop, waited for; 1 when it takes longer than ``--wait-seconds``.
 
@@ -219,18 +240,12 @@ def stop(client: EngineClient, args: argparse.Namespace) -> int:
         EngineNotRunningError: no engine runs (exit 3).
         CommandFailedError: the engine was still stopping at the bound, or cannot end watched commands.
     """
-    pid = int(client.call("status")["pid"])
     try:
-        client.call("engine.stop", end_watched=args.end_watched)
-    except RpcError as exc:
-        if exc.code != METHOD_NOT_FOUND:
-            raise
-        if args.end_watched:
-            raise CommandFailedError(
-                f"the engine (pid {pid}) is of an older version that cannot end watched commands; "
-                "stop it without --end-watched"
-            ) from None
-        os.kill(pid, signal.SIGTERM)  # an older engine: the signal stops it the same way
+        pid = int(client.call("status")["pid"])
+    except EngineStoppingError as exc:  # a stop already under way: wait for it as for ours
+        pid = exc.pid
+    else:
+        _ask_to_stop(client, pid, args.end_watched)
     client.close()
     if not wait_process_gone(pid, args.wait_seconds):
         raise CommandFailedError(

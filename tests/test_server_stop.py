@@ -178,6 +178,30 @@ def test_a_second_signal_forces_the_stop_while_a_kill_waits_out_its_grace(
         killing.communicate(timeout=20)
 
 
+def test_while_the_engine_stops_clients_say_so_and_a_second_stop_waits_for_it(
+    tmp_path: Path, project: Path, cleanup: list[str]
+) -> None:
+    """Found by a new user: a second ``stop`` said the socket was missing (it was there, not listening)."""
+    state = tmp_path / "state"
+    stubborn = mark("6111.5")
+    cleanup.append(stubborn)
+    served = start_serve(state, "--grace-seconds", "3")
+    pid = _create(served, project, *ignoring_sigint(stubborn))
+    assert wait_until(lambda: served.cli("log", str(pid)).stdout == "ready\n")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "engine", "--state-dir", str(state), "stop"], stdout=subprocess.PIPE, text=True
+    )
+    assert wait_until(lambda: "event=stopping" in served.log())
+    listed = served.cli("list")
+    second = served.cli("stop")
+    out, _ = first.communicate(timeout=20)
+    assert first.returncode == 0 and out.startswith("stopped the engine"), out
+    assert listed.returncode == 1 and "is stopping and no longer answers" in listed.stderr, listed
+    assert second.returncode == 0, second
+    assert second.stdout == f"stopped the engine on {state} (pid {served.proc.pid})\n"
+    assert served.proc.wait(timeout=10) == 0 and not alive(pid)
+
+
 @pytest.mark.serial
 @pytest.mark.parametrize("end_watched", [False, True])
 def test_engine_stop_method_stops_serve_and_ends_watched_commands_when_asked(

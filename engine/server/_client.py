@@ -36,6 +36,7 @@ __all__ = [
     "EngineConnectionError",
     "EngineNotRunningError",
     "EngineSocketMissingError",
+    "EngineStoppingError",
     "RpcError",
 ]
 
@@ -98,8 +99,25 @@ class EngineSocketMissingError(EngineError, ConnectionError):
         self.pid = pid
 
 
-def _not_running(state_dir: str, path: str) -> EngineNotRunningError | EngineSocketMissingError:
+class EngineStoppingError(EngineSocketMissingError):
+    """Raised by :meth:`EngineClient.connect` when the engine that holds the state directory refuses
+    connections on its socket file: it is stopping (it stops listening first, and removes the file last).
+
+    Attributes:
+        pid: the engine's pid.
+    """
+
+
+def _not_running(
+    state_dir: str, path: str, *, refused: bool = False
+) -> EngineNotRunningError | EngineSocketMissingError:
     pid = lock_holder(state_dir)
+    if pid is not None and refused:
+        return EngineStoppingError(
+            f"the engine on {state_dir} (pid {pid}) is stopping and no longer answers; "
+            "try again once it has stopped",
+            pid,
+        )
     if pid is not None:
         return EngineSocketMissingError(
             f"an engine is running on {state_dir} as pid {pid}, but its socket {path} is missing; "
@@ -197,9 +215,11 @@ class EngineClient:
         try:
             sock.connect(path)
             check_peer(sock, path)
-        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             sock.close()
-            raise _not_running(self.state_dir, path) from None
+            raise _not_running(
+                self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError)
+            ) from None
         except BaseException:
             sock.close()
             raise
@@ -311,8 +331,10 @@ class AsyncEngineClient:
         path = self.socket_path
         try:
             reader, writer = await asyncio.open_unix_connection(path, limit=MAX_RESPONSE_BYTES)
-        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
-            raise _not_running(self.state_dir, path) from None
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
+            raise _not_running(
+                self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError)
+            ) from None
         try:
             check_peer(writer.get_extra_info("socket"), path)
         except BaseException:

@@ -352,38 +352,39 @@ async def _serve_until_stopped(
     state_dir: str,
     signals: AsyncIterator[int],
     stopping: trio.Nursery,
+    bound: list[str],
     task_status: trio.TaskStatus[str],
 ) -> None:
     """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body).
 
     From the stop on, a further signal forces it (:func:`force_on_next_signal`, started in ``stopping``):
     also while requests still being answered wait for their kills (a ``kill`` in its grace period).
+    The socket's path goes into ``bound``: its file stays until the engine has closed (``serve`` removes
+    it), so that meanwhile clients are refused and say the engine is stopping.
     """
     listener, path = await bind_socket(state_dir)
-    try:
-        stop = StopRequest()
-        server = RpcServer.from_config(Methods(engine, path, __version__, stop=stop.by_method), config)
-        async with trio.open_nursery() as connections:
-            async with trio.open_nursery() as listening:
-                await listening.start(
-                    serve_socket,
-                    server.handle_connection,
-                    listener,
-                    path,
-                    functools.partial(_bind_again, state_dir),
-                    connections,
-                )
-                log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
-                task_status.started(path)
-                reason = await stop.wait(signals)
-                log_event("stopping", **reason, pid=os.getpid())
-                stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
-                listening.cancel_scope.cancel()
-            with trio.move_on_after(_ANSWER_SECONDS):
-                await server.wait_idle()
-            connections.cancel_scope.cancel()
-    finally:
-        _remove_socket(state_dir, path)
+    bound.append(path)
+    stop = StopRequest()
+    server = RpcServer.from_config(Methods(engine, path, __version__, stop=stop.by_method), config)
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as listening:
+            await listening.start(
+                serve_socket,
+                server.handle_connection,
+                listener,
+                path,
+                functools.partial(_bind_again, state_dir),
+                connections,
+            )
+            log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
+            task_status.started(path)
+            reason = await stop.wait(signals)
+            log_event("stopping", **reason, pid=os.getpid())
+            stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
+            listening.cancel_scope.cancel()
+        with trio.move_on_after(_ANSWER_SECONDS):
+            await server.wait_idle()
+        connections.cancel_scope.cancel()
 
 
 async def serve(
@@ -410,6 +411,7 @@ async def serve(
     state_dir = config.resolved_state_dir()
     config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
     entered = False
+    bound: list[str] = []  # the socket this serve made, removed once its engine has closed
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         try:
             try:
@@ -417,10 +419,15 @@ async def serve(
                     async with open_engine(config) as engine:
                         entered = True
                         engine.supervisor.add_observer(RunLogger())
-                        await _serve_until_stopped(engine, config, state_dir, signals, stopping, task_status)
+                        await _serve_until_stopped(
+                            engine, config, state_dir, signals, stopping, bound, task_status
+                        )
                     stopping.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 unwrap_single(group)
+            finally:
+                for path in bound:
+                    _remove_socket(state_dir, path)
         except EngineLockedError:
             if entered:
                 raise
