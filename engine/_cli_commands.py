@@ -20,6 +20,7 @@ from ._cli_follow import print_events
 from ._cli_output import EXIT_FAILED, EXIT_OK, CommandFailedError, emit_json, table
 from ._errors import InvalidArgumentError, SpawnError
 from ._input import check_json
+from ._termtext import escape_controls
 from ._when import expand_cron, read_at, read_zone, show_moment
 from .server._client import EngineClient
 from .server._location import resolve_state_dir
@@ -363,7 +364,7 @@ def cron_get(client: EngineClient, args: argparse.Namespace) -> int:
         ("created", show_moment(job["created_at"], zone)),
     ]
     for key, value in rows:
-        print(f"{key:<12} {value}")
+        print(f"{key:<12} {escape_controls(str(value))}")
     return EXIT_OK
 
 

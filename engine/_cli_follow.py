@@ -20,6 +20,7 @@ from typing import Any, Final
 from ._cli_output import EXIT_OK, emit_json
 from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
+from ._termtext import escape_controls
 from .server._client import (
     EngineClient,
     EngineConnectionError,
@@ -174,7 +175,9 @@ def print_events(events: list[dict[str, Any]], as_json: bool) -> None:
         emit_json(events)
     else:
         for event in events:
-            head = f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---"
+            head = escape_controls(
+                f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---"
+            )
             sys.stdout.write(head + "\n")
             sys.stdout.write(event["text"].rstrip("\n") + "\n")
     sys.stdout.flush()

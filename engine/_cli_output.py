@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Final
 
 from ._errors import EngineError
+from ._termtext import escape_controls
 from .server._client import RpcError
 from .server._protocol import METHOD_NOT_FOUND
 
@@ -43,7 +44,8 @@ def emit_json(values: Iterable[object]) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print ``rows`` under ``headers`` in columns two spaces apart."""
+    """Print ``rows`` under ``headers`` in columns two spaces apart, control characters escaped."""
+    rows = [[escape_controls(cell) for cell in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     for row in (headers, *rows):
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from ._cli_output import CommandFailedError, emit_json
+from ._termtext import escape_controls
 from ._when import format_duration
 from .server._client import (
     EngineClient,
@@ -297,5 +298,5 @@ def status(client: EngineClient, args: argparse.Namespace) -> int:
         ("last event", _describe_event(result.get("last_event"))),
     ]
     for key, value in rows:
-        print(f"{key:<12} {value}".rstrip())
+        print(f"{key:<12} {escape_controls(str(value))}".rstrip())
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["LAST_LINE_CHARS", "last_line", "printable", "printable_line"]
+__all__ = ["LAST_LINE_CHARS", "escape_controls", "last_line", "printable", "printable_line"]
 
 #: The longest last line :func:`last_line` keeps, in characters.
 LAST_LINE_CHARS: Final = 400
@@ -26,6 +26,14 @@ _ESCAPES = re.compile(
     r"|\x9b[0-?]*[ -/]*[@-~]"
 )
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_ANY_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with each control character (newlines, tabs and ESC included) written as Python writes
+    it in a string (``\\n``, ``\\t``, ``\\x1b``): for one cell or value of a table, where a name or a path
+    that holds one would break the line or move the cursor. Other text is left as it is."""
+    return _ANY_CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def printable_line(line: str) -> str:

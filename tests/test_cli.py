@@ -516,3 +516,29 @@ def test_cli_list_line_caps_a_huge_argv_and_json_keeps_it(served: Served, projec
         assert record["args"] == ["-c", f"sleep {mark('340.95')}", huge]
     finally:
         served.cli("kill", str(pid))
+
+
+def test_control_characters_in_names_and_paths_are_escaped_not_drawn(served: Served, tmp_path: Path) -> None:
+    """Found by a new user: a job named ``bad<newline>name<ESC>[2J`` broke ``cron list`` and cleared the
+    screen from ``cron get``, ``events`` and ``status``; a project folder's name did the same."""
+    name = "bad\nname\x1b[2J"
+    added = served.cli("cron", "add", "--every", "1h", "--text", "x", "--name", name)
+    assert added.returncode == 0, added
+    job = added.stdout.strip()
+    folder = tmp_path / "weird\nproj \x1b[7mX"
+    folder.mkdir()
+    created = served.cli("create", "--project", str(folder), "--", "sleep", mark("6112.5"))
+    assert created.returncode == 0, created
+    assert served.cli("cron", "run", job).returncode == 0
+    assert wait_until(lambda: served.cli("events").stdout != "")
+    shown = [
+        served.cli(*c) for c in (("cron", "list"), ("cron", "get", job), ("events",), ("status",), ("list",))
+    ]
+    for out in shown:
+        assert out.returncode == 0, out
+        assert "\x1b" not in out.stdout, out.stdout
+    assert "bad\\nname\\x1b[2J" in shown[0].stdout and len(shown[0].stdout.splitlines()) == 2
+    assert "name         bad\\nname\\x1b[2J\n" in shown[1].stdout
+    assert shown[2].stdout.splitlines()[0] == f"--- event 1: bad\\nname\\x1b[2J (job {job}) ---"
+    assert "weird\\nproj \\x1b[7mX" in shown[3].stdout
+    assert served.cli("kill", created.stdout.strip()).returncode == 0
