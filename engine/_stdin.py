@@ -8,7 +8,7 @@ pseudo-terminal: a program that asks ``isatty(0)`` gets "no", as under any pipe 
 ``expect`` give a pty; this is the plain case).
 
 A child that does not read blocks a write once the pipe's buffer (64 KiB on Linux) is full; callers bound
-their writes (the tool waits :data:`~engine._tool.INPUT_WRITE_SECONDS`).
+their writes: the tool, the socket and the CLI through :func:`write_within` (:data:`INPUT_WRITE_SECONDS`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,36 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from typing import final
+from collections.abc import Awaitable, Callable
+from typing import Final, final
 
 import attrs
 import trio
 
-from ._errors import EngineError
+from ._errors import EngineError, InvalidArgumentError
 
-__all__ = ["StdinClosedError", "StdinPipe"]
+__all__ = ["INPUT_WRITE_SECONDS", "StdinClosedError", "StdinPipe", "write_within"]
+
+#: How long a write for an agent or a person waits for a process that does not read its stdin, in seconds.
+INPUT_WRITE_SECONDS: Final = 10.0
+
+
+async def write_within(write: Callable[[], Awaitable[None]], pid: int) -> None:
+    """Run ``write()`` (a ``write_stdin`` call) for at most :data:`INPUT_WRITE_SECONDS`.
+
+    Cancellation: as ``write``; what it wrote before stays written.
+
+    Raises:
+        InvalidArgumentError: the process did not read its stdin in time (its pipe stayed full); part of
+            the text may have been sent.
+    """
+    with trio.move_on_after(INPUT_WRITE_SECONDS) as scope:
+        await write()
+    if scope.cancelled_caught:
+        raise InvalidArgumentError(
+            f"pid {pid} did not read its stdin within {INPUT_WRITE_SECONDS:g} s (its pipe is full); "
+            "part of the text may have been sent. Check its log, or kill it"
+        )
 
 
 class StdinClosedError(EngineError, ValueError):

@@ -10,6 +10,7 @@ that says what to send instead.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from typing import Any, Final, final
 
@@ -30,6 +31,7 @@ from ._input import (
 )
 from ._logs import LogSlice, Stream
 from ._restart import RESTART_MODES
+from ._stdin import write_within
 from ._subprocesses import SubProcess, SubProcessService, SubProcessSummary
 
 __all__ = ["EXTENDED_COMMANDS", "EXTENDED_USES", "EXTENSION_PARAMETERS", "ToolExtensions"]
@@ -59,8 +61,6 @@ EXTENDED_USES: Final[Mapping[str, frozenset[str]]] = {
 
 #: The default and the longest ``wait``, in seconds.
 WAIT_DEFAULT_SECONDS: Final = 30.0
-#: How long ``input`` waits for a process that does not read its stdin, in seconds.
-INPUT_WRITE_SECONDS: Final = 10.0
 #: What ``log`` returns at most, in bytes (as the spec's log).
 LOG_MAX_BYTES: Final = 32 * 1024
 
@@ -254,13 +254,7 @@ class ToolExtensions:
         if not text and not eof:
             raise InvalidArgumentError('cmd=input needs text (e.g. "y\\n"), or eof=true to end the input')
         sent = len(text.encode())
-        with trio.move_on_after(INPUT_WRITE_SECONDS) as scope:
-            await self.service.write_stdin(sp.pid, text, eof=eof)
-        if scope.cancelled_caught:
-            raise InvalidArgumentError(
-                f"pid {sp.pid} did not read its stdin within {INPUT_WRITE_SECONDS:g} s (its pipe is full); "
-                "part of the text may have been sent. Check its log, or kill it"
-            )
+        await write_within(functools.partial(self.service.write_stdin, sp.pid, text, eof=eof), sp.pid)
         lines = ["SUBPROCESS INPUT", f"pid: {sp.pid}", f"sent: {sent} bytes"]
         if eof:
             lines.append("stdin: closed (end of input)")

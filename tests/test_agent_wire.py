@@ -111,6 +111,16 @@ def test_cli_create_ready_port_input_wait_log_new_grep(served: Served, project: 
     late = served.cli("input", str(cat), "third")
     assert late.returncode == 1 and "the input was ended (eof)" in late.stderr
 
+    # A process that does not read: the CLI's input is bounded as the tool's is (found by a new user).
+    deaf = int(served.cli("create", "--project", str(project), "--stdin", "--", "sleep", mark("73.3")).stdout)
+    try:
+        blocked = served.cli("input", str(deaf), "x" * 100_000, timeout=25)
+        assert blocked.returncode == 1, blocked
+        assert f"pid {deaf} did not read its stdin within 10 s (its pipe is full)" in blocked.stderr
+        assert served.cli("list").returncode == 0  # the engine goes on
+    finally:
+        served.cli("kill", str(deaf))
+
     sleeper = int(served.cli("create", "--project", str(project), "--", "sleep", mark("73.2")).stdout)
     try:
         still = served.cli("wait", str(sleeper), "--timeout", "0.2")

@@ -10,6 +10,7 @@ subprocesses as ``SubProcessSummary.to_dict()``, jobs as ``CronJob.to_dict()``, 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, final
@@ -42,6 +43,7 @@ from .._input import (
 from .._project import Project
 from .._readiness import ReadyCheck
 from .._restart import RestartPolicy
+from .._stdin import write_within
 from ..cron._claims import floats
 from ..cron._job import Command, CronJob, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
@@ -312,7 +314,7 @@ class Methods:
 
     @_method("subprocess.input", pid=_need(_positive), text=_may(check_string), eof=_may(check_flag))
     async def _input(self, pid: int, text: str = "", eof: bool = False) -> object:
-        await self.engine.service.write_stdin(pid, text, eof=eof)
+        await write_within(functools.partial(self.engine.service.write_stdin, pid, text, eof=eof), pid)
         return {"pid": pid, "sent": len(text.encode()), "eof": eof}
 
     @_method("subprocess.wait", pid=_need(_positive), timeout_seconds=_may(_subprocess_wait_seconds))
