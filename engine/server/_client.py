@@ -19,6 +19,7 @@ Nothing here imports Trio (see ``docs/rpc.md`` for importing the clients where T
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import socket
@@ -152,6 +153,10 @@ def _result(line: bytes, request_id: int) -> Any:
         response = decode_line(line)
     except ValueError as exc:
         raise _UnusableResponseError(f"the engine sent a response that is not JSON: {exc}") from None
+    if isinstance(response, dict) and response.get("id") is None and isinstance(response.get("error"), dict):
+        # Not an answer but the engine's last word on this connection (too many connections, idle too long).
+        said = str(response["error"].get("message") or "no reason given")
+        raise _UnusableResponseError(f"the engine refused the connection: {said}")
     if not isinstance(response, dict) or response.get("id") != request_id:
         raise _UnusableResponseError(f"the engine sent an unexpected response: {line[:200]!r}")
     if "error" in response:
@@ -258,7 +263,10 @@ class EngineClient:
             self._sock.sendall(encode_request(method, params, request_id))
             line = self._read_line()
         except (BrokenPipeError, ConnectionResetError, EngineConnectionError) as exc:
+            said = self._last_word()
             self.close()
+            if said is not None:  # the engine said why it closed the connection (too many connections)
+                _result(said, request_id)
             raise _broken(self.state_dir, method) from exc
         except BaseException:
             self.close()
@@ -268,6 +276,19 @@ class EngineClient:
         except _UnusableResponseError:
             self.close()
             raise
+
+    def _last_word(self) -> bytes | None:
+        """A line the engine sent before it closed the connection, still unread (or ``None``)."""
+        assert self._sock is not None
+        with contextlib.suppress(OSError):
+            self._sock.setblocking(False)
+            while b"\n" not in self._buffer and len(self._buffer) <= MAX_RESPONSE_BYTES:
+                chunk = self._sock.recv(65536)
+                if not chunk:
+                    break
+                self._buffer += chunk
+        newline = self._buffer.find(b"\n")
+        return bytes(self._buffer[:newline]) if newline >= 0 else None
 
     def _read_line(self) -> bytes:
         assert self._sock is not None
