@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ._prompts import tools_for_mode as tools_for_mode
     from ._readiness import ReadyCheck as ReadyCheck
     from ._restart import RestartPolicy as RestartPolicy
+    from ._stdin import StdinBlockedError as StdinBlockedError
     from ._stdin import StdinClosedError as StdinClosedError
     from ._subprocesses import SubProcess as SubProcess
     from ._subprocesses import SubProcessService as SubProcessService
@@ -120,6 +121,7 @@ _EXPORTS: dict[str, str] = {
     "SpawnError": "._errors",
     "SpawnSpec": "._supervisor",
     "SqliteJobStore": ".cron",
+    "StdinBlockedError": "._stdin",
     "StdinClosedError": "._stdin",
     "StoreError": "._errors",
     "SubProcess": "._subprocesses",

@@ -9,6 +9,7 @@ on stderr), 2 usage, 3 no engine runs. ``docs/guide-cli.md`` has the details.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -19,13 +20,13 @@ from . import _cli_follow as follow
 from . import _cli_start as service
 from . import _top
 from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
-from ._errors import EngineError, InvalidArgumentError
+from ._errors import EngineError, InvalidArgumentError, InvalidScheduleError
 from ._escalation import MAX_GRACE_SECONDS
 from ._input import MAX_INT, MAX_WAIT_SECONDS, check_env, check_json, read_seconds, read_whole, show
-from ._restart import MAX_RESTARTS
 from ._version import __version__
 from ._when import read_duration
-from .server._client import EngineClient, EngineNotRunningError
+from .server._client import EngineClient, EngineNotRunningError, RpcError
+from .server._protocol import INVALID_PARAMS
 
 __all__ = ["build_parser", "main"]
 
@@ -280,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-restarts",
-        type=_whole(0, MAX_RESTARTS),
+        type=_whole(0),
         metavar="N",
         help="restarts within 60 s before a crash loop (default 5)",
     )
@@ -393,6 +394,10 @@ def _not_running(error: EngineNotRunningError, state_dir: str | None) -> str:
     return f"{head}; start one with: gadget-engine{where} start"
 
 
+#: The exit code when standard output's reader went away, as a shell reports a process ended by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gadget-engine`` command line and return its exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -414,6 +419,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineNotRunningError as exc:
         print(f"gadget-engine: {_not_running(exc, args.state_dir)}", file=sys.stderr)
         return EXIT_NO_ENGINE
+    except BrokenPipeError:  # the reader stopped reading (| head): quiet, as cat is; nothing more to flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except (InvalidArgumentError, InvalidScheduleError, RpcError) as exc:
+        if isinstance(exc, RpcError) and exc.code != INVALID_PARAMS:
+            print(f"gadget-engine: {user_message(exc)}", file=sys.stderr)
+            return EXIT_FAILED
+        # The engine found the input wrong: a usage error, as one the CLI finds itself.
+        print(f"gadget-engine: {user_message(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except (CommandFailedError, EngineError, OSError) as exc:
         print(f"gadget-engine: {user_message(exc)}", file=sys.stderr)
         return EXIT_FAILED

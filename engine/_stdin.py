@@ -22,12 +22,17 @@ from typing import Final, final
 import attrs
 import trio
 
-from ._errors import EngineError, InvalidArgumentError
+from ._errors import EngineError
 
-__all__ = ["INPUT_WRITE_SECONDS", "StdinClosedError", "StdinPipe", "write_within"]
+__all__ = ["INPUT_WRITE_SECONDS", "StdinBlockedError", "StdinClosedError", "StdinPipe", "write_within"]
 
 #: How long a write for an agent or a person waits for a process that does not read its stdin, in seconds.
 INPUT_WRITE_SECONDS: Final = 10.0
+
+
+class StdinBlockedError(EngineError, TimeoutError):
+    """Raised by :func:`write_within` when the process did not read its stdin in time (its pipe stayed
+    full); part of the text may have been sent."""
 
 
 async def write_within(write: Callable[[], Awaitable[None]], pid: int) -> None:
@@ -36,13 +41,12 @@ async def write_within(write: Callable[[], Awaitable[None]], pid: int) -> None:
     Cancellation: as ``write``; what it wrote before stays written.
 
     Raises:
-        InvalidArgumentError: the process did not read its stdin in time (its pipe stayed full); part of
-            the text may have been sent.
+        StdinBlockedError: the process did not read its stdin in time.
     """
     with trio.move_on_after(INPUT_WRITE_SECONDS) as scope:
         await write()
     if scope.cancelled_caught:
-        raise InvalidArgumentError(
+        raise StdinBlockedError(
             f"pid {pid} did not read its stdin within {INPUT_WRITE_SECONDS:g} s (its pipe is full); "
             "part of the text may have been sent. Check its log, or kill it"
         )

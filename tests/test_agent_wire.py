@@ -187,3 +187,7 @@ def test_cli_and_rpc_restart_policy(served: Served, project: Path) -> None:
         assert bad.value.code == INVALID_PARAMS
     usage = served.cli("create", "--project", str(project), "--max-restarts", "2", "--", "true")
     assert usage.returncode == 2
+    too_many = served.cli(
+        "create", "--project", str(project), "--restart", "on-failure", "--max-restarts", "1001", "--", "true"
+    )  # the engine's bound, a usage error too
+    assert too_many.returncode == 2 and "from 0 to 1000" in too_many.stderr, too_many
