@@ -9,11 +9,12 @@ and deleted by ``kill``. Each file is a :class:`~engine._logs.LogFile`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import final
 
@@ -163,13 +164,33 @@ class LogPair:
                 os.rename(os.path.basename(log.path), name, src_dir_fd=fd, dst_dir_fd=fd)
                 log.path = os.path.join(self.directory, name)
 
-    def enforce_cap(self, cap_bytes: int) -> int:
+    @property
+    def files(self) -> tuple[LogFile, LogFile]:
+        """``(stdout file, stderr file)``."""
+        return self._files["stdout"], self._files["stderr"]
+
+    def enforce_cap(
+        self,
+        cap_bytes: int,
+        *,
+        only: Iterable[LogFile] | None = None,
+        arm: Callable[[LogFile, int], object] | None = None,
+    ) -> int:
         """Keep each file within about ``cap_bytes`` (see :meth:`LogFile.enforce_cap`); a file that
-        fails is logged and left as it is. Returns the bytes dropped."""
+        fails is logged and left as it is. Returns the bytes dropped.
+
+        Args:
+            cap_bytes: the size to keep.
+            only: these of the pair's files (``None``: both).
+            arm: called with each file and its checked descriptor before its size is read (the log
+                cap's watch, ``_logwatch``).
+        """
         dropped = 0
-        for log in self._files.values():
+        for log in self._files.values() if only is None else only:
             try:
-                dropped += log.enforce_cap(cap_bytes)
+                dropped += log.enforce_cap(
+                    cap_bytes, arm=None if arm is None else functools.partial(arm, log)
+                )
             except OSError as exc:
                 _log.warning("log cap of %s failed: %s", log.path, exc)
         return dropped

@@ -32,7 +32,7 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 import attrs
@@ -214,12 +214,17 @@ class LogFile:
 
     # ---- the cap ---------------------------------------------------------------------------------
 
-    def enforce_cap(self, cap_bytes: int) -> int:
+    def enforce_cap(self, cap_bytes: int, *, arm: Callable[[int], object] | None = None) -> int:
         """Drop the oldest bytes so that about ``cap_bytes`` stay on disk; return how many were dropped.
 
         With hole punching the kept part is at most ``cap_bytes`` plus one filesystem block (holes are
         block-aligned); the newest bytes are never touched. A missing file is left alone, and so is
         anything that is not the file the engine made (logged once).
+
+        Args:
+            cap_bytes: the size to keep.
+            arm: called with the checked descriptor of the file before its size is read (the log cap
+                arms its watch for the next write there, ``_logwatch``); not called when the file is gone.
         """
         try:
             fd = self._open(os.O_RDWR)
@@ -231,6 +236,8 @@ class LogFile:
         except FileNotFoundError:
             return 0
         try:
+            if arm is not None:
+                arm(fd)
             st = os.fstat(fd)
             self._observe(fd, st.st_size)
             if self.base + st.st_size - self.dropped <= cap_bytes:
