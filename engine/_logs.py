@@ -33,13 +33,13 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import IO, TYPE_CHECKING, Literal
 
 import attrs
 
 from . import _libc
 from ._logdir import LogFolder, LogGoneError
-from ._logread import count_lines, read_forward, read_tail
+from ._logread import LineIndex, read_forward, read_tail
 
 if TYPE_CHECKING:
     from ctypes import _NamedFuncPointer
@@ -141,6 +141,7 @@ class LogFile:
     identity: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
     _seen: int = attrs.field(init=False, default=0)  # the physical size last seen
     _warned: bool = attrs.field(init=False, default=False)
+    _index: LineIndex | None = attrs.field(init=False, default=None)  # newlines counted so far
 
     # ---- opening the inode the engine made, and nothing else -----------------------------------------
 
@@ -259,6 +260,12 @@ class LogFile:
         end = (st.st_size - cap_bytes) // block * block
         if end <= start:
             return 0
+        index = self._index
+        if index is not None:  # count what is dropped while it can still be read
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                valid = index.base == self.base and index.first == start and index.move_first(f, end)
+            if not valid:
+                self._index = None
         if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
             err = ctypes.get_errno()
             if err in _NO_PUNCH:
@@ -292,12 +299,20 @@ class LogFile:
             size = newer
         os.ftruncate(fd, written)
         self._seen = written
+        self._index = None  # the kept bytes moved: counted afresh
         dropped = self.base + keep_from - self.dropped
         self.base += keep_from
         self.dropped = self.base
         return dropped
 
     # ---- reading ---------------------------------------------------------------------------------
+
+    def _count_lines(self, f: IO[bytes], first: int, size: int) -> int:
+        """The lines in ``[first, size)``, counting only what was appended since the last count."""
+        index = self._index
+        if index is None or index.base != self.base or index.first != first or size < index.end:
+            index = self._index = LineIndex(base=self.base, origin=first)
+        return index.lines(f, size)
 
     def read_all(self) -> str:
         """Every byte still kept, decoded (invalid UTF-8 replaced): :meth:`read` without bounds.
@@ -328,7 +343,7 @@ class LogFile:
             else:
                 want = first if offset is None else min(max(offset - self.base, first), size)
                 start, data = want, read_forward(f, want, size, limit, max_bytes)
-            lines = count_lines(f, first, size)
+            lines = self._count_lines(f, first, size)
         end = start + len(data)
         return LogSlice(
             text=data.decode("utf-8", "replace"),
