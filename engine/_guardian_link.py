@@ -22,6 +22,14 @@ __all__ = ["GuardianLink"]
 _LOG = "guardian.log"
 
 
+def _batch_scheduling(pid: int) -> None:
+    """Put the guardian under ``SCHED_BATCH``: the lines the engine writes wake it without preempting
+    the engine (a woken normal task would run at once on the engine's CPU, ~0.25 ms per line under load),
+    and it still gets a normal task's share of CPU when it must end the engine's children."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
+
+
 @final
 @attrs.define(eq=False)
 class GuardianLink:
@@ -63,6 +71,7 @@ class GuardianLink:
             env = {k: v for k, v in os.environ.items() if k != RUN_MARKER_VAR}
             env[GUARDIAN_VAR] = self.state_dir  # the engine's own child, never an orphan to end
             self.pid = spawn_process(argv, cwd="/", env=env, stdout_fd=log, stderr_fd=log, stdin_fd=read_end)
+            _batch_scheduling(self.pid)
         finally:
             os.close(read_end)
             os.close(log)
