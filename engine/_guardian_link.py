@@ -1,4 +1,4 @@
-"""The engine's end of the guardian (see ``_guardian``): group records and the pipe."""
+"""The engine's end of the guardian (see ``_guardian``): group records (a journal) and the pipe."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import final
 import attrs
 import trio
 
+from ._group_journal import GroupJournal
 from ._guardian import BOOTSTRAP
 from ._pidfd import wait_exited
 from ._procfs import GUARDIAN_VAR, RUN_MARKER_VAR, read_proc
@@ -50,6 +51,7 @@ class GuardianLink:
     pid: int | None = attrs.field(init=False, default=None)
     _pipe: int = attrs.field(init=False, default=-1)
     _records: dict[int, GroupRecord] = attrs.field(init=False, factory=dict)
+    _journal: GroupJournal | None = attrs.field(init=False, default=None)
 
     def start(self) -> None:
         """Start the guardian process (it loads in the background; lines wait in the pipe)."""
@@ -89,9 +91,11 @@ class GuardianLink:
         return info.start_time if info is not None else 0
 
     def record_token(self) -> None:
-        """Write the engine's token to the state dir before its first spawn (see ``_sweep.write_token``)."""
+        """Write the engine's token to the state dir before its first spawn (see ``_sweep.write_token``),
+        and open its group journal (``_group_journal``)."""
         if self.token:
             write_token(self.state_dir, self.token, self._start_time())
+            self._journal = GroupJournal(records_dir(self.state_dir), self.token)
 
     def _send(self, line: str) -> None:
         if self._pipe < 0:
@@ -114,14 +118,20 @@ class GuardianLink:
             return
         record = GroupRecord.of_run(run)
         self._records[run.pid] = record
-        record.write(self.state_dir)
+        if self._journal is not None:
+            self._journal.add(record)
+        else:
+            record.write(self.state_dir)
         self._send(f"+ {record.line()}")
 
     def run_ended(self, run: ManagedRun) -> None:
         """Drop the run's record and tell the guardian."""
         record = self._records.pop(run.pid, None)
         if record is not None:
-            record.remove(self.state_dir)
+            if self._journal is not None:
+                self._journal.drop(record)
+            else:
+                record.remove(self.state_dir)
             self._send(f"- {record.pgid} {record.start_time}")
 
     def _reap_guardian(self, *, block: bool) -> bool:
@@ -142,6 +152,8 @@ class GuardianLink:
         Cancellation: shielded and bounded (2 s, then SIGKILL).
         """
         with trio.CancelScope(shield=True):
+            if self._journal is not None:
+                self._journal.close()
             if self.token:
                 remove_token(self.state_dir, self.token)
             if self._pipe >= 0:
