@@ -34,7 +34,7 @@ from ._procfs import (
     read_proc,
     set_child_subreaper,
 )
-from ._spawn import spawn_process
+from ._spawn import engine_environment, spawn_process
 from ._sweep import end_processes
 from ._termination import ProcessTree, wait_gone
 
@@ -284,6 +284,9 @@ class RunObserver(Protocol):
         """Called once the run's tree is reaped, before ``wait`` returns."""
 
 
+_RUN_MARKER_KEY = RUN_MARKER_VAR.encode()
+
+
 def _now_ticks() -> int:
     """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` start times count in."""
     with open("/proc/uptime", encoding="ascii") as f:
@@ -464,14 +467,14 @@ class Supervisor:
     def _start(self, spec: SpawnSpec) -> ManagedRun:
         argv = spec.resolved_argv()
         cwd = os.path.abspath(spec.cwd) if spec.cwd is not None else os.getcwd()
-        env = dict(os.environ) if spec.inherit_env else {}
+        env = engine_environment() if spec.inherit_env else {}
         if spec.env:
-            env.update(spec.env)
-        env["PWD"] = cwd
+            env.update((os.fsencode(k), os.fsencode(v)) for k, v in spec.env.items())
+        env[b"PWD"] = os.fsencode(cwd)
         run_id = next(self._ids)
         watched = spec.outlive_engine_crash
         marker = self._containment.marker(run_id, watched=watched)
-        env[RUN_MARKER_VAR] = marker
+        env[_RUN_MARKER_KEY] = marker.encode()
         placement = self._containment.place(run_id, watched=watched)
         opened: list[int] = []
         try:
