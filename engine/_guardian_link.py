@@ -116,7 +116,9 @@ class GuardianLink:
         """
         if run.outlive_engine_crash or run.cgroup is not None:
             return
-        record = GroupRecord.of_run(run)
+        # Every run leads a session of its own (``posix_spawn`` with ``POSIX_SPAWN_SETSID``), and its pid
+        # stays its own while it is not reaped: its session id is its pid, no ``/proc`` read needed.
+        record = GroupRecord(pgid=run.pgid, sid=run.pid, start_time=run.start_time, marker=run.marker)
         self._records[run.pid] = record
         if self._journal is not None:
             self._journal.add(record)
