@@ -281,7 +281,8 @@ class RunObserver(Protocol):
         """Called right after the spawn, before ``spawn`` returns."""
 
     def run_ended(self, run: ManagedRun) -> None:
-        """Called once the run's tree is reaped, before ``wait`` returns."""
+        """Called once the run's tree is reaped, right after its waiters were woken (one checkpoint
+        later, so that the housekeeping does not delay them)."""
 
 
 _RUN_MARKER_KEY = RUN_MARKER_VAR.encode()
@@ -602,9 +603,17 @@ class Supervisor:
             run._tree.close()
             run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
             run._state = RunState.EXITED
-            self._containment.release(run._placement)
-            self._forget(run)
+            self._forget(run, ended=False)
             run._done.set()
+            # The tree is gone and reaped: the waiters may go on. What is left is housekeeping (remove the
+            # leaf, tell the guardian and the records), done after one checkpoint so that it overlaps what
+            # the waiters do next (the next spawn's child runs meanwhile) instead of delaying them.
+            try:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            finally:
+                self._containment.release(run._placement)
+                for observer in self._observers:
+                    observer.run_ended(run)
 
     def _forget(self, run: ManagedRun, *, ended: bool = True) -> None:
         run._tree.close()
