@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from . import cron, logs, report, scale, spawn, terminate, tool_log
+from . import cron, fleet, logs, report, scale, spawn, terminate, tool_log
 from ._common import Context, GiB, MiB, Row, containment_modes, loadavg, machine, wait_quiet
 from ._supervisord import Supervisord
 
@@ -38,6 +38,7 @@ WORKLOADS: dict[str, Callable[[Context], Awaitable[list[Row]]]] = {
     "scale": scale.run,
     "cron": cron.run,
     "tool-log": tool_log.run,
+    "fleet": fleet.run,
 }
 
 _SUFFIXES = {"k": 2**10, "kib": 2**10, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB, "": 1, "b": 1}

@@ -32,11 +32,15 @@ if TYPE_CHECKING:
     from ._errors import SubProcessNotFoundError as SubProcessNotFoundError
     from ._errors import UntrustedPathError as UntrustedPathError
     from ._logs import LogSlice as LogSlice
+    from ._patterns import PatternTimeoutError as PatternTimeoutError
     from ._project import Project as Project
     from ._prompts import TOOL_MODES as TOOL_MODES
     from ._prompts import process_management_block as process_management_block
     from ._prompts import render_mode_prompt as render_mode_prompt
     from ._prompts import tools_for_mode as tools_for_mode
+    from ._readiness import ReadyCheck as ReadyCheck
+    from ._restart import RestartPolicy as RestartPolicy
+    from ._stdin import StdinClosedError as StdinClosedError
     from ._subprocesses import SubProcess as SubProcess
     from ._subprocesses import SubProcessService as SubProcessService
     from ._subprocesses import SubProcessSummary as SubProcessSummary
@@ -104,13 +108,17 @@ _EXPORTS: dict[str, str] = {
     "LogSlice": "._logs",
     "ManagedRun": "._supervisor",
     "OnExit": ".cron",
+    "PatternTimeoutError": "._patterns",
     "Project": "._project",
+    "ReadyCheck": "._readiness",
+    "RestartPolicy": "._restart",
     "RpcError": ".server._protocol",
     "RunExit": "._supervisor",
     "RunState": "._supervisor",
     "SpawnError": "._errors",
     "SpawnSpec": "._supervisor",
     "SqliteJobStore": ".cron",
+    "StdinClosedError": "._stdin",
     "StoreError": "._errors",
     "SubProcess": "._subprocesses",
     "SubProcessNotFoundError": "._errors",

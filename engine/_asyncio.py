@@ -43,6 +43,8 @@ from ._engine import Engine, open_engine
 from ._errors import EngineError
 from ._logs import LogSlice
 from ._project import Project
+from ._readiness import ReadyCheck
+from ._restart import RestartPolicy
 from ._subprocesses import SubProcessSummary
 from .cron._events import FiredEvent
 from .cron._job import CronJob, Payload
@@ -212,10 +214,15 @@ class AsyncioEngine:
         args: Sequence[str] = (),
         *,
         env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+        ready: ReadyCheck | None = None,
+        restart: RestartPolicy | None = None,
+        notify_on_exit: bool = False,
     ) -> SubProcessSummary:
         """Start ``command args...`` in ``project`` (a :class:`Project` or its directory).
 
-        See ``SubProcessService.create``. Cancellation: as :meth:`run`.
+        See ``SubProcessService.create`` (``stdin``, ``ready``, ``restart``, ``notify_on_exit`` too).
+        Cancellation: as :meth:`run`.
 
         Raises:
             SpawnError, LimitExceededError: as ``SubProcessService.create``.
@@ -224,10 +231,33 @@ class AsyncioEngine:
         chosen = _project(project)
 
         async def create(engine: Engine) -> SubProcessSummary:
-            sp = await engine.service.create(chosen, command, tuple(args), env=env)
+            sp = await engine.service.create(
+                chosen,
+                command,
+                tuple(args),
+                env=env,
+                stdin=stdin,
+                ready=ready,
+                restart=restart,
+                notify_on_exit=notify_on_exit,
+            )
             return engine.service.summarize(sp)
 
         return await self.run(create)
+
+    async def write_stdin(self, pid: int, data: str | bytes, *, eof: bool = False) -> None:
+        """``SubProcessService.write_stdin``: send ``data`` to ``pid``'s stdin (``eof``: then close it).
+
+        Cancellation: as :meth:`run`; wrap the call in ``asyncio.timeout`` for a process that may not read.
+        """
+        await self.run(lambda engine: engine.service.write_stdin(pid, data, eof=eof))
+
+    async def wait(self, pid: int) -> SubProcessSummary:
+        """``SubProcessService.wait``: the summary once ``pid`` has exited for good.
+
+        Cancellation: as :meth:`run`; bound it with ``asyncio.timeout``.
+        """
+        return await self.run(lambda engine: engine.service.wait(pid))
 
     async def ps(self) -> list[SubProcessSummary]:
         """Every managed subprocess (live and halted), summarized. Cancellation: as :meth:`run`."""
@@ -265,11 +295,25 @@ class AsyncioEngine:
         limit: int | None = None,
         tail: int | None = None,
         max_bytes: int = 32768,
+        new_only: bool = False,
+        grep: str | None = None,
+        reader: str = "default",
     ) -> LogSlice:
-        """``SubProcessService.read_log``: a bounded slice of one log. Cancellation: as :meth:`run`."""
+        """``SubProcessService.read_log``: a bounded slice of one log (``new_only``, ``grep`` too).
+
+        Cancellation: as :meth:`run`.
+        """
         return await self.run(
-            functools.partial(
-                _read_log, pid=pid, stream=stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
+            lambda engine: engine.service.read_log(
+                pid,
+                stream,
+                offset=offset,
+                limit=limit,
+                tail=tail,
+                max_bytes=max_bytes,
+                new_only=new_only,
+                grep=grep,
+                reader=reader,
             )
         )
 
@@ -342,21 +386,6 @@ class AsyncioEngine:
 
 def _project(project: Project | str | os.PathLike[str]) -> Project:
     return project if isinstance(project, Project) else Project.from_directory(os.fspath(project))
-
-
-async def _read_log(
-    engine: Engine,
-    *,
-    pid: int,
-    stream: str,
-    offset: int | None,
-    limit: int | None,
-    tail: int | None,
-    max_bytes: int,
-) -> LogSlice:
-    return await engine.service.read_log(
-        pid, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
-    )
 
 
 async def _cron_add(

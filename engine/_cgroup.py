@@ -42,6 +42,7 @@ __all__ = [
     "load_recorded_parent",
     "parent_leaves",
     "parent_name",
+    "watched_leaf",
 ]
 
 #: The file in the state directory that names the engine's parent cgroup (for the guardian and the sweep).
@@ -446,3 +447,21 @@ def load_recorded_parent(state_dir: str) -> tuple[Cgroup2, str] | None:
 def parent_leaves(cgroup2: Cgroup2, path: str) -> list[Leaf]:
     """The leaves under a recorded parent (see :func:`load_recorded_parent`)."""
     return list(_leaves(path, cgroup2))
+
+
+def watched_leaf(path: str) -> Leaf | None:
+    """The watched command's leaf at ``path`` (from a watch state), or ``None`` if it is not one.
+
+    Trusted only when it is a real directory named ``w-...`` whose parent is an engine's parent cgroup
+    (``gadget-engine-...``) under a mounted cgroup2 hierarchy.
+    """
+    found, _ = find_cgroup2()
+    if found is None or not os.path.isabs(path) or os.path.normpath(path) != path:
+        return None
+    if not path.startswith(found.mount + os.sep) or not os.path.basename(path).startswith(WATCH_PREFIX):
+        return None
+    if not os.path.basename(os.path.dirname(path)).startswith("gadget-engine-"):
+        return None
+    if not os.path.isdir(path) or os.path.islink(path):
+        return None
+    return Leaf(path=path, rel=found.relative(path))

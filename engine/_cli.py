@@ -17,6 +17,7 @@ from typing import NoReturn
 from . import _cli_commands as commands
 from . import _cli_follow as follow
 from . import _cli_start as service
+from . import _top
 from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
 from ._errors import EngineError, InvalidArgumentError
 from ._input import check_env, check_json, read_seconds, read_whole, show
@@ -62,6 +63,14 @@ def _whole(minimum: int) -> Callable[[str], int]:
 
 
 _positive_int = _whole(1)
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number, 1 to 65535."""
+    port = _positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {show(text)}")
+    return port
 
 
 def _finite_seconds(text: str) -> float:
@@ -139,7 +148,33 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:
-    """The socket's limits and the store's repair, which ``serve`` and ``start`` take (docs/security.md)."""
+    """The socket's limits, the store and its repair, which ``serve`` and ``start`` take."""
+    p.add_argument(
+        "--store",
+        metavar="URL",
+        help="a PostgreSQL job store shared by a fleet of engines, postgresql://user@host/db "
+        "(default: $GADGET_ENGINE_STORE, else SQLite in the state dir); keep its password out of the "
+        "command line: PGPASSWORD, ~/.pgpass or $GADGET_ENGINE_STORE",
+    )
+    p.add_argument(
+        "--engine-id",
+        metavar="ID",
+        help="this engine's id in the fleet (default: one generated once and kept in the state dir)",
+    )
+    p.add_argument(
+        "--owner-lost-seconds",
+        type=_finite_seconds,
+        default=60.0,
+        metavar="S",
+        help="fleet: an engine silent this long shows 'owner lost' on its jobs (default 60)",
+    )
+    p.add_argument(
+        "--lease-seconds",
+        type=_finite_seconds,
+        default=30.0,
+        metavar="S",
+        help="fleet: how long an undelivered event stays with the engine that logged it (default 30)",
+    )
     p.add_argument(
         "--repair",
         action="store_true",
@@ -210,6 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--project", required=True, metavar="DIR")
     p.add_argument("-e", "--env", action="append", type=_env_item, metavar="KEY=VALUE")
+    p.add_argument("--stdin", action="store_true", help="give it a stdin pipe (write with: input PID TEXT)")
+    p.add_argument("--ready-log", metavar="RE", help="return once a line of its output matches RE")
+    p.add_argument("--ready-port", type=_port, metavar="N", help="return once it listens on TCP port N")
+    p.add_argument(
+        "--ready-timeout", type=_finite_seconds, metavar="S", help="wait for ready at most S s (default 30)"
+    )
+    p.add_argument(
+        "--restart",
+        choices=("no", "on-failure", "always"),
+        help="restart it when it exits on its own (default: no)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_whole(0),
+        metavar="N",
+        help="restarts within 60 s before a crash loop (default 5)",
+    )
+    p.add_argument(
+        "--notify-on-exit", action="store_true", help="its own final exit becomes an event (see: events)"
+    )
     p.add_argument("argv", nargs="+", metavar="CMD")
     p = add("list", commands.list_subprocesses, "list the subprocesses")
     p.add_argument("--project", metavar="DIR", help="only this project's")
@@ -228,6 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--tail", type=_positive_int, metavar="N", help="only the last N lines")
     p.add_argument("-f", "--follow", action="store_true", help="go on until the process has exited")
+    p.add_argument("--new", action="store_true", help="only what is new since the last log --new")
+    p.add_argument("--grep", metavar="RE", help="only the lines matching RE, with their numbers")
+    p = add("input", commands.send_input, "write TEXT and a newline to a subprocess's stdin")
+    p.add_argument("pid", type=_positive_int, metavar="PID")
+    p.add_argument("text", metavar="TEXT")
+    p.add_argument("--eof", action="store_true", help="then close its stdin (end of input)")
+    p.add_argument("--no-newline", action="store_true", help="send TEXT as it is, without a newline")
+    p = add("wait", commands.wait, "wait until a subprocess has exited; print how it ended")
+    p.add_argument("pid", type=_positive_int, metavar="PID")
+    p.add_argument(
+        "--timeout", type=_finite_seconds, default=30.0, metavar="S", help="at most S s (default 30, max 300)"
+    )
 
     cron = add("cron", None, "scheduled and on-exit jobs")
     cron_sub = cron.add_subparsers(dest="cron_command", required=True, metavar="COMMAND")
@@ -264,9 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         add_cron(name, handler, help_text).add_argument("job_id", metavar="JOB_ID")
 
+    add("fleet", commands.fleet, "list the engines sharing the job store, with the age of their heartbeat")
     p = add("events", follow.events, "print fired events")
     p.add_argument("--since", type=_whole(0), default=0, metavar="CURSOR", help="only events after CURSOR")
     p.add_argument("-f", "--follow", action="store_true", help="wait for new events until Ctrl-C")
+    p = add("top", _top.top, "a live view of the runs and cron jobs (needs the tui extra)")
+    p.add_argument("--project", metavar="DIR", help="start filtered to this project")
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
     p.add_argument("--project", default=".", metavar="DIR")

@@ -28,6 +28,8 @@ from .server._protocol import decode_line, describe_schedule
 if TYPE_CHECKING:
     from ._config import EngineConfig
 
+#: The environment variable naming the job store URL of ``serve`` and ``start`` (``--store``).
+STORE_VARIABLE: Final = "GADGET_ENGINE_STORE"
 #: The longest command ``list`` shows in its table, in characters.
 COMMAND_COLUMN_CHARS: Final = 200
 
@@ -54,8 +56,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings of ``serve`` and an embedding ``mcp``, from their options."""
     from ._config import EngineConfig  # attrs and platformdirs: not for the client commands
 
+    store = getattr(args, "store", None) or os.environ.get(STORE_VARIABLE) or None
     try:
         return EngineConfig(
+            store_url=store,
+            engine_id=getattr(args, "engine_id", None),
+            owner_lost_seconds=getattr(args, "owner_lost_seconds", 60.0),
+            lease_seconds=getattr(args, "lease_seconds", 30.0),
             state_dir=resolve_state_dir(args.state_dir),
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
@@ -102,8 +109,36 @@ def split_hint(command: str, args: object, *, tool: bool = False) -> str:
     )
 
 
+def _create_options(args: argparse.Namespace) -> dict[str, object]:
+    """``create``'s extension options as the RPC's ``stdin``, ``ready``, ``restart``, ``notify_on_exit``."""
+    options: dict[str, object] = {}
+    if args.stdin:
+        options["stdin"] = True
+    if args.ready_log is not None or args.ready_port is not None:
+        ready: dict[str, object] = {}
+        if args.ready_log is not None:
+            ready["log"] = args.ready_log
+        if args.ready_port is not None:
+            ready["port"] = args.ready_port
+        if args.ready_timeout is not None:
+            ready["timeout"] = args.ready_timeout
+        options["ready"] = ready
+    elif args.ready_timeout is not None:
+        args.parser.error("--ready-timeout goes with --ready-log or --ready-port")
+    if args.restart is not None:
+        options["restart"] = {"mode": args.restart}
+        if args.max_restarts is not None:
+            options["restart"] = {"mode": args.restart, "max_restarts": args.max_restarts}
+    elif args.max_restarts is not None:
+        args.parser.error("--max-restarts goes with --restart on-failure|always")
+    if args.notify_on_exit:
+        options["notify_on_exit"] = True
+    return options
+
+
 def create(client: EngineClient, args: argparse.Namespace) -> int:
     env = dict(args.env or ())
+    options = _create_options(args)
     try:
         summary = client.call(
             "subprocess.create",
@@ -111,13 +146,43 @@ def create(client: EngineClient, args: argparse.Namespace) -> int:
             command=args.argv[0],
             args=args.argv[1:],
             env=env,
+            **options,
         )
     except SpawnError as exc:
         hint = split_hint(args.argv[0], args.argv[1:])
         if not hint:
             raise
         raise CommandFailedError(f"{exc}{hint}") from None
+    if "ready" in options and not args.json:
+        print(summary["pid"])
+        state = summary["ready"]
+        detail = {"exited": f" ({summary['status']})", "timeout": " (still running)"}.get(state, "")
+        print(f"ready: {state}{detail}", file=sys.stderr)
+        return EXIT_OK
     return _print_created(args, summary, "pid")
+
+
+def send_input(client: EngineClient, args: argparse.Namespace) -> int:
+    """``input PID TEXT [--eof] [--no-newline]``: TEXT (and a newline) to the process's stdin."""
+    text = args.text if args.no_newline else args.text + "\n"
+    result = client.call("subprocess.input", pid=args.pid, text=text, eof=args.eof)
+    if args.json:
+        emit_json([result])
+    return EXIT_OK
+
+
+def wait(client: EngineClient, args: argparse.Namespace) -> int:
+    """``wait PID [--timeout S]``: print the status once the process has exited (exit 1: still running)."""
+    if args.timeout > 300:
+        args.parser.error("--timeout must be at most 300 seconds; run wait again to wait longer")
+    summary = client.call("subprocess.wait", pid=args.pid, timeout_seconds=args.timeout)
+    if args.json:
+        emit_json([summary])
+    elif summary["finished"]:
+        print(summary["status"])
+    if not summary["finished"]:
+        raise CommandFailedError(f"{args.pid} is still running after {args.timeout:g} s")
+    return EXIT_OK
 
 
 def _print_created(args: argparse.Namespace, record: dict[str, Any], key: str) -> int:
@@ -221,11 +286,21 @@ def _job_zone(job: dict[str, Any]) -> str | None:
     return job["schedule"].get("tz") if job["schedule"].get("kind") == "cron" else None
 
 
+def _owner(job: dict[str, Any]) -> str:
+    """Who runs a job in a fleet: ``any`` engine (a timed text), else its owner, ``owner lost`` or not."""
+    if job["payload"].get("kind") == "system_event" and job["schedule"].get("kind") != "on_exit":
+        return "any"
+    owner = job.get("owner") or "-"
+    return f"{owner} (owner lost)" if job.get("owner_lost") else owner
+
+
 def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
     jobs = [job for job in client.call("cron.list") if args.all or not _one_shot_done(job)]
     if args.json:
         emit_json(jobs)
         return EXIT_OK
+    # A fleet (jobs of several engines, or an owner lost) also shows who runs each job.
+    fleet = any(job.get("owner_lost") for job in jobs) or len({job.get("owner") for job in jobs} - {None}) > 1
     rows = [
         [
             job["id"],
@@ -235,10 +310,37 @@ def cron_list(client: EngineClient, args: argparse.Namespace) -> int:
             _describe_payload(job["payload"]),
             show_moment(job["next_run_at"], _job_zone(job)),
             job["last_status"] or "-",
+            *([_owner(job)] if fleet else []),
         ]
         for job in jobs
     ]
-    table(["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST"], rows)
+    table(
+        ["ID", "NAME", "ENABLED", "SCHEDULE", "PAYLOAD", "NEXT RUN", "LAST", *(["OWNER"] if fleet else [])],
+        rows,
+    )
+    return EXIT_OK
+
+
+def fleet(client: EngineClient, args: argparse.Namespace) -> int:
+    """``gadget-engine fleet``: the engines sharing the job store and the age of their last heartbeat."""
+    members: list[dict[str, Any]] = client.call("fleet")
+    if args.json:
+        emit_json(members)
+        return EXIT_OK
+    rows = [
+        [
+            m["engine_id"] + (" *" if m.get("self") else ""),
+            m["host"],
+            str(m["pid"]),
+            m["version"],
+            m["containment"],
+            str(m["live_runs"]),
+            f"{m['age_seconds']:.1f} s",
+            "lost" if m["lost"] else "live",
+        ]
+        for m in members
+    ]
+    table(["ENGINE", "HOST", "PID", "VERSION", "CONTAINMENT", "RUNS", "HEARTBEAT", "STATE"], rows)
     return EXIT_OK
 
 

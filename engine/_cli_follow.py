@@ -20,18 +20,30 @@ from typing import Any, Final
 from ._cli_output import EXIT_OK, emit_json
 from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
-from .server._client import EngineClient, EngineConnectionError, EngineNotRunningError
+from .server._client import (
+    EngineClient,
+    EngineConnectionError,
+    EngineNotRunningError,
+    EngineSocketMissingError,
+    RpcError,
+)
+from .server._protocol import METHOD_NOT_FOUND
 
 __all__ = ["EVENTS_FOLLOW_SECONDS", "LOG_FOLLOW_SECONDS", "engine_went_away", "events", "log", "print_events"]
 
 #: How often ``log --follow`` asks for more output, in seconds.
 LOG_FOLLOW_SECONDS: Final = 0.25
-#: How often ``events --follow`` asks for new events, in seconds.
+#: How often ``events --follow`` asks for new events of an engine without ``events.wait``, in seconds.
 EVENTS_FOLLOW_SECONDS: Final = 0.5
+#: How long one ``events.wait`` call of ``events --follow`` waits for an event, in seconds: the engine
+#: answers as soon as one is logged (woken by LISTEN/NOTIFY on a fleet store), so there is no polling.
+EVENTS_WAIT_SECONDS: Final = 30.0
 #: How long a follower whose connection broke watches for the socket to go (graceful) or the engine's
 #: process to end with it still there (a crash), in seconds.
 GONE_SECONDS: Final = 5.0
 _PAGE_BYTES: Final = 1024 * 1024
+#: The ``new_only`` reader of ``log --new`` (each reader has a cursor of its own in the engine).
+CLI_READER: Final = "cli"
 
 
 def engine_went_away(client: EngineClient, socket_path: str, engine_pid: int, error: Exception) -> int:
@@ -88,22 +100,38 @@ class _Lines:
 
 
 def _history(client: EngineClient, args: argparse.Namespace, stream: str, out: _Lines) -> dict[str, Any]:
-    """Print what the log of ``stream`` holds (or its last ``--tail`` lines); the last slice read."""
-    common = {"pid": args.pid, "stream": stream, "max_bytes": _PAGE_BYTES}
+    """Print what the log of ``stream`` holds (or its last ``--tail`` lines; ``--new``: what is new to the
+    CLI's reader; ``--grep``: the matching lines); the last slice read."""
+    common: dict[str, Any] = {"pid": args.pid, "stream": stream, "max_bytes": _PAGE_BYTES}
+    if args.new:
+        common.update(new_only=True, reader=CLI_READER)
+    if args.grep is not None:
+        common["grep"] = args.grep
     if args.tail is not None:
         piece: dict[str, Any] = client.call("subprocess.read_log", tail=args.tail, **common)
         out.write(piece)
         return piece
     piece = client.call("subprocess.read_log", **common)
     out.write(piece)
-    while piece["next_offset"] < piece["total_bytes"]:
-        piece = client.call("subprocess.read_log", offset=piece["next_offset"], **common)
+    while piece["next_offset"] < piece["total_bytes"] and (args.grep is None or piece["truncated"]):
+        at = {} if args.new else {"offset": piece["next_offset"]}
+        piece = client.call("subprocess.read_log", **at, **common)
         out.write(piece)
+    if piece.get("skipped_bytes"):
+        print(
+            f"gadget-engine: {piece['skipped_bytes']} bytes of {stream} written since the last --new read "
+            "are gone (the log cap dropped them, or the log was truncated)",
+            file=sys.stderr,
+        )
     return piece
 
 
 def log(client: EngineClient, args: argparse.Namespace) -> int:
-    """``gadget-engine log PID [-n N] [-f] [--stream stdout|stderr|both]``."""
+    """``gadget-engine log PID [-n N] [-f] [--stream stdout|stderr|both] [--new] [--grep RE]``."""
+    if args.new and (args.tail is not None or args.follow):
+        args.parser.error("--new reads what is new since the last --new read; leave out -n and -f")
+    if args.grep is not None and args.follow:
+        args.parser.error("--grep searches what is there; leave out -f")
     streams = ("stdout", "stderr") if args.stream == "both" else (args.stream,)
     out = _Lines(prefixed=len(streams) > 1, as_json=args.json)
     engine_pid = int(client.call("status")["pid"]) if args.follow else 0
@@ -125,7 +153,7 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
                     out.write(piece)
                 last[stream] = piece
         return EXIT_OK
-    except (EngineConnectionError, EngineNotRunningError) as exc:
+    except (EngineConnectionError, EngineNotRunningError, EngineSocketMissingError) as exc:
         if not args.follow:
             raise
         return engine_went_away(client, socket_path, engine_pid, exc)
@@ -157,16 +185,26 @@ def events(client: EngineClient, args: argparse.Namespace) -> int:
     since = args.since
     engine_pid = int(client.call("status")["pid"]) if args.follow else 0
     socket_path = client.socket_path
+    waits = True  # the engine has ``events.wait`` (an older one is asked every EVENTS_FOLLOW_SECONDS)
     try:
+        found = client.call("events", since=since)
         while True:
-            found = client.call("events", since=since)
             print_events(found, args.json)
             if found:
                 since = found[-1]["cursor"]
             if not args.follow:
                 return EXIT_OK
+            if waits:
+                try:
+                    found = client.call("events.wait", since=since, seconds=EVENTS_WAIT_SECONDS)
+                    continue
+                except RpcError as exc:
+                    if exc.code != METHOD_NOT_FOUND:
+                        raise
+                    waits = False
             time.sleep(EVENTS_FOLLOW_SECONDS)
-    except (EngineConnectionError, EngineNotRunningError) as exc:
+            found = client.call("events", since=since)
+    except (EngineConnectionError, EngineNotRunningError, EngineSocketMissingError) as exc:
         if not args.follow:
             raise
         return engine_went_away(client, socket_path, engine_pid, exc)

@@ -106,6 +106,14 @@ def _serve_argv(state_dir: str, args: argparse.Namespace) -> list[str]:
     argv += ["--max-request-bytes", str(args.max_request_bytes)]
     if args.repair:
         argv.append("--repair")
+    if args.engine_id:
+        argv += ["--engine-id", args.engine_id]
+    argv += [
+        "--owner-lost-seconds",
+        repr(args.owner_lost_seconds),
+        "--lease-seconds",
+        repr(args.lease_seconds),
+    ]
     return argv
 
 
@@ -119,7 +127,7 @@ def _open_log(state_dir: str) -> tuple[int, int]:
     return fd, os.fstat(fd).st_size
 
 
-def _spawn(argv: Sequence[str], log_fd: int) -> int:
+def _spawn(argv: Sequence[str], log_fd: int, store: str | None = None) -> int:
     """Start ``argv`` in a session of its own, stdin ``/dev/null``, stdout and stderr on ``log_fd``."""
     actions = [
         (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
@@ -128,6 +136,8 @@ def _spawn(argv: Sequence[str], log_fd: int) -> int:
     ]
     defaults = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE)
     environ = dict(os.environ)
+    if store:  # through the environment: a password in argv would show in ps
+        environ["GADGET_ENGINE_STORE"] = store
     return os.posix_spawn(
         argv[0], list(argv), environ, file_actions=actions, setsid=True, setsigdef=defaults, setsigmask=()
     )
@@ -172,7 +182,7 @@ def start(args: argparse.Namespace) -> int:
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
     log_fd, offset = _open_log(state_dir)
     try:
-        pid = _spawn(_serve_argv(state_dir, args), log_fd)
+        pid = _spawn(_serve_argv(state_dir, args), log_fd, args.store)
     finally:
         os.close(log_fd)
     deadline = time.monotonic() + args.wait_seconds

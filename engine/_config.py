@@ -22,6 +22,32 @@ if TYPE_CHECKING:
 __all__ = ["EngineConfig"]
 
 _non_negative = attrs.validators.ge(0.0)
+_positive = attrs.validators.gt(0.0)
+
+
+def _store_url(_inst: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is not None:
+        from .cron._pg_conn import check_store_url
+
+        check_store_url(value, attribute.name)
+
+
+def _shown_url(value: str | None) -> str:
+    from .cron._pg_conn import redact_url
+
+    return repr(None if value is None else redact_url(value))
+
+
+def _engine_id(_inst: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value, str)
+        or not 1 <= len(value) <= 64
+        or not value.isascii()
+        or not value.replace("-", "").replace("_", "").replace(".", "").isalnum()
+    ):
+        raise ValueError(f"{attribute.name} must be 1 to 64 letters, digits, '-', '_' or '.', got {value!r}")
 
 
 def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -38,6 +64,18 @@ def _optional_shell(value: Iterable[str] | None) -> tuple[str, ...] | None:
     if not shell:
         raise ValueError("exit_watch_shell must not be empty")
     return shell
+
+
+#: How often a fleet member writes its heartbeat, in seconds (``cron/_fleet.HEARTBEAT_SECONDS``).
+_HEARTBEAT_SECONDS = 5.0
+
+
+def _beyond_heartbeats(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > _HEARTBEAT_SECONDS:
+        raise ValueError(
+            f"{attribute.name} must be more than {_HEARTBEAT_SECONDS:g} s (one heartbeat period), so a live "
+            f"engine never shows as lost; got {value!r}"
+        )
 
 
 @attrs.frozen
@@ -84,6 +122,19 @@ class EngineConfig:
         repair_store: at start, when the job store is damaged (a truncated or WAL-damaged file, rows that
             cannot be read), keep what can be read in a new store and move the damaged file aside
             (``serve --repair``) instead of refusing to start.
+        store_url: the job store: ``None`` for SQLite in the state directory, or ``postgresql://...``
+            for the store a fleet of engines shares (``serve --store``, ``GADGET_ENGINE_STORE``;
+            ``docs/guide-fleet.md``). Its password is never shown (``repr``, logs, ``status``, errors).
+        engine_id: this engine's id in a fleet (``serve --engine-id``; ``None``: one generated once and
+            kept in ``<state_dir>/engine-id``, so it survives a change of host name). It is the owner of
+            the jobs the engine adds: only it runs their ``Command`` or on-exit command.
+        lease_seconds: how long an unacknowledged event of a floating job stays with the embedded engine
+            that logged it before another engine may hand it over (fleet store; default 30 s).
+        owner_lost_seconds: how old an engine's last heartbeat must be for its jobs to show
+            ``owner lost`` in ``cron list`` (fleet store; default 60 s; heartbeats come every 5 s).
+        tool_extensions: the ``subprocess`` tool offers more than the spec (``stdin``, ``ready``,
+            ``restart``, ``notify_on_exit``, ``new``, ``grep``, ``input``, ``wait``); ``False``: its
+            definition is exactly the spec's six commands (``docs/guide-subprocesses.md``).
     """
 
     state_dir: str | None = attrs.field(
@@ -112,6 +163,12 @@ class EngineConfig:
     connection_idle_seconds: float = attrs.field(default=60.0, validator=attrs.validators.gt(0.0))
     max_request_bytes: int = attrs.field(default=1024 * 1024, validator=_positive_int)
     repair_store: bool = False
+    # The fleet (docs/guide-fleet.md).
+    store_url: str | None = attrs.field(default=None, validator=_store_url, repr=_shown_url)
+    engine_id: str | None = attrs.field(default=None, validator=_engine_id)
+    lease_seconds: float = attrs.field(default=30.0, validator=_positive)
+    owner_lost_seconds: float = attrs.field(default=60.0, validator=_beyond_heartbeats)
+    tool_extensions: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     def resolved_state_dir(self) -> str:
         """The absolute state directory this configuration names."""

@@ -100,6 +100,10 @@ class Containment(Protocol):
         """A short phrase for logs: ``cgroup /sys/fs/cgroup/...`` or ``process-group``."""
         ...
 
+    def watched_leaves(self) -> list[Leaf]:
+        """The leaves of watched on-exit commands under this engine's parent (``[]`` without cgroups)."""
+        ...
+
 
 @final
 @attrs.define(eq=False)
@@ -153,6 +157,9 @@ class ProcessGroupContainment:
 
     def describe(self) -> str:
         return "process-group"
+
+    def watched_leaves(self) -> list[Leaf]:
+        return []
 
 
 @final
@@ -224,6 +231,9 @@ class CgroupContainment:
 
     def describe(self) -> str:
         return f"cgroup {self.cgroup.path}"
+
+    def watched_leaves(self) -> list[Leaf]:
+        return [leaf for leaf in self.cgroup.leaves() if leaf.watched]
 
 
 @asynccontextmanager

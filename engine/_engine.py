@@ -19,6 +19,7 @@ import trio
 from ._config import EngineConfig
 from ._containment import Containment, open_containment
 from ._errors import EngineLockedError
+from ._exit_notices import send_exit_notice
 from ._guardian_link import GuardianLink
 from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
@@ -28,6 +29,7 @@ from ._tool import SubprocessTool
 from ._trust import check_state_dir, make_state_dir, open_own_file
 from ._version import __version__
 from .cron._exit_watchers import CronExitWatchers
+from .cron._fleet import FleetMember, run_heartbeats
 from .cron._protocol import JobStore
 from .cron._service import CronService, open_cron_service
 from .cron._shell import resolve_exit_watch_shell
@@ -109,7 +111,8 @@ class EngineStatus:
         containment: ``"cgroup"`` or ``"process-group"``: how runs are contained.
         containment_detail: where (``cgroup <parent path>``) or why (the reason ``auto`` fell back).
         store: the job store, e.g. ``sqlite:/path/cron.sqlite3``.
-        engine_id: the engine's id, generated once and kept in the state dir.
+        engine_id: the engine's id (``EngineConfig.engine_id``, else generated once and kept in the state
+            dir).
         runs: live subprocesses per project directory.
         watched: on-exit jobs with a watcher now.
         jobs: enabled cron jobs.
@@ -167,11 +170,23 @@ def _lock_state_dir(state_dir: str) -> int:
     return fd
 
 
-def _job_store(config: EngineConfig, state_dir: str) -> JobStore:
-    """The cron store: ``config.store_factory``'s, else SQLite in the state dir (``repair_store`` on)."""
+def _job_store(config: EngineConfig, state_dir: str, engine_id: str) -> JobStore:
+    """The cron store, chosen once: ``config.store_factory``'s; the fleet's PostgreSQL store at
+    ``config.store_url``; else SQLite in the state dir (``repair_store`` on)."""
     if config.store_factory is not None:
         return config.store_factory(state_dir)
-    return SqliteJobStore.in_state_dir(state_dir, repair=config.repair_store)
+    if config.store_url is not None:
+        from .cron._pg_store import PostgresJobStore  # the driver loads only for a fleet store
+
+        return PostgresJobStore(
+            config.store_url,
+            engine_id,
+            lease_seconds=config.lease_seconds,
+            owner_lost_seconds=config.owner_lost_seconds,
+        )
+    return SqliteJobStore.in_state_dir(
+        state_dir, repair=config.repair_store, owner_lost_seconds=config.owner_lost_seconds
+    )
 
 
 @asynccontextmanager
@@ -204,7 +219,7 @@ async def open_engine(
     state_dir = config.resolved_state_dir()
     lock_fd = _lock_state_dir(state_dir)
     try:
-        engine_id = _engine_id(state_dir)
+        engine_id = config.engine_id or _engine_id(state_dir)
         # Under the lock: what a crashed engine (and its guardian) left behind is ours to end.
         await trio.to_thread.run_sync(
             functools.partial(
@@ -272,16 +287,19 @@ async def _open_services(
         open_cron_service(
             state_dir=state_dir,
             supervisor=supervisor,
-            store=_job_store(config, state_dir),
+            store=_job_store(config, state_dir, engine_id),
             now=config.wall_clock,
             on_fire=on_fire,
             fire_observers=config.fire_observers,
+            engine_id=engine_id,
         ) as cron,
         trio.open_nursery() as watch_nursery,
+        trio.open_nursery() as beat_nursery,
     ):
         if config.end_unclaimed_orphans:
             await supervisor.own_process()
         supervisor.add_observer(guardian)
+        service.on_final_exit = functools.partial(send_exit_notice, cron, service)  # notify_on_exit
         tool = SubprocessTool(service, config=config)
         watchers = CronExitWatchers(
             store=cron.store,
@@ -298,6 +316,22 @@ async def _open_services(
         await watchers.adopt()
         cron.on_jobs_changed = watchers.reconcile
         await cron.notify_jobs_changed()
+        started_at = datetime.now(UTC)
+
+        async def beat() -> None:
+            member = FleetMember(
+                engine_id=engine_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                version=__version__,
+                containment=containment.mode,
+                live_runs=len(supervisor.runs()),
+                started_at=started_at,
+                beat_at=started_at,
+            )
+            await cron.store.beat(member)
+
+        await beat_nursery.start(run_heartbeats, beat)
         try:
             yield Engine(
                 config=config,
@@ -308,11 +342,13 @@ async def _open_services(
                 cron=cron,
                 watchers=watchers,
                 engine_id=engine_id,
+                started_at=started_at,
             )
         finally:
             cron.on_jobs_changed = None
             # Graceful: watched commands keep running, unsignalled, adopted by the next engine.
             watchers.detach_all()
+            beat_nursery.cancel_scope.cancel()
 
 
 def _engine_id(state_dir: str) -> str:

@@ -41,12 +41,15 @@ from ._errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from ._project import Project
+    from ._readiness import ReadyCheck
+    from ._restart import RestartPolicy
     from .cron._job import Payload
     from .cron._schedule import Schedule
 
 __all__ = [
     "MAX_ARG_BYTES",
     "MAX_INT",
+    "MAX_WAIT_SECONDS",
     "STREAMS",
     "Stream",
     "check_argument",
@@ -57,6 +60,7 @@ __all__ = [
     "check_json",
     "check_optional_text",
     "check_read_args",
+    "check_reader",
     "check_string",
     "check_strings",
     "check_text",
@@ -66,6 +70,8 @@ __all__ = [
     "read_moment",
     "read_payload",
     "read_project",
+    "read_ready",
+    "read_restart",
     "read_schedule",
     "read_seconds",
     "read_stream",
@@ -77,6 +83,8 @@ __all__ = [
 
 #: The largest whole number read anywhere: 2**53, the largest integer a JSON number carries exactly.
 MAX_INT: Final = 2**53
+#: The longest wait an agent may ask for (the tool's ``wait``, a readiness timeout), in seconds.
+MAX_WAIT_SECONDS: Final = 300.0
 #: The longest single argument Linux passes to a program (``MAX_ARG_STRLEN``, the NUL excluded), in bytes.
 MAX_ARG_BYTES: Final = 128 * 1024 - 1
 
@@ -285,6 +293,14 @@ def check_read_args(offset: object, limit: object, tail: object, max_bytes: obje
         raise InvalidArgumentError("give tail alone, or offset and/or limit, not both")
 
 
+def check_reader(value: object, field: str = "reader") -> str:
+    """The name of a ``new_only`` log reader: a non-empty string of at most 200 characters."""
+    text = check_text(value, field)
+    if len(text) > 200:
+        raise InvalidArgumentError(f"{field} must be at most 200 characters long, got {len(text)}")
+    return text
+
+
 def read_moment(value: object, field: str) -> datetime:
     """An aware datetime from an ISO 8601 string with a UTC offset (``2030-01-31T09:00+01:00``)."""
     text = check_text(value, field)
@@ -401,3 +417,61 @@ def read_payload(value: object, field: str = "payload") -> Payload:
         return SystemEvent(text=required(fields, "text", f"{field}.text"))  # type: ignore[arg-type]
     argv = required(fields, "argv", f"{field}.argv")
     return Command(argv=argv, cwd=fields.get("cwd"))  # type: ignore[arg-type]  # Command checks them
+
+
+def read_ready(value: object, field: str = "ready") -> ReadyCheck:
+    """A readiness check from its wire form ``{"log": regex, "port": n, "timeout": s}`` (``log`` or
+    ``port`` or both; ``timeout`` in seconds, default 30, at most 300).
+
+    Raises:
+        InvalidArgumentError: not an object, an unknown member, neither ``log`` nor ``port``, a pattern
+            that does not compile, a port out of range, a timeout that is no number in range.
+    """
+    from ._readiness import ReadyCheck  # attrs, trio: not for the CLI's client commands
+
+    fields = read_fields(value, field, ("log", "port", "timeout"), what="member")
+    if "log" not in fields and "port" not in fields:
+        raise InvalidArgumentError(
+            f'{field} needs "log" (a regular expression) or "port" (a TCP port), e.g. {{"port": 8000}}'
+        )
+    pattern = None if "log" not in fields else check_text(fields["log"], f"{field}.log")
+    port = None if "port" not in fields else read_whole(fields["port"], f"{field}.port", 1)
+    if port is not None and port > 65535:
+        raise InvalidArgumentError(f"{field}.port must be a TCP port from 1 to 65535, got {port}")
+    timeout = read_seconds(fields.get("timeout", 30.0), f"{field}.timeout")
+    if not 0 < timeout <= MAX_WAIT_SECONDS:
+        raise InvalidArgumentError(
+            f"{field}.timeout must be more than 0 and at most {MAX_WAIT_SECONDS} seconds, got {show(timeout)}"
+        )
+    try:
+        return ReadyCheck(log_pattern=pattern, port=port, timeout_seconds=timeout)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{field}: {exc}") from None
+
+
+def read_restart(value: object, field: str = "restart") -> RestartPolicy:
+    """A restart policy from its wire form ``{"mode": "on-failure", "max_restarts": 5, "window": 60,
+    "backoff": 1}`` (only ``mode`` is needed), or a mode alone (``"always"``).
+
+    Raises:
+        InvalidArgumentError: not an object or a mode, an unknown member, a value out of range.
+    """
+    from ._restart import RESTART_MODES, RestartPolicy  # attrs: not for the CLI's client commands
+
+    if isinstance(value, str):
+        value = {"mode": value}
+    fields = read_fields(value, field, ("mode", "max_restarts", "window", "backoff"), what="member")
+    mode = required(fields, "mode", f"{field}.mode")
+    if mode not in RESTART_MODES:
+        raise InvalidArgumentError(
+            f"{field}.mode must be one of {', '.join(RESTART_MODES)}, got {show(mode)}"
+        )
+    try:
+        return RestartPolicy(
+            mode=str(mode),
+            max_restarts=read_whole(fields.get("max_restarts", 5), f"{field}.max_restarts"),
+            window_seconds=read_seconds(fields.get("window", 60.0), f"{field}.window"),
+            backoff_seconds=read_seconds(fields.get("backoff", 1.0), f"{field}.backoff"),
+        )
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{field}: {exc}") from None

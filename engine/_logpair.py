@@ -27,7 +27,7 @@ from typing import final
 import attrs
 
 from ._logdir import LogFolder
-from ._logs import STREAMS, LogFile, LogSlice, Stream, final_log_paths
+from ._logs import STREAMS, LogFile, LogSlice, RawPiece, Stream, final_log_paths
 
 __all__ = ["LogPair"]
 
@@ -323,6 +323,25 @@ class LogPair:
             FileNotFoundError: the file is gone, or is not the one the engine made.
         """
         return self._files[stream].read(offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
+
+    def read_raw(self, stream: Stream, offset: int | None, max_bytes: int) -> RawPiece:
+        """Undecoded bytes of the ``stream`` file (see :meth:`LogFile.read_raw`).
+
+        Raises:
+            FileNotFoundError: the file is gone, or is not the one the engine made.
+        """
+        return self._files[stream].read_raw(offset, max_bytes)
+
+    def append_line(self, text: str) -> None:
+        """Append ``text`` and a newline to both files (the restart marker lines); a file that is gone, or
+        is not the one the engine made, is skipped."""
+        data = (text + "\n").encode()
+        for log in self._files.values():
+            try:
+                with log.opened(os.O_WRONLY | os.O_APPEND) as fd:
+                    os.write(fd, data)
+            except OSError as exc:
+                _log.warning("cannot write a marker line to %s: %s", log.path, exc)
 
     def modified_at(self) -> datetime | None:
         """The later modification time of the two files (aware UTC), or ``None`` when both are gone."""

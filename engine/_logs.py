@@ -33,7 +33,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Iterator
-from typing import IO, TYPE_CHECKING, Literal
+from typing import IO, TYPE_CHECKING, Literal, NamedTuple
 
 import attrs
 
@@ -49,6 +49,7 @@ __all__ = [
     "LogFile",
     "LogGoneError",
     "LogSlice",
+    "RawPiece",
     "Stream",
     "check_stream",
     "final_log_paths",
@@ -106,6 +107,9 @@ class LogSlice:
         total_lines: lines still on disk (a last line without ``\\n`` counts).
         dropped_bytes: bytes removed from the front by the log cap; offsets below it return nothing.
         truncated: whether retained bytes exist before ``start_offset`` or after ``next_offset``.
+        skipped_bytes: for a ``new_only`` read, bytes written after the reader's last read that it can
+            never see (the log cap dropped them, or the file was truncated from outside); the read
+            restarted from the oldest kept byte. ``0`` otherwise.
     """
 
     text: str
@@ -115,6 +119,16 @@ class LogSlice:
     total_lines: int
     dropped_bytes: int
     truncated: bool
+    skipped_bytes: int = 0
+
+
+class RawPiece(NamedTuple):
+    """Undecoded bytes of a log read by :meth:`LogFile.read_raw`, in logical offsets."""
+
+    start: int  #: offset of ``data[0]``
+    data: bytes
+    total: int  #: bytes written to the stream so far
+    dropped: int  #: offset of the first byte still kept
 
 
 @attrs.define(eq=False)
@@ -321,6 +335,23 @@ class LogFile:
             FileNotFoundError: the file is gone, or is not the one the engine made.
         """
         return self.read(offset=None, limit=None, tail=None, max_bytes=None).text
+
+    def read_raw(self, offset: int | None, max_bytes: int) -> RawPiece:
+        """Up to ``max_bytes`` undecoded bytes forward from logical ``offset`` (``None``, or an offset in
+        the dropped part: the first kept byte), for scans that decode and count by themselves (grep,
+        readiness patterns); no line count, no UTF-8 trimming.
+
+        Raises:
+            FileNotFoundError: the file is gone, or is not the one the engine made (:class:`LogGoneError`).
+        """
+        with os.fdopen(self._open(os.O_RDONLY), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._observe(f.fileno(), size)
+            first = self.dropped - self.base
+            start = first if offset is None else min(max(offset - self.base, first), size)
+            f.seek(start)
+            data = f.read(min(max_bytes, size - start))
+        return RawPiece(self.base + start, data, self.base + size, self.dropped)
 
     def read(
         self, *, offset: int | None, limit: int | None, tail: int | None, max_bytes: int | None

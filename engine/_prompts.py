@@ -28,10 +28,19 @@ _BY_LOWER: Final = {mode.lower(): mode for mode in TOOL_MODES}
 
 
 @functools.cache
-def process_management_block() -> str:
-    """The Process Management block (Markdown), without a trailing newline."""
-    text = resources.files("engine").joinpath("prompts/process-management-block.md").read_text("utf-8")
-    return text.rstrip("\n")
+def process_management_block(*, extensions: bool = True) -> str:
+    """The Process Management block (Markdown), without a trailing newline.
+
+    Args:
+        extensions: also describe what the tool offers beyond the spec (``ready``, ``restart``, ``new``,
+            ``grep``, ``input``, ``wait``: ``EngineConfig.tool_extensions``, on by default); ``False``:
+            the spec's block alone.
+    """
+    folder = resources.files("engine").joinpath("prompts")
+    text = folder.joinpath("process-management-block.md").read_text("utf-8").rstrip("\n")
+    if extensions:
+        text += "\n\n" + folder.joinpath("process-management-extensions.md").read_text("utf-8").rstrip("\n")
+    return text
 
 
 def _known(mode: str) -> str | None:
@@ -45,14 +54,15 @@ def tools_for_mode(mode: str) -> tuple[str, ...]:
     return ("subprocess",) if _known(mode) is not None else ()
 
 
-def render_mode_prompt(mode: str, template: str) -> str:
+def render_mode_prompt(mode: str, template: str, *, extensions: bool = True) -> str:
     """Fill ``{{process_management_block}}`` in a mode's system prompt template.
 
     In a mode that has the ``subprocess`` tool (:data:`TOOL_MODES`) the variable becomes the block; in any
     other mode it becomes empty, so no prompt describes a tool the agent cannot call. Other text, other
-    ``{{...}}`` variables included, is left as it is.
+    ``{{...}}`` variables included, is left as it is. ``extensions`` as for :func:`process_management_block`
+    (pass ``EngineConfig.tool_extensions``).
     """
     if not isinstance(template, str):
         raise TypeError(f"template must be a string, got {template!r}")
-    block = process_management_block() if _known(mode) is not None else ""
+    block = process_management_block(extensions=extensions) if _known(mode) is not None else ""
     return template.replace(PROCESS_MANAGEMENT_VARIABLE, block)

@@ -15,165 +15,49 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import final
 
 import attrs
 import trio
 
 from ._config import EngineConfig
-from ._errors import EngineError, KillInProgressError, LimitExceededError, SpawnError, SubProcessNotFoundError
-from ._input import check_argv, check_env, check_read_args, show
+from ._errors import (
+    EngineError,
+    InvalidArgumentError,
+    KillInProgressError,
+    LimitExceededError,
+    SpawnError,
+    SubProcessNotFoundError,
+)
+from ._input import check_argv, check_env, check_flag, check_read_args, check_reader, check_string, show
+from ._keeper import keep
 from ._logpair import LogPair
 from ._logs import LogFile, LogSlice, Stream, check_stream
+from ._logsearch import grep_log
 from ._logwatch import LogWatch, open_log_watch
+from ._patterns import compile_pattern
 from ._project import Project
-from ._supervisor import ManagedRun, RunExit, RunState, SpawnSpec, Supervisor, TerminationReason
+from ._readiness import ReadyCheck, first_output, wait_ready
+from ._restart import RestartPolicy, RestartTracker
+from ._stdin import StdinClosedError, StdinPipe
+from ._subprocess_record import SubProcess, SubProcessSummary
+from ._supervisor import ManagedRun, RunExit, SpawnSpec, Supervisor, TerminationReason
 
-__all__ = ["SubProcess", "SubProcessService", "SubProcessSummary", "open_subprocess_service"]
+__all__ = ["ExitHandler", "SubProcess", "SubProcessService", "SubProcessSummary", "open_subprocess_service"]
+
+#: What the engine runs with a record's own final exit when it was created with ``notify_on_exit``.
+ExitHandler = Callable[[SubProcess, RunExit], Awaitable[None]]
 
 _log = logging.getLogger("engine.subprocesses")
 
 #: How often at most the log-cap task looks at the files of live children (the design's floor is 1 s);
 #: with inotify it looks only at those written since (``_logwatch``), without it at every one.
 CAP_POLL_SECONDS = 1.0
-
-
-@final
-@attrs.define(eq=False)
-class SubProcess:
-    """One managed child: who started it, what it runs, where its logs are, and how it ended.
-
-    Attributes:
-        pid: the child's pid (its process group id too).
-        project: the project it belongs to.
-        command: the executable as given to ``create``.
-        args: its arguments.
-        created_at: aware UTC time of the spawn.
-    """
-
-    pid: int
-    project: Project
-    command: str
-    args: tuple[str, ...]
-    created_at: datetime
-    _run: ManagedRun = attrs.field(alias="run", repr=False)
-    _logs: LogPair = attrs.field(alias="logs", repr=False)
-    _changed_at: datetime = attrs.field(
-        init=False, default=attrs.Factory(lambda self: self.created_at, takes_self=True)
-    )
-    _stopping: bool = attrs.field(init=False, default=False)
-    _capped_final: bool = attrs.field(init=False, default=False)
-    _removed: bool = attrs.field(init=False, default=False)
-
-    @property
-    def state(self) -> RunState:
-        """``RUNNING`` while the process lives, ``EXITING`` while a kill or halt ends it, then ``EXITED``.
-
-        The process is the leader: once it has exited it is ``EXITED`` at once, while what is left of its
-        tree drains (SP-03, see ``ManagedRun.leader_exit``).
-        """
-        return RunState.EXITED if self._run.leader_exit is not None else self._run.state
-
-    @property
-    def exit(self) -> RunExit | None:
-        """How the process ended, or ``None`` while it is alive (final once :attr:`ended`)."""
-        return self._run.leader_exit
-
-    @property
-    def running(self) -> bool:
-        """Whether the process (the leader) is still alive."""
-        return self._run.leader_exit is None
-
-    @property
-    def ended(self) -> bool:
-        """Whether its whole tree is gone and reaped (a leader's leftovers included)."""
-        return self._run.exit is not None
-
-    @property
-    def stdout_path(self) -> str:
-        """Absolute path of the stdout log."""
-        return self._logs.path("stdout")
-
-    @property
-    def stderr_path(self) -> str:
-        """Absolute path of the stderr log."""
-        return self._logs.path("stderr")
-
-    async def wait(self) -> RunExit:
-        """Wait until the process and its tree have ended, and return how it ended.
-
-        Cancellation: safe; the process goes on and can be waited for again.
-        """
-        return await self._run.wait()
-
-    def _last_change(self) -> datetime:
-        moments = [self._changed_at]
-        if self._run.exit is not None:
-            moments.append(self._run.started_at + timedelta(seconds=self._run.exit.duration_seconds))
-        return max(moments)
-
-    def __repr__(self) -> str:
-        status = self._run.exit.describe() if self._run.exit is not None else self.state.value
-        argv = show([self.command, *self.args])  # shortened: a 128 KiB argument is not a 128 KiB repr
-        return f"<SubProcess {self.pid} {self.project.slug} {argv}: {status}>"
-
-
-@attrs.frozen
-class SubProcessSummary:
-    """A serialisable snapshot of one :class:`SubProcess`: no process handle, no stream.
-
-    Attributes:
-        pid: the child's pid.
-        project_id: its project's id.
-        project_slug: its project's slug.
-        command: the executable.
-        args: its arguments.
-        state: :class:`RunState` (``running``, ``exiting`` or ``exited``).
-        status: a phrase: ``"running"``, ``"exiting"``, ``"exited 0"``, ``"killed by signal 9 (SIGKILL)"``.
-        exit_code: the exit code, or ``None`` (alive, or ended by a signal).
-        signal: the signal that ended it, or ``None``.
-        reason: why it ended (:class:`TerminationReason`), or ``None`` while alive.
-        escalated: whether SIGKILL was needed.
-        survivors: pids of its tree that outlived SIGKILL (normally empty).
-        created_at: aware UTC time of the spawn.
-        updated_at: the later of its last state change and its log files' modification time.
-        stdout_path: absolute path of the stdout log.
-        stderr_path: absolute path of the stderr log.
-    """
-
-    pid: int
-    project_id: str
-    project_slug: str
-    command: str
-    args: tuple[str, ...]
-    state: RunState
-    status: str
-    exit_code: int | None
-    signal: int | None
-    reason: TerminationReason | None
-    escalated: bool
-    survivors: tuple[int, ...]
-    created_at: datetime
-    updated_at: datetime
-    stdout_path: str
-    stderr_path: str
-
-    def to_dict(self) -> dict[str, object]:
-        """The summary as JSON-ready values: enums as their values, times as ISO 8601, tuples as lists."""
-        out: dict[str, object] = {}
-        for field in attrs.fields(SubProcessSummary):
-            value = getattr(self, field.name)
-            if isinstance(value, RunState | TerminationReason):
-                value = value.value
-            elif isinstance(value, datetime):
-                value = value.isoformat()
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[field.name] = value
-        return out
+#: ``new_only`` cursors kept per record; past this the oldest reader's is forgotten.
+MAX_READERS = 256
 
 
 def _check_directory(project: Project) -> None:
@@ -228,6 +112,8 @@ class SubProcessService:
     _capper: trio.CancelScope | None = attrs.field(init=False, default=None)
     _cap_fresh: bool = attrs.field(init=False, default=False)
     _closed: bool = attrs.field(init=False, default=False)
+    #: Awaited with each ``notify_on_exit`` record's own final exit (the engine records a fired event).
+    on_final_exit: ExitHandler | None = attrs.field(init=False, default=None)
 
     def __repr__(self) -> str:
         live = sum(1 for sp in self._records if sp.running)
@@ -242,6 +128,10 @@ class SubProcessService:
         args: Sequence[str] = (),
         *,
         env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+        ready: ReadyCheck | None = None,
+        restart: RestartPolicy | None = None,
+        notify_on_exit: bool = False,
     ) -> SubProcess:
         """Start ``cmd args...`` in ``project.directory`` with its output in two new log files.
 
@@ -257,24 +147,47 @@ class SubProcessService:
         child is killed at once (``cancel(force=True)``, shielded), and the files and the folders this
         call made are removed.
 
+        Args:
+            project: the project; the child runs in its directory.
+            cmd: the program (looked up in ``PATH``, or a path relative to the project directory).
+            args: its arguments.
+            env: variables added to the engine's environment.
+            stdin: give the child a pipe as its stdin, written with :meth:`write_stdin` (default:
+                ``/dev/null``). No pseudo-terminal.
+            ready: wait until the process is ready (a log line, a listening port), exits, or the check's
+                timeout passes (``engine._readiness``); the process is never killed for it.
+                ``summarize(sp).ready`` and ``first_output`` tell what was found.
+            restart: restart the process when it exits on its own (``engine._restart``); ``None`` or
+                mode ``"no"``: never.
+            notify_on_exit: its own final exit (after the last restart; not a kill, a halt or the
+                engine's stop) becomes a fired event with ``job_id="subprocess:<first pid>"``, through
+                the event log and ``on_fire`` as cron's are.
+
         Cancellation: before the spawn nothing is left behind; once spawned the record is registered
-        (the remaining steps do not block).
+        (a readiness wait cancelled leaves the process running, with ``ready`` unset).
 
         Raises:
-            ValueError, TypeError: ``cmd`` or ``args`` is not a program and a list of strings, or
-                ``env`` is not a mapping of variable names to strings.
+            ValueError, TypeError: ``cmd`` or ``args`` is not a program and a list of strings, ``env`` is
+                not a mapping of variable names to strings, or ``stdin``, ``ready``, ``restart`` or
+                ``notify_on_exit`` is of the wrong type.
             LimitExceededError: ``max_processes_per_project`` or ``max_processes`` would be exceeded.
             SpawnError: the program, the project directory or the log folder cannot be used (a file in
                 the way, a folder that cannot be made: reason ``"bad log folder"``); no record, no file
                 is left.
             UntrustedPathError: ``.gadget`` or the log folder is a symbolic link or another user's.
-            OSError: a log file cannot be renamed; no record, no file is left.
+            OSError: a log file cannot be renamed, or no pipe can be made; no record, no file is left.
             RuntimeError: the service is stopped.
         """
         if not isinstance(project, Project):
             raise TypeError(f"project must be a Project, got {project!r}")
         argv = check_argv(cmd, args)
         extra_env = None if env is None else check_env(env)
+        check_flag(stdin, "stdin")
+        check_flag(notify_on_exit, "notify_on_exit")
+        if ready is not None and not isinstance(ready, ReadyCheck):
+            raise TypeError(f"ready must be a ReadyCheck or None, got {show(ready)}")
+        if restart is not None and not isinstance(restart, RestartPolicy):
+            raise TypeError(f"restart must be a RestartPolicy or None, got {show(restart)}")
         self._check_limits(project)
         if self._closed:
             raise RuntimeError("the subprocess service is stopped; start a new engine to create processes")
@@ -291,32 +204,51 @@ class SubProcessService:
             with self._reserve(project):
                 logs = _create_logs(directory, project)
                 undo.callback(logs.discard)
-                with logs.open_for_child() as (out, err):
-                    run = await self._supervisor.spawn(
-                        SpawnSpec(
-                            argv=argv,
-                            cwd=project.directory,
-                            env=extra_env,
-                            stdout=out,
-                            stderr=err,
-                            scope_key=project.scope_key,
-                        )
-                    )
-                undo.push_async_callback(self._end_now, run)
+                spec = SpawnSpec(argv=argv, cwd=project.directory, env=extra_env, scope_key=project.scope_key)
+                run, pipe = await self._spawn(spec, logs, stdin=stdin, undo=undo)
                 logs.rename(run.pid, (sp._logs for sp in self._records))
                 sp = SubProcess(
-                    pid=run.pid,
+                    first_pid=run.pid,
                     project=project,
                     command=cmd,
                     args=tuple(args),
                     created_at=run.started_at,
                     run=run,
                     logs=logs,
+                    stdin=pipe,
+                    restart=RestartTracker(restart) if restart is not None and restart.mode != "no" else None,
+                    notify_on_exit=notify_on_exit,
+                    spec=spec,
                 )
                 self._records.append(sp)
             undo.pop_all()
+        self._nursery.start_soon(self._keep, sp, name=f"subprocess {sp.first_pid}")
         self._start_capper()
+        if ready is not None:
+            sp.ready = await wait_ready(ready, run, logs, self._log_lock)
+            sp.first_output = await trio.to_thread.run_sync(first_output, logs)
         return sp
+
+    async def _spawn(
+        self, spec: SpawnSpec, logs: LogPair, *, stdin: bool, undo: contextlib.AsyncExitStack
+    ) -> tuple[ManagedRun, StdinPipe | None]:
+        """Spawn ``spec`` writing into ``logs`` (with a stdin pipe when asked); register the undo of each
+        step on ``undo`` (close the pipe, end the child at once)."""
+        pipe: StdinPipe | None = None
+        read_end: int | None = None
+        if stdin:
+            pipe, read_end = StdinPipe.open()
+            undo.callback(pipe.close, "the process could not be started")
+        try:
+            with logs.open_for_child() as (out, err):
+                run = await self._supervisor.spawn(attrs.evolve(spec, stdout=out, stderr=err, stdin=read_end))
+        finally:
+            if read_end is not None:
+                os.close(read_end)  # the child has its copy
+        undo.push_async_callback(self._end_now, run)
+        if pipe is not None:
+            pipe.pid = run.pid
+        return run, pipe
 
     @contextlib.contextmanager
     def _reserve(self, project: Project) -> Iterator[None]:
@@ -354,7 +286,7 @@ class SubProcessService:
             await self._supervisor.cancel(run, force=True)
 
     def _check_limits(self, project: Project) -> None:
-        live = [sp for sp in self._records if sp.running]
+        live = [sp for sp in self._records if sp.running or sp._backoff is not None]
         mine = sum(1 for sp in live if sp.project.id == project.id) + self._pending.get(project.id, 0)
         per_project = self._config.max_processes_per_project
         if mine >= per_project:
@@ -369,6 +301,62 @@ class SubProcessService:
                 f"{self._config.max_processes}); kill or halt one, or raise the setting"
             )
 
+    # ---- following a record: stdin, restarts, the exit notice --------------------------------------
+
+    async def _keep(self, sp: SubProcess) -> None:
+        await keep(self, sp)
+
+    def _asked(self, sp: SubProcess, exit: RunExit) -> bool:
+        """Whether the end of ``sp``'s process was asked for (a kill, a halt, the engine's stop, a fence)."""
+        fenced = bool(self._fences.get(None) or self._fences.get(sp.project.id))
+        return sp._ended_on_purpose or exit.reason is TerminationReason.CANCELLED or self._closed or fenced
+
+    async def write_stdin(self, pid: int, data: str | bytes, *, eof: bool = False) -> None:
+        """Write ``data`` to the stdin of the record ``pid`` names (created with ``stdin=True``); with
+        ``eof``, then close it so the process reads end of input.
+
+        Text is sent as UTF-8. Writers take turns. A process that does not read blocks the write once
+        its pipe holds 64 KiB; bound the call with ``trio.move_on_after``.
+
+        Cancellation: what was sent before stays sent (a partial write when the process was not
+        reading); the pipe stays open.
+
+        Raises:
+            ValueError: ``data`` is neither text nor bytes, or ``eof`` is not a bool.
+            SubProcessNotFoundError: no managed subprocess has this pid.
+            StdinClosedError: it has no stdin pipe, its input was ended, or it exited; nothing was sent.
+        """
+        if isinstance(data, str):
+            check_string(data, "data")
+            payload = data.encode()
+        elif isinstance(data, bytes | bytearray | memoryview):
+            payload = bytes(data)
+        else:
+            raise InvalidArgumentError(f"data must be text or bytes, got {show(data)}")
+        check_flag(eof, "eof")
+        sp = self.lookup(pid)
+        if sp._stdin is None:
+            raise StdinClosedError(
+                f"subprocess {sp.pid} has no stdin pipe (it reads /dev/null); create it with stdin=True "
+                "to write to it"
+            )
+        await sp._stdin.write(payload, eof=eof)
+
+    async def wait(self, pid: int) -> SubProcessSummary:
+        """Wait until the record ``pid`` names has exited for good (after its last restart) and return
+        its summary; at once when it already has.
+
+        Callers bound the wait with ``trio.move_on_after``.
+
+        Cancellation: safe; nothing changes.
+
+        Raises:
+            SubProcessNotFoundError: no managed subprocess has this pid.
+        """
+        sp = self.lookup(pid)
+        await sp.wait_finished()
+        return self.summarize(sp)
+
     # ---- looking ---------------------------------------------------------------------------------
 
     def ps(self) -> list[SubProcess]:
@@ -378,8 +366,11 @@ class SubProcessService:
     def lookup(self, pid: int, *, project_id: str | None = None) -> SubProcess:
         """The record ``pid`` names: the live child holding it, else the newest kept record.
 
+        A restarted record answers to its current pid and to its first; a record whose current process
+        has the pid comes before one whose first pid it is.
+
         Args:
-            pid: the child's pid.
+            pid: the child's pid (current or first).
             project_id: only this project's records (``None``: every project's). A project reading its
                 own kept record gets it even while another project's live child holds the pid.
 
@@ -393,7 +384,7 @@ class SubProcessService:
             else [
                 sp
                 for sp in self._records
-                if sp.pid == pid and (project_id is None or sp.project.id == project_id)
+                if sp.answers_to(pid) and (project_id is None or sp.project.id == project_id)
             ]
         )
         if not matches:
@@ -403,7 +394,8 @@ class SubProcessService:
                 "list the subprocesses to see which are managed"
             )
         live = [sp for sp in matches if sp.running]
-        return (live or matches)[-1]
+        current = [sp for sp in live or matches if sp.pid == pid]
+        return (current or live or matches)[-1]
 
     def summarize(self, sp: SubProcess) -> SubProcessSummary:
         """A serialisable snapshot of ``sp``; ``updated_at`` also looks at its log files' mtime."""
@@ -419,7 +411,7 @@ class SubProcessService:
             command=sp.command,
             args=sp.args,
             state=sp.state,
-            status=ex.describe() if ex is not None else sp.state.value,
+            status=sp._status(),
             exit_code=ex.exit_code if ex is not None else None,
             signal=ex.signal if ex is not None else None,
             reason=ex.reason if ex is not None else None,
@@ -429,6 +421,11 @@ class SubProcessService:
             updated_at=updated,
             stdout_path=sp.stdout_path,
             stderr_path=sp.stderr_path,
+            ready=sp.ready,
+            first_output=sp.first_output,
+            restarts=sp.restarts,
+            first_pid=sp.first_pid,
+            last_exit=sp._last_exit.describe() if sp._last_exit is not None else None,
         )
 
     # ---- ending ----------------------------------------------------------------------------------
@@ -442,8 +439,12 @@ class SubProcessService:
     async def _stop(self, sp: SubProcess) -> bool:
         """End ``sp``'s tree if it is alive; ``True`` when this call is the one that stopped it.
 
-        After the leader's own exit, what is left of its tree (SP-03's drain) is ended at once.
+        After the leader's own exit, what is left of its tree (SP-03's drain) is ended at once. A restart
+        pending is called off: nothing a caller ends comes back.
         """
+        sp._ended_on_purpose = True
+        if sp._backoff is not None:
+            sp._backoff.cancel()
         if sp._stopping or sp.exit is not None:
             if not sp.ended:  # another call is ending it, or the leader exited and its tree drains
                 await self._supervisor.cancel(sp._run)
@@ -462,6 +463,8 @@ class SubProcessService:
         if sp._removed:
             return
         sp._removed = True
+        if sp._stdin is not None:
+            sp._stdin.close("the process was killed")
         sp._logs.delete()
         self._records.remove(sp)
 
@@ -613,10 +616,13 @@ class SubProcessService:
         limit: int | None = None,
         tail: int | None = None,
         max_bytes: int = 32768,
+        new_only: bool = False,
+        grep: str | None = None,
+        reader: str = "default",
         project_id: str | None = None,
     ) -> LogSlice:
         """Read a bounded slice of one log of the record ``pid`` names: forward from ``offset`` or the
-        last ``tail`` lines.
+        last ``tail`` lines; only what is new to ``reader``; or only the lines ``grep`` matches.
 
         Args:
             pid: the child's pid (see :meth:`lookup`).
@@ -626,19 +632,66 @@ class SubProcessService:
             limit: at most this many lines (forward reads only).
             tail: the last this many lines (not with ``offset`` or ``limit``).
             max_bytes: at most this many bytes of text.
+            new_only: what was written to the stream since ``reader``'s last ``new_only`` read (its first:
+                everything kept). When more is new than ``max_bytes``, the oldest part is returned and the
+                reader's cursor moves only past it (``total_bytes - next_offset`` is what is left). When
+                output the reader never saw is gone (the log cap dropped it, or the file was truncated
+                from outside), the read starts at the oldest kept byte and ``skipped_bytes`` says how
+                much was lost. Not with ``offset`` or ``tail``.
+            grep: a regular expression (``regex`` syntax); the text is then the matching lines as
+                ``<line number>: <line>``, numbered from the oldest kept line, within ``max_bytes``
+                (``engine._logsearch``). With ``new_only`` it looks in the new part only.
+            reader: whose cursor ``new_only`` uses (the tool uses the calling project's id).
             project_id: only this project's records (see :meth:`lookup`).
 
         Cancellation: as :meth:`get_log`.
 
         Raises:
-            ValueError, TypeError: a bad stream or a bad combination or value of the numbers.
+            ValueError, TypeError: a bad stream, a bad combination or value of the numbers, a pattern
+                that does not compile, or a reader that is not a non-empty string.
+            PatternTimeoutError: ``grep`` ran out of time (2 s) on this log.
             SubProcessNotFoundError: no managed subprocess (of that project) has this pid, or its log
                 file is gone.
         """
         name = check_stream(stream)
         check_read_args(offset, limit, tail, max_bytes)
+        check_flag(new_only, "new_only")
+        who = check_reader(reader)
+        if new_only and (offset is not None or tail is not None):
+            raise InvalidArgumentError(
+                "new_only reads on from where this reader stopped; leave out offset and tail"
+            )
+        pattern = compile_pattern(grep, "grep") if grep is not None else None
         sp = self.lookup(pid, project_id=project_id)
-        return await self._read(sp, name, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
+        if not new_only and pattern is None:
+            return await self._read(sp, name, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes)
+        async with sp._cursor_lock:  # one new_only read of a record at a time: no part returned twice
+            cursor = sp._cursors.get((name, who)) if new_only else offset
+            try:
+                if pattern is not None:
+                    got = await grep_log(
+                        sp._logs,
+                        name,
+                        pattern,
+                        self._log_lock,
+                        offset=cursor,
+                        limit=limit,
+                        tail=tail,
+                        max_bytes=max_bytes,
+                    )
+                else:
+                    got = await self._read(sp, name, offset=cursor, limit=limit, max_bytes=max_bytes)
+            except FileNotFoundError:
+                raise _gone(sp, name) from None
+            if not new_only:
+                return got
+            skipped = max(0, got.start_offset - cursor) if cursor is not None else 0
+            if cursor is not None and pattern is not None:
+                skipped = max(0, got.dropped_bytes - cursor)
+            if len(sp._cursors) >= MAX_READERS and (name, who) not in sp._cursors:
+                del sp._cursors[next(iter(sp._cursors))]  # the oldest reader starts again from the start
+            sp._cursors[(name, who)] = got.next_offset
+            return attrs.evolve(got, skipped_bytes=skipped)
 
     async def _read(
         self,
@@ -754,8 +807,10 @@ class SubProcessService:
 
     def _close(self) -> None:
         self._closed = True
-        if self._capper is not None:
-            self._capper.cancel()
+        for sp in self._records:  # kept records: their stdin pipes go with the service
+            if sp._stdin is not None:
+                sp._stdin.close("the engine stopped")
+        self._nursery.cancel_scope.cancel()  # the cap, and the records' tasks: nothing more restarts
 
 
 def _command_name(pid: int) -> str:

@@ -25,6 +25,8 @@ import trio
 
 from ._containment import Containment, Placement, open_containment
 from ._errors import unwrap_single
+from ._input import show
+from ._keyed_locks import KeyedLocks
 from ._procfs import (
     GUARDIAN_VAR,
     RUN_MARKER_VAR,
@@ -106,6 +108,8 @@ class SpawnSpec:
         inherit_env: start from the engine's environment.
         stdout: a path opened with ``O_APPEND`` (mode 0600), a descriptor, or ``None`` for ``/dev/null``.
         stderr: likewise.
+        stdin: a descriptor the child's stdin is a copy of (the read end of a pipe the caller keeps
+            writing to), or ``None`` for ``/dev/null``.
         scope_key: the scope the run belongs to.
         replace_existing_scope: end every run of ``scope_key`` (reaped) before this one starts.
         max_runtime_seconds: end the run by escalation after this many seconds.
@@ -127,6 +131,9 @@ class SpawnSpec:
     inherit_env: bool = True
     stdout: str | int | None = attrs.field(default=None, validator=_stream_target)
     stderr: str | int | None = attrs.field(default=None, validator=_stream_target)
+    stdin: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(int))
+    )
     scope_key: str = attrs.field(default="default", validator=attrs.validators.instance_of(str))
     replace_existing_scope: bool = False
     max_runtime_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
@@ -222,6 +229,7 @@ class ManagedRun:
     _leader_exit: RunExit | None = attrs.field(init=False, default=None)
     _detached: bool = attrs.field(init=False, default=False)
     _done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _leader_done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _requested: TerminationReason | None = attrs.field(init=False, default=None)
 
@@ -269,9 +277,26 @@ class ManagedRun:
         assert self._exit is not None
         return self._exit
 
+    async def wait_leader_exit(self) -> RunExit:
+        """Wait until the leader has exited (reaped), and return :attr:`leader_exit`; what is left of its
+        tree may still be draining.
+
+        Cancellation: safe; the run goes on and can be waited for again.
+        """
+        await self._leader_done.wait()
+        exit = self.leader_exit
+        assert exit is not None
+        return exit
+
+    def pids(self) -> list[int]:
+        """The live pids of the run's tree, found afresh: its leaf's members in cgroup containment; the
+        leader while alive, its group and the escapees found so far in process-group containment."""
+        self._tree.snapshot(fresh=False)
+        return self._tree.remaining()
+
     def __repr__(self) -> str:
         status = self._exit.describe() if self._exit is not None else self._state.value
-        return f"<ManagedRun {self.pid} {list(self.argv)!r}: {status}>"
+        return f"<ManagedRun {self.pid} {show(list(self.argv))}: {status}>"  # a huge argv is shortened
 
 
 class RunObserver(Protocol):
@@ -318,7 +343,7 @@ class Supervisor:
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _runs: dict[int, ManagedRun] = attrs.field(init=False, factory=dict)
     _leaders: set[int] = attrs.field(init=False, factory=set)
-    _locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+    _locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     _closing: bool = attrs.field(init=False, default=False)
     _observers: list[RunObserver] = attrs.field(init=False, factory=list)
 
@@ -439,9 +464,6 @@ class Supervisor:
         """The runs not yet ended (all of them, or those of ``scope_key``), oldest first."""
         return [r for r in self._runs.values() if scope_key is None or r.scope_key == scope_key]
 
-    def _lock(self, scope_key: str) -> trio.Lock:
-        return self._locks.setdefault(scope_key, trio.Lock())
-
     async def spawn(self, spec: SpawnSpec) -> ManagedRun:
         """Start ``spec`` and return its run; it is watched until it ends.
 
@@ -458,7 +480,7 @@ class Supervisor:
         """
         if self._closing:
             raise RuntimeError("the supervisor is closed; open a new one to spawn")
-        async with self._lock(spec.scope_key):
+        async with self._locks.hold(spec.scope_key):
             if spec.replace_existing_scope:
                 await self._end_scope(spec.scope_key)
             if self._closing:
@@ -489,7 +511,9 @@ class Supervisor:
                     fds.append(target)
             pid = self._containment.spawn(
                 placement,
-                lambda: spawn_process(argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1]),
+                lambda: spawn_process(
+                    argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1], stdin_fd=spec.stdin
+                ),
             )
         except BaseException:
             self._containment.release(placement)
@@ -561,6 +585,7 @@ class Supervisor:
             with run._cancel_scope:
                 await tree.wait_leader()
                 run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
+                run._leader_done.set()
                 if tree.leftovers():
                     # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
                     # is gone or the grace period has passed, and is then ended by the escalation.
@@ -604,6 +629,7 @@ class Supervisor:
             run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
             run._state = RunState.EXITED
             self._forget(run, ended=False)
+            run._leader_done.set()
             run._done.set()
             # The tree is gone and reaped: the waiters may go on. What is left is housekeeping (remove the
             # leaf, tell the guardian and the records), done after one checkpoint so that it overlaps what
@@ -653,7 +679,7 @@ class Supervisor:
 
         Cancellation: as :meth:`cancel`.
         """
-        async with self._lock(scope_key):
+        async with self._locks.hold(scope_key):
             return await self._end_scope(scope_key)
 
     async def _end_scope(self, scope_key: str) -> list[RunExit]:

@@ -6,6 +6,13 @@ every rejection and every service error into one text starting ``SUBPROCESS ERRO
 changes nothing. It acts only on the calling project's
 subprocesses: ``list`` and ``killAll`` cover that project, and another project's pid is "not found", so
 one agent can never end another agent's processes.
+
+With ``EngineConfig.tool_extensions`` (the default) the tool offers more than the spec: ``create`` takes
+``stdin``, ``ready``, ``restart`` and ``notify_on_exit``; ``log`` takes ``new`` and ``grep``; two more
+commands, ``input`` and ``wait``. Every call the spec describes still answers with the spec's text byte
+for byte; what an extension adds comes as lines after the spec's lines. With ``tool_extensions=False`` the
+definition is exactly the spec's: six commands and the parameters ``cmd``, ``command``, ``args``, ``pid``,
+``which``, ``offset``, ``limit`` and ``tail``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from ._input import check_strings, check_text, read_fields, read_stream, read_wh
 from ._logs import LogSlice
 from ._project import Project
 from ._subprocesses import SubProcess, SubProcessService
+from ._tool_extensions import EXTENDED_COMMANDS, EXTENDED_USES, EXTENSION_PARAMETERS, ToolExtensions
 
 __all__ = ["SubprocessTool"]
 
+#: The spec's commands and parameters (``tool_extensions=False``: exactly these).
 COMMANDS: Final = ("create", "list", "kill", "killAll", "halt", "log")
 _USES: Final[Mapping[str, frozenset[str]]] = {
     "create": frozenset({"command", "args"}),
@@ -74,7 +83,7 @@ class SubprocessTool:
         No ``$schema``, ``$ref`` or conditional keywords, so OpenAI, Anthropic and MCP tool definitions
         can all take it as it is. Which parameters each ``cmd`` needs is in the descriptions.
         """
-        config = self.config if self.config is not None else EngineConfig()
+        config = self._config
         description = (
             "Manage long-running processes (dev servers, watchers, test runs, builds) in the current "
             "project. cmd=create starts `command` with `args` in the project directory and returns its pid "
@@ -133,7 +142,26 @@ class SubprocessTool:
             "required": ["cmd"],
             "additionalProperties": False,
         }
+        if config.tool_extensions:
+            description, parameters = self._extensions.extend_definition(description, parameters)
         return {"name": self.name, "description": description, "parameters": parameters}
+
+    @property
+    def _config(self) -> EngineConfig:
+        return self.config if self.config is not None else EngineConfig()
+
+    @property
+    def _extensions(self) -> ToolExtensions:
+        return ToolExtensions(self.service, self._config)
+
+    def _commands(self) -> tuple[str, ...]:
+        return EXTENDED_COMMANDS if self._config.tool_extensions else COMMANDS
+
+    def _uses(self, cmd: str) -> frozenset[str]:
+        return (EXTENDED_USES if self._config.tool_extensions else _USES)[cmd]
+
+    def _parameters(self) -> tuple[str, ...]:
+        return _PARAMETERS + EXTENSION_PARAMETERS if self._config.tool_extensions else _PARAMETERS
 
     async def execute(self, params: Mapping[str, object], project: Project) -> str:
         """Run one tool call for ``project`` and return the response text.
@@ -156,11 +184,13 @@ class SubprocessTool:
     async def _execute(self, raw: Mapping[str, object], project: Project) -> str:
         if not isinstance(project, Project):
             raise InvalidArgumentError("the call is not bound to a project")
-        params = read_fields(raw, "subprocess", _PARAMETERS, what="parameter")
+        names = self._parameters()
+        params = read_fields(raw, "subprocess", names, what="parameter")
         cmd = params.get("cmd")
-        if not isinstance(cmd, str) or cmd not in COMMANDS:
-            raise InvalidArgumentError(f"cmd must be one of {', '.join(COMMANDS)}, got {show(cmd)}")
-        stray = [k for k in _PARAMETERS[1:] if k in params and k not in _USES[cmd]]
+        commands = self._commands()
+        if not isinstance(cmd, str) or cmd not in commands:
+            raise InvalidArgumentError(f"cmd must be one of {', '.join(commands)}, got {show(cmd)}")
+        stray = [k for k in names[1:] if k in params and k not in self._uses(cmd)]
         if stray:
             raise InvalidArgumentError(
                 f"cmd={cmd} does not take {', '.join(stray)}; leave {'them' if len(stray) > 1 else 'it'} out"
@@ -174,6 +204,10 @@ class SubprocessTool:
             await self.service.kill_project(project.id)
             return _KILLALL_TEXT
         sp = self._find(project, read_whole(self._required(params, "pid"), "pid", 1))
+        if cmd == "input":
+            return await self._extensions.input(params, sp)
+        if cmd == "wait":
+            return await self._extensions.wait(params, sp)
         if cmd == "kill":
             await self.service.kill_subprocess(sp)
             return f"SUBPROCESS KILLED\npid: {sp.pid}"
@@ -190,19 +224,20 @@ class SubprocessTool:
         return value
 
     def _find(self, project: Project, pid: int) -> SubProcess:
-        mine = [sp for sp in self.service.ps() if sp.pid == pid and sp.project.id == project.id]
-        if not mine:
+        try:
+            return self.service.lookup(pid, project_id=project.id)
+        except SubProcessNotFoundError:
             raise SubProcessNotFoundError(
                 f"no subprocess with pid {pid} in this project (killed, or never created); see cmd=list"
-            )
-        live = [sp for sp in mine if sp.running]
-        return (live or mine)[-1]
+            ) from None
 
     async def _create(self, params: Mapping[str, object], project: Project) -> str:
         command = check_text(self._required(params, "command"), "command")
         args = check_strings(params.get("args", ()), "args")
-        sp = await self.service.create(project, command, args)
-        return f"SUBPROCESS CREATED\npid: {sp.pid}\nstdout: {sp.stdout_path}\nstderr: {sp.stderr_path}"
+        options = self._extensions.create_options(params)
+        sp = await self.service.create(project, command, args, **options)
+        text = f"SUBPROCESS CREATED\npid: {sp.pid}\nstdout: {sp.stdout_path}\nstderr: {sp.stderr_path}"
+        return text + self._extensions.created_lines(sp, options)
 
     def _list(self, project: Project) -> str:
         lines = ["SUBPROCESS LIST"]
@@ -210,9 +245,12 @@ class SubprocessTool:
             if sp.project.id != project.id:
                 continue
             summary = self.service.summarize(sp)
-            lines.append(
+            line = (
                 f"pid: {sp.pid} | project: {project.slug} | created: {_iso(summary.created_at)} | "
                 f"updated: {_iso(summary.updated_at)} | status: {summary.status}"
+            )
+            lines.append(
+                line + self._extensions.list_suffix(summary) if self._config.tool_extensions else line
             )
         if len(lines) == 1:
             lines.append("No subprocesses in this project.")
@@ -220,6 +258,8 @@ class SubprocessTool:
 
     async def _log(self, params: Mapping[str, object], sp: SubProcess) -> str:
         which = read_stream(self._required(params, "which"), "which")
+        if "new" in params or "grep" in params:
+            return await self._extensions.log(params, sp, which)
         offset, limit, tail = (params.get(name) for name in ("offset", "limit", "tail"))
         if tail is not None and (offset is not None or limit is not None):
             raise InvalidArgumentError("give tail alone, or offset (and limit); not both")

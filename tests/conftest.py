@@ -14,6 +14,7 @@ from engine import Supervisor, open_supervisor
 from engine._cgroup import EngineCgroup, find_cgroup2
 
 from .children import SESSION, SESSION_VAR, add_session_root, mark
+from .pg_support import fresh_database
 from .serve_support import Served, start_serve
 
 # Every child a test starts (directly, through an engine, a serve or a shim) inherits the session tag:
@@ -168,3 +169,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     engine = start_serve(tmp_path_factory.mktemp(name) / "state")
     yield engine
     assert engine.stop() == 0
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh database on the session's PostgreSQL (started once per session, ``tests/pg_support.py``)."""
+    with fresh_database() as url:
+        yield url

@@ -2,7 +2,7 @@
 line (one shell command each, in its own project directory), prints ``ready <pid> ...`` and waits to be
 killed.
 
-Usage: python -m tests.crash_engine STATE_DIR GRACE PROJECT_DIR COMMAND [PROJECT_DIR COMMAND ...]
+Usage: python -m tests.crash_engine STATE_DIR GRACE CONTAINMENT PROJECT_DIR COMMAND [PROJECT_DIR COMMAND ...]
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from engine import EngineConfig, SpawnSpec, open_engine
 
 
 async def main(argv: list[str]) -> None:
-    state_dir, grace = argv[0], float(argv[1])
-    pairs = list(zip(argv[2::2], argv[3::2], strict=True))
-    async with open_engine(EngineConfig(state_dir=state_dir, grace_seconds=grace)) as engine:
+    state_dir, grace, containment = argv[0], float(argv[1]), argv[2]
+    pairs = list(zip(argv[3::2], argv[4::2], strict=True))
+    config = EngineConfig(state_dir=state_dir, grace_seconds=grace, containment=containment)
+    async with open_engine(config) as engine:
         pids = []
         for n, (project, command) in enumerate(pairs):
             spec = SpawnSpec(argv=("bash", "-c", command), cwd=project, scope_key=f"project:{n}")

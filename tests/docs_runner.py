@@ -29,6 +29,7 @@ import re
 import select
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -44,6 +45,9 @@ SHOWN_KINDS: Final = frozenset({"output", "text", "usage", "json"})
 
 #: How long a follower (``-f``, ``--follow``) or a foreground ``serve`` runs before SIGINT, in seconds.
 FOLLOW_SECONDS: Final = 3.0
+#: How long a follower may run while the lines its page shows have not all come yet, in seconds.
+FOLLOW_MAX_SECONDS: Final = 30.0
+_FOLLOW_UNTIL: Final = Path(__file__).with_name("follow_until.py")
 #: How long any one block may run, in seconds.
 BLOCK_SECONDS: Final = 90.0
 #: The home folder and port pages show.
@@ -283,7 +287,9 @@ def run_shell(
 
     A command is made runnable (:meth:`Values.into_run`) only when the one before it has been yielded, so
     it can use the values bound from that one's output. A bounded command (:func:`bounded`) gets SIGINT
-    after :data:`FOLLOW_SECONDS`; that ending counts as 0. Commands read ``/dev/null``.
+    once it printed as many lines as the page shows and :data:`FOLLOW_SECONDS` passed, or at
+    :data:`FOLLOW_MAX_SECONDS` (``tests/follow_until.py``); that ending counts as 0. Commands read
+    ``/dev/null``.
     """
     shell = subprocess.Popen(
         ["bash"],
@@ -299,8 +305,13 @@ def run_shell(
         for cmd in commands(block):
             text = values.into_run(cmd.text)
             if bounded(text):
-                text = f"timeout -s INT -k 10 {FOLLOW_SECONDS:g} bash -c {shlex.quote(text)}; s=$?"
-                text += "; [ $s = 124 ] && s=0"
+                # Until it printed the lines the page shows (a fire may take a while on a busy machine),
+                # at least FOLLOW_SECONDS, at most FOLLOW_MAX_SECONDS; then Ctrl-C, as the reader's.
+                shown = len((cmd.shown or "").splitlines())
+                text = (
+                    f"{shlex.quote(sys.executable)} {shlex.quote(str(_FOLLOW_UNTIL))} {shown} "
+                    f"{FOLLOW_SECONDS:g} {FOLLOW_MAX_SECONDS:g} -- bash -c {shlex.quote(text)}; s=$?"
+                )
             else:
                 text = f"{text}\ns=$?"
             shell.stdin.write(f"{{ {text}\n}} </dev/null\nprintf '\\n{_MARK} %d\\n' \"$s\"\n".encode())

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -428,3 +430,161 @@ async def test_a_failure_right_after_the_spawn_kills_the_child_first(
             await sup.spawn(SpawnSpec(argv=("bash", "-c", f"trap '' INT; sleep {marker}")))
         assert not pgrep(rf"sleep {marker}") and sup.runs() == []
         assert set(_zombie_children()) <= zombies  # killed and reaped before the error went up
+
+
+# ---- watched on-exit commands keep their leaves ----------------------------------------------------------
+
+
+def test_a_watched_command_keeps_its_leaf_across_a_stop_and_the_next_engine_ends_its_leftovers(
+    tmp_path: Path, needs_cgroup: None
+) -> None:
+    """The command leaves a scrubbed daemon in its leaf and exits after its engine stopped: the next engine
+    adopts it, fires once, then ends what is left in the leaf and removes the leaf."""
+    daemon = mark("7776.1")
+    state = tmp_path / "state"
+    first = start_serve(state, "--containment", "cgroup")
+    try:
+        spawn_daemon = NB01.format(marker=daemon).replace("'", '"')
+        command = f"python3 -c '{spawn_daemon}'; sleep 1.5"
+        added = first.cli("cron", "add", "--on-exit", command, "--cwd", str(tmp_path), "--text", "done")
+        assert added.returncode == 0, added
+        assert wait_until_sync(lambda: bool(pgrep(rf"^sleep {daemon}")))
+        (pid,) = pgrep(rf"^sleep {daemon}")
+        leaf = next(
+            line[3:]
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+            if line.startswith("0::")
+        )
+        assert Path(leaf).name.startswith("w-")
+        assert first.stop() == 0
+        assert pgrep(rf"^sleep {daemon}") == [pid]  # a graceful stop leaves the watched command's leaf alone
+        second = start_serve(state, "--containment", "cgroup")
+        try:
+            assert wait_until_sync(lambda: bool(second.cli("events", "--json").stdout.strip()), 10.0)
+            assert wait_until_sync(lambda: not pgrep(rf"^sleep {daemon}"), 10.0), second.log()
+            mount = next(
+                line.split()[1]
+                for line in Path("/proc/self/mounts").read_text().splitlines()
+                if line.split()[2] == "cgroup2"
+            )
+            assert not os.path.exists(mount + leaf)  # removed once empty
+        finally:
+            second.stop()
+    finally:
+        if first.proc.poll() is None:
+            first.kill_hard()
+        kill_leftovers(rf"^sleep {daemon}")
+
+
+# ---- a run is known before it can outlive a crashed engine --------------------------------------------
+
+
+def _pipeline_creates(socket_path: str, project: Path, markers: list[str]) -> None:
+    """Send one ``subprocess.create`` per marker on one connection, without waiting for the answers."""
+    import json
+    import socket
+
+    lines = b"".join(
+        json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "method": "subprocess.create",
+                "params": {"project": str(project), "command": "sleep", "args": [marker]},
+                "id": n,
+            }
+        ).encode()
+        + b"\n"
+        for n, marker in enumerate(markers)
+    )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    sock.sendall(lines)
+    sock.close()  # the engine still reads what was sent
+
+
+@pytest.mark.parametrize("containment_mode", ["process-group", "cgroup"])
+def test_sigkill_of_serve_right_after_spawns_leaves_no_child(tmp_path: Path, containment_mode: str) -> None:
+    """30 creates, SIGKILL of serve at a random moment within 20 ms of the first spawn, while the others are
+    under way, 15 trials per mode (30 in all): the
+    guardian ends what the engine started; where the guardian is killed too (every other trial), the next
+    start's sweep does."""
+    if containment_mode == "cgroup" and (why := cgroup_unusable()):
+        pytest.skip(f"cgroup containment is not usable here: {why}")
+    trials = int(os.environ.get("CRASH_TRIALS", "15"))
+    rng = random.Random()
+    pattern = rf"^sleep 7777\.[0-9]+{SESSION}$"
+    started = 0
+    try:
+        for trial in range(trials):
+            state, project = tmp_path / f"s{trial}", tmp_path / f"p{trial}"
+            project.mkdir()
+            served = start_serve(state, "--containment", containment_mode)
+            markers = [mark(f"7777.{trial * 100 + n + 1}") for n in range(30)]
+            _pipeline_creates(served.socket_path, project, markers)
+            deadline = time.monotonic() + 5.0
+            while not pgrep(pattern) and time.monotonic() < deadline:  # the first spawn is under way
+                pass
+            time.sleep(rng.uniform(0.0, 0.02))
+            guardians = pgrep(rf"engine\._guardian import main.* {state} ")
+            started += len(pgrep(pattern))
+            served.kill_hard()
+            if trial % 2:  # the guardian dies too: the next start's sweep is what ends them
+                for pid in guardians:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                again = start_serve(state, "--containment", containment_mode)
+                assert again.stop() == 0
+                assert not [pid for pid in pgrep(pattern) if _in(pid, markers)], f"trial {trial}"
+        assert started > 0  # the kills landed while children were being spawned
+        print(f"{started} children seen just before the SIGKILLs over {trials} trials")
+        assert wait_until_sync(lambda: not pgrep(pattern), 15.0), pgrep(pattern)
+    finally:
+        kill_leftovers(pattern)
+
+
+def _in(pid: int, markers: list[str]) -> bool:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return len(args) > 1 and args[1].decode() in markers
+
+
+# ---- a full disk -------------------------------------------------------------------------------------------
+
+
+def test_a_create_on_a_full_disk_fails_clearly_and_leaves_no_child(tmp_path: Path) -> None:
+    """The state dir on a small tmpfs, filled: the create fails with a clear error and nothing survives."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): run as root")
+    marker = mark("7778.1")
+    try:
+        state, project = mount / "state", tmp_path / "p"
+        project.mkdir()
+
+        async def main() -> None:
+            async with engine_at(mount, containment="process-group") as engine:
+                filler = state / "filler"
+                with contextlib.suppress(OSError), open(filler, "wb") as f:
+                    while True:
+                        f.write(b"x" * 65536)
+                project_of = Project.from_directory(project)
+                with pytest.raises(OSError) as failed:
+                    await engine.service.create(project_of, "sleep", [marker])
+                assert "No space left" in str(failed.value) or failed.value.errno == 28
+                print(f"create on a full state dir: {failed.value}")
+                assert not pgrep(rf"^sleep {marker}") and engine.service.ps() == []
+                filler.unlink()
+
+        trio.run(main)
+        assert not pgrep(rf"^sleep {marker}")
+    finally:
+        kill_leftovers(rf"^sleep {marker}")
+        subprocess.run(["umount", "-l", str(mount)], check=False)

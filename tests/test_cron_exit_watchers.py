@@ -172,9 +172,15 @@ async def _cr02_round(state: Path, offset: float, *, hold: str | None, tag: str)
         await engine.watchers.reconcile([attrs.evolve(current, schedule=OnExit(command=gen2))])
         release.set()
         if engine.watchers.active_job_ids():
-            # Replaced: the old command is gone. (A bash shell gets the command string in its environment,
-            # not its argv, so this finds only a command another shell runs: see children.pgrep_env.)
-            assert not pgrep(f"echo gen-1-{tag}")
+            # Replaced: once gen-2 runs, gen-1 is gone (the scope replaces the existing one before it
+            # spawns). The command string travels in the wrapper's environment, so look there.
+            await wait_until(
+                lambda: (
+                    bool(pgrep_env(COMMAND_VAR, f"echo gen-2-{tag}")) or not engine.watchers.active_job_ids()
+                ),
+                seconds=10,
+            )
+            assert not pgrep_env(COMMAND_VAR, f"echo gen-1-{tag}")
         events = await wait_events(engine, 1, seconds=15)
         await trio.sleep(0.2)
         events = await engine.cron.events()

@@ -30,7 +30,7 @@ def _version(path: Path) -> int:
 
 
 def test_migrations_are_numbered_steps() -> None:
-    assert SCHEMA_VERSION == len(MIGRATIONS) == 3
+    assert SCHEMA_VERSION == len(MIGRATIONS) == 4
     assert all(
         step.__doc__ and step.__doc__.startswith(f"{n} -> {n + 1}:") for n, step in enumerate(MIGRATIONS)
     )
@@ -64,8 +64,8 @@ def test_migration_step_that_fails_leaves_the_version_before_it(tmp_path: Path) 
     path = tmp_path / "cron.sqlite3"
 
     def broken(conn: sqlite3.Connection) -> None:
-        """3 -> 4: half done, then it fails."""
-        conn.execute("CREATE TABLE notices (id INTEGER PRIMARY KEY)")
+        """4 -> 5: half done, then it fails."""
+        conn.execute("CREATE TABLE half_done (id INTEGER PRIMARY KEY)")
         raise sqlite3.OperationalError("disk I/O error (test)")
 
     conn = _connect(path)
@@ -74,7 +74,7 @@ def test_migration_step_that_fails_leaves_the_version_before_it(tmp_path: Path) 
             migrate(conn, str(path), (*MIGRATIONS, broken))
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION  # the good steps stay
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        assert "notices" not in tables and {"jobs", "events"} <= tables
+        assert "half_done" not in tables and {"jobs", "events", "notices"} <= tables
         assert not conn.in_transaction
     finally:
         conn.close()
@@ -126,6 +126,32 @@ async def test_migration_3_adds_the_project_of_jobs_and_events(tmp_path: Path) -
     try:
         rows = conn.execute("SELECT id, project FROM jobs ORDER BY seq").fetchall()
         assert rows == [("old", None)]
-        assert _version(path) == 3
+        assert _version(path) == SCHEMA_VERSION
     finally:
         conn.close()
+
+
+async def test_migration_4_adds_the_notices_and_a_notice_is_recorded_once(tmp_path: Path) -> None:
+    path = tmp_path / "cron.sqlite3"
+    conn = _connect(path)
+    migrate(conn, str(path), MIGRATIONS[:3])  # a version-3 file: no notices table
+    conn.close()
+    store = SqliteJobStore(str(path))
+    await store.open()
+    try:
+        fire = text_fire("subprocess 4242", "it exited")
+        await store.add_notice("subprocess:4242", "1f2e3d4c5b6a7988", fire)
+        assert await store.pending_notices() == [fire.fire_id]
+        event = await store.record_notice(fire.fire_id, acked=False)
+        assert event is not None
+        assert (event.job_id, event.project, event.fire_id) == (
+            "subprocess:4242",
+            "1f2e3d4c5b6a7988",
+            fire.fire_id,
+        )
+        assert await store.pending_notices() == []
+        assert await store.record_notice(fire.fire_id, acked=False) is None  # recorded once
+        assert [e.fire_id for e in await store.unacked_events()] == [fire.fire_id]
+    finally:
+        await store.aclose()
+    assert _version(path) == 4

@@ -20,6 +20,7 @@ from engine import (
     CronJob,
     Every,
     JobNotFoundError,
+    JobStore,
     OnExit,
     SqliteJobStore,
     StoreError,
@@ -27,6 +28,7 @@ from engine import (
 )
 from engine.cron._events import exit_fire, text_fire
 from engine.cron._job import JobStatus
+from engine.cron._pg_store import PostgresJobStore
 from engine.cron._watch_state import WatchState
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -44,9 +46,27 @@ class FullDiskConnection(sqlite3.Connection):
         return super().execute(sql, *args)
 
 
+#: The engine the stores of these tests belong to (the owner of the jobs they add).
+ENGINE = "engine-a"
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteJobStore]:
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[SqliteJobStore]:
     s = SqliteJobStore.in_state_dir(str(tmp_path))
+    await s.open()
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JobStore]:
+    """Each store in turn: the protocol's tests run on both (PostgreSQL: a real server, a fresh database)."""
+    if request.param == "sqlite":
+        s: JobStore = SqliteJobStore.in_state_dir(str(tmp_path))
+    else:
+        s = PostgresJobStore(request.getfixturevalue("pg_url"), ENGINE)
     await s.open()
     try:
         yield s
@@ -70,11 +90,12 @@ def job(job_id: str = "j1", **kw: Any) -> CronJob:
         created_at=T0,
         updated_at=T0,
         next_run_at=T0 + timedelta(seconds=60),
+        owner=ENGINE,
     )
     return attrs.evolve(base, **kw)
 
 
-async def test_store_round_trips_every_kind_of_job(tmp_path: Path, store: SqliteJobStore) -> None:
+async def test_store_round_trips_every_kind_of_job(tmp_path: Path, sqlite_store: JobStore) -> None:
     jobs = [
         job("a"),
         job("b", schedule=At(T0 + timedelta(days=1)), payload=Command(("echo", "x y"), cwd="/tmp")),
@@ -83,6 +104,7 @@ async def test_store_round_trips_every_kind_of_job(tmp_path: Path, store: Sqlite
         ),
         job("d", schedule=OnExit("make test", cwd="/srv"), next_run_at=None, consecutive_errors=3),
     ]
+    store = sqlite_store
     for j in jobs:
         await store.insert_job(j)
     assert await store.list_jobs() == jobs
@@ -96,11 +118,11 @@ async def test_store_round_trips_every_kind_of_job(tmp_path: Path, store: Sqlite
         await again.aclose()
 
 
-async def test_store_uses_wal_full_sync_and_a_schema_version(tmp_path: Path, store: SqliteJobStore) -> None:
+async def test_store_uses_wal_full_sync_and_a_schema_version(tmp_path: Path, sqlite_store: JobStore) -> None:
     conn = sqlite3.connect(tmp_path / "cron.sqlite3")
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
     finally:
         conn.close()
 
@@ -149,7 +171,7 @@ async def test_store_migrates_version_1_keeping_jobs_and_events(tmp_path: Path) 
         await s.aclose()
     conn = sqlite3.connect(path)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
     finally:
         conn.close()
     s = SqliteJobStore(str(path))
@@ -170,7 +192,7 @@ async def test_store_refuses_newer_schema(tmp_path: Path) -> None:
         await s.open()
 
 
-async def test_store_unknown_job_raises_job_not_found(store: SqliteJobStore) -> None:
+async def test_store_unknown_job_raises_job_not_found(store: JobStore) -> None:
     with pytest.raises(JobNotFoundError, match="nope"):
         await store.get_job("nope")
     with pytest.raises(JobNotFoundError):
@@ -182,8 +204,9 @@ async def test_store_unknown_job_raises_job_not_found(store: SqliteJobStore) -> 
 
 
 async def test_store_unreadable_row_is_skipped(
-    tmp_path: Path, store: SqliteJobStore, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, sqlite_store: JobStore, caplog: pytest.LogCaptureFixture
 ) -> None:
+    store = sqlite_store
     await store.insert_job(job("good"))
     conn = sqlite3.connect(tmp_path / "cron.sqlite3")
     conn.execute('INSERT INTO jobs (id, data) VALUES (\'bad\', \'{"id": "bad", "schedule": 7}\')')
@@ -201,7 +224,7 @@ async def test_store_unreadable_row_is_skipped(
     assert removed is None and pending is None
 
 
-async def test_store_update_is_one_transaction(store: SqliteJobStore) -> None:
+async def test_store_update_is_one_transaction(store: JobStore) -> None:
     await store.insert_job(job())
 
     def explode(j: CronJob) -> CronJob:
@@ -238,7 +261,7 @@ async def test_store_failed_write_raises_store_error_and_keeps_nothing(tmp_path:
         await s.aclose()
 
 
-async def test_store_commit_fire_then_deliver_fire(store: SqliteJobStore) -> None:
+async def test_store_commit_fire_then_deliver_fire(store: JobStore) -> None:
     await store.insert_job(job("w", schedule=OnExit("true"), next_run_at=None))
     fire = text_fire("w", "the command exited")
     disabled = await store.commit_fire("w", exited, fire)
@@ -254,7 +277,7 @@ async def test_store_commit_fire_then_deliver_fire(store: SqliteJobStore) -> Non
 
 
 async def test_store_record_event_clears_pending_and_stays_unacked_until_acked(
-    store: SqliteJobStore,
+    store: JobStore,
 ) -> None:
     await store.insert_job(job("e"))
     first, second = text_fire("e", "one"), text_fire("e", "two")
@@ -272,7 +295,7 @@ async def test_store_record_event_clears_pending_and_stays_unacked_until_acked(
     assert await store.events() == [a, b]
 
 
-async def test_store_deliver_fire_acks_at_once(store: SqliteJobStore) -> None:
+async def test_store_deliver_fire_acks_at_once(store: JobStore) -> None:
     await store.insert_job(job("s"))
     event = await store.deliver_fire("s", text_fire("s", "standalone"))
     assert await store.events() == [event]
@@ -280,7 +303,7 @@ async def test_store_deliver_fire_acks_at_once(store: SqliteJobStore) -> None:
 
 
 @pytest.mark.parametrize("method", ["deliver_fire", "record_event"])
-async def test_store_fire_of_a_removed_job_is_not_logged(store: SqliteJobStore, method: str) -> None:
+async def test_store_fire_of_a_removed_job_is_not_logged(store: JobStore, method: str) -> None:
     await store.insert_job(job("r"))
     fire = text_fire("r", "late")
     await store.delete_job("r")
@@ -289,7 +312,7 @@ async def test_store_fire_of_a_removed_job_is_not_logged(store: SqliteJobStore, 
     assert await store.events() == []
 
 
-async def test_store_events_since_cursor_in_order(store: SqliteJobStore, tmp_path: Path) -> None:
+async def test_store_events_since_cursor_in_order(store: JobStore, tmp_path: Path) -> None:
     await store.insert_job(job("e"))
     out = tmp_path / "out.log"
     out.write_text("".join(f"line {i}\n" for i in range(100)))
@@ -307,7 +330,7 @@ async def test_store_events_since_cursor_in_order(store: SqliteJobStore, tmp_pat
     json.dumps(last.to_dict())
 
 
-async def test_store_watch_state(store: SqliteJobStore) -> None:
+async def test_store_watch_state(store: JobStore) -> None:
     await store.insert_job(job("w", schedule=OnExit("sleep 1"), next_run_at=None))
     state = WatchState(
         arm_id="a1", pid=4242, sid=4242, start_time=123, marker="t:1", exit_file="/x",
@@ -322,7 +345,7 @@ async def test_store_watch_state(store: SqliteJobStore) -> None:
 
 
 @pytest.mark.parametrize("acked", [True, False])
-async def test_store_delete_logs_the_undelivered_fire(store: SqliteJobStore, acked: bool) -> None:
+async def test_store_delete_logs_the_undelivered_fire(store: JobStore, acked: bool) -> None:
     await store.insert_job(job("d"))
     fire = text_fire("d", "pending")
     await store.commit_fire("d", lambda j: j, fire)

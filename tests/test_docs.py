@@ -37,10 +37,13 @@ from .docs_runner import (
     run_python,
     run_shell,
 )
+from .pg_support import fresh_database
 
 ROOT = Path(__file__).parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
+#: The page whose engines share a PostgreSQL store (``GADGET_ENGINE_STORE`` names a fresh database).
+FLEET_PAGE = "docs/guide-fleet.md"
 #: The README's test command: this test is part of what it runs.
 TEST_COMMAND = ("README.md", "make test")
 
@@ -149,6 +152,9 @@ def test_docs_page_runs_as_written(page: str, tmp_path: Path) -> None:
     env = _env(home)
     values = Values(home=home, scratch=scratch, port=_free_port())
     cwd = home / "app"
+    pages = contextlib.ExitStack()
+    if page == FLEET_PAGE:  # its engines share a store: a fresh database on the session's PostgreSQL
+        env["GADGET_ENGINE_STORE"] = pages.enter_context(fresh_database("docs"))
     try:
         for at, block in enumerate(blocks):
             if not _runnable(block):
@@ -174,6 +180,10 @@ def test_docs_page_runs_as_written(page: str, tmp_path: Path) -> None:
                     )
     finally:
         _clean_up(tmp_path, env)
+        for name in ("engine-a", "engine-b"):  # the fleet page's engines
+            if (home / name).is_dir():
+                _clean_up(tmp_path, {**env, "GADGET_ENGINE_STATE_DIR": str(home / name)})
+        pages.close()
 
 
 @pytest.mark.machine_wide  # the demo looks for its server with a machine-wide `pgrep -f`

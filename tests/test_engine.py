@@ -60,3 +60,9 @@ def test_engine_config_rejects_bad_values(field: str, value: object) -> None:
 
 def test_engine_config_default_state_dir_is_platform_state_dir() -> None:
     assert EngineConfig().resolved_state_dir().endswith("gadget-engine")
+
+
+def test_owner_lost_seconds_must_outlast_a_heartbeat() -> None:
+    with pytest.raises(ValueError, match="owner_lost_seconds must be more than 5 s"):
+        EngineConfig(owner_lost_seconds=5.0)
+    assert EngineConfig(owner_lost_seconds=8.0).owner_lost_seconds == 8.0

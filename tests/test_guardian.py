@@ -28,11 +28,11 @@ WATCHED = rf"^sleep 4\.5{SESSION}"
 
 
 def start_engine(
-    state: Path, grace: float, *pairs: tuple[Path, str]
+    state: Path, grace: float, *pairs: tuple[Path, str], containment: str = "auto"
 ) -> tuple[subprocess.Popen[str], list[int]]:
     args = [a for project, command in pairs for a in (str(project), command)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.crash_engine", str(state), str(grace), *args],
+        [sys.executable, "-m", "tests.crash_engine", str(state), str(grace), containment, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -64,13 +64,17 @@ async def wait_gone(pattern: str, seconds: float) -> float:
 
 
 @pytest.mark.serial
-async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path) -> None:
+async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path, containment: str) -> None:
     projects = [tmp_path / "p1", tmp_path / "p2"]
     for p in projects:
         p.mkdir()
     try:
         proc, _ = start_engine(
-            tmp_path / "state", 5.0, (projects[0], STUBBORN), (projects[1], f"sleep {mark('331.4')} & wait")
+            tmp_path / "state",
+            5.0,
+            (projects[0], STUBBORN),
+            (projects[1], f"sleep {mark('331.4')} & wait"),
+            containment=containment,
         )
         await wait_until(lambda: len(pgrep(SLEEPS_1_4)) >= 4)
         assert len(pgrep(SLEEPS_1_4)) == 4
@@ -87,8 +91,9 @@ async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path) -> No
         kill_leftovers(SLEEPS_1_4)
 
 
-async def test_guardian_exits_with_engine_on_graceful_shutdown(tmp_path: Path) -> None:
-    async with open_engine(EngineConfig(state_dir=str(tmp_path), grace_seconds=0.3)) as engine:
+async def test_guardian_exits_with_engine_on_graceful_shutdown(tmp_path: Path, containment: str) -> None:
+    config = EngineConfig(state_dir=str(tmp_path), grace_seconds=0.3, containment=containment)
+    async with open_engine(config) as engine:
         await engine.supervisor.spawn(SpawnSpec(argv=("sleep", mark("332.1"))))
         with trio.fail_after(5):
             while not guardian_pids(tmp_path):
@@ -97,10 +102,10 @@ async def test_guardian_exits_with_engine_on_graceful_shutdown(tmp_path: Path) -
     assert not pgrep(rf"^sleep 332\.1{SESSION}")
 
 
-async def test_sweep_ends_leftovers_when_guardian_died_too(tmp_path: Path) -> None:
+async def test_sweep_ends_leftovers_when_guardian_died_too(tmp_path: Path, containment: str) -> None:
     state = tmp_path / "state"
     try:
-        proc, _ = start_engine(state, 0.3, (tmp_path, STUBBORN))
+        proc, _ = start_engine(state, 0.3, (tmp_path, STUBBORN), containment=containment)
         await wait_until(lambda: len(pgrep(SLEEPS_1_3)) >= 3)
         with trio.fail_after(5):
             while not guardian_pids(state):
@@ -116,7 +121,9 @@ async def test_sweep_ends_leftovers_when_guardian_died_too(tmp_path: Path) -> No
         assert info is not None
         records_dir(str(state))
         GroupRecord(stranger.pid, info.sid, info.start_time - 1, "someone:1").write(str(state))
-        async with open_engine(EngineConfig(state_dir=str(state), grace_seconds=0.3)):
+        async with open_engine(
+            EngineConfig(state_dir=str(state), grace_seconds=0.3, containment=containment)
+        ):
             assert not pgrep(SLEEPS_1_3)  # swept at start-up, before open_engine returned
             assert stranger.poll() is None
         assert not os.listdir(state / "groups")

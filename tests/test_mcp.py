@@ -643,3 +643,53 @@ async def test_nb04_sdk_client_leaves_while_a_kill_waits_and_the_server_exits_by
         assert "event=stopped" in errlog.read_text()
     finally:
         kill_leftovers(marker)
+
+
+async def test_mcp_subprocess_extensions_and_an_exit_notice(tmp_path: Path) -> None:
+    """Issues 17 and 18 through MCP (embedded engine): create with stdin and ready, input, wait, log new
+    and grep, and a notify_on_exit process whose notice cron_events shows."""
+    project = tmp_path / "app"
+    project.mkdir()
+    params = server_params(tmp_path / "state", project, "--project", str(project))
+    async with mcp_client(params, tmp_path / "mcp.log") as session:
+        code = "import sys; print('name?', flush=True); print('hi', sys.stdin.readline().strip())"
+        text, is_error = await call(
+            session,
+            "subprocess",
+            {
+                "cmd": "create",
+                "command": sys.executable,
+                "args": ["-c", code],
+                "stdin": True,
+                "ready": {"log": "name"},
+            },
+        )
+        assert not is_error and text.endswith("\nready: ready\n--- first output ---\nname?"), text
+        pid = int(text.split("\n")[1].removeprefix("pid: "))
+        text, is_error = await call(session, "subprocess", {"cmd": "input", "pid": pid, "text": "bob\n"})
+        assert (text, is_error) == (f"SUBPROCESS INPUT\npid: {pid}\nsent: 4 bytes", False)
+        text, _ = await call(session, "subprocess", {"cmd": "wait", "pid": pid, "timeout": 10})
+        assert text == f"SUBPROCESS WAIT\npid: {pid}\nstatus: exited 0"
+        text, _ = await call(
+            session, "subprocess", {"cmd": "log", "pid": pid, "which": "stdout", "new": True}
+        )
+        assert text == f"SUBPROCESS LOG (stdout)\npid: {pid}\n---\nname?\nhi bob\n"
+        text, _ = await call(
+            session, "subprocess", {"cmd": "log", "pid": pid, "which": "stdout", "grep": "^hi"}
+        )
+        assert text == f"SUBPROCESS LOG (stdout)\npid: {pid}\n---\n2: hi bob\n"
+        text, is_error = await call(session, "subprocess", {"cmd": "wait", "pid": pid, "timeout": 999})
+        assert is_error and "at most 300" in text
+        text, _ = await call(
+            session,
+            "subprocess",
+            {
+                "cmd": "create",
+                "command": "bash",
+                "args": ["-c", "echo built; exit 6"],
+                "notify_on_exit": True,
+            },
+        )
+        build = int(text.split("\n")[1].removeprefix("pid: "))
+        event = await wait_for_event(session, f"subprocess:{build}")
+        assert "exited with code 6" in event and "built" in event

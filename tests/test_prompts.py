@@ -46,3 +46,13 @@ def test_render_mode_prompt_rejects_non_strings() -> None:
         render_mode_prompt("Build", None)  # type: ignore[arg-type]  # deliberately wrong
     with pytest.raises(TypeError):
         tools_for_mode(3)  # type: ignore[arg-type]  # deliberately wrong
+
+
+def test_the_block_describes_the_extensions_unless_they_are_off() -> None:
+    spec = process_management_block(extensions=False)
+    extended = process_management_block()
+    assert extended.startswith(spec + "\n\n")
+    for word in ('"ready"', '"restart"', '"new"', '"grep"', '"input"', '"wait"', '"notify_on_exit"'):
+        assert word in extended and word not in spec
+    assert spec in render_mode_prompt("Build", TEMPLATE, extensions=False)
+    assert '"grep"' not in render_mode_prompt("Build", TEMPLATE, extensions=False)

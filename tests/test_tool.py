@@ -39,8 +39,11 @@ def _keys(node: object) -> set[str]:
 
 
 def test_definition_is_a_plain_json_schema(tmp_path: Path) -> None:
+    """With ``tool_extensions=False`` the definition is exactly the spec's (tests/test_tool_extensions.py
+    has the extended one)."""
+
     async def main() -> dict[str, object]:
-        async with open_engine(EngineConfig(state_dir=str(tmp_path))) as engine:
+        async with open_engine(EngineConfig(state_dir=str(tmp_path), tool_extensions=False)) as engine:
             return engine.tool.definition
 
     definition = trio.run(main)

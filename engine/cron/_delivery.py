@@ -28,6 +28,7 @@ import trio
 
 from .._retry import RetryPolicy
 from ._events import FiredEvent, PendingFire
+from ._notices import NoticeStore
 from ._protocol import JobStore
 
 __all__ = ["Delivery", "FireHandler", "FireObserver"]
@@ -105,6 +106,24 @@ class Delivery:
             logger=logger,
         )
         self._observe(event)
+        return event
+
+    async def record_notice(self, store: NoticeStore, fire_id: str) -> FiredEvent | None:
+        """Append a persisted exit notice to the event log, deleting the notice, retrying store failures
+        (``_notices``); standalone acknowledged, embedded for :meth:`hand_over`. Observers see it.
+
+        Cancellation: the notice stays kept, recorded at the next start.
+
+        Returns:
+            The logged event, or ``None`` when the notice is not kept (recorded already).
+        """
+        event = await self.retry.run(
+            f"recording exit notice {fire_id}",
+            functools.partial(store.record_notice, fire_id, acked=self.on_fire is None),
+            logger=logger,
+        )
+        if event is not None:
+            self._observe(event)
         return event
 
     @contextlib.contextmanager

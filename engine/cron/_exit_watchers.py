@@ -32,12 +32,14 @@ from typing import TypeVar, final
 import attrs
 import trio
 
+from .._cgroup import watched_leaf
 from .._errors import JobNotFoundError, SpawnError
+from .._keyed_locks import KeyedLocks
 from .._pidfd import wait_exited
 from .._procfs import read_proc
 from .._retry import RetryPolicy
 from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor, TerminationReason
-from .._sweep import GroupRecord, end_processes, find_record_processes
+from .._sweep import end_processes, find_record_processes
 from ._arming import ArmTable, watchable
 from ._events import PendingFire, exit_fire
 from ._job import CronJob, JobStatus, SystemEvent
@@ -89,7 +91,9 @@ class _Watch:
     arm_id: str
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     run: ManagedRun | None = None
-    adopted: GroupRecord | None = None
+    adopted: WatchState | None = None
+    #: an adopted command's leaf, to be emptied and removed once the command is over (cgroup mode)
+    leftover_leaf: str | None = None
     #: what the store must hold for the next engine to adopt the command, once it runs
     state: WatchState | None = None
     saved: bool = False
@@ -146,7 +150,7 @@ class CronExitWatchers:
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
-    _state_locks: dict[str, trio.Lock] = attrs.field(init=False, factory=dict)
+    _state_locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     _detached: bool = attrs.field(init=False, default=False)
 
     def __repr__(self) -> str:
@@ -166,7 +170,7 @@ class CronExitWatchers:
             return None
         if watch.run is not None:
             return watch.run.pid
-        return watch.adopted.pgid if watch.adopted is not None else None
+        return watch.adopted.pid if watch.adopted is not None else None
 
     def last_error(self, job_id: str) -> str | None:
         """The last spawn or persistence error of ``job_id``'s watcher, if one is failing now."""
@@ -410,13 +414,14 @@ class CronExitWatchers:
 
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
-        group = watch.adopted = state.group_record()
+        watch.adopted = state
         await self._wait_or_end(
             watch,
             functools.partial(wait_exited, state.pid, start_time=state.start_time),
-            functools.partial(self._end_group, group),
+            functools.partial(self._end_group, state),
         )
         watch.adopted = None
+        watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)
         record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
         if record is None:
@@ -528,26 +533,47 @@ class CronExitWatchers:
             await self.supervisor.cancel(watch.run)
         if watch.adopted is not None:
             await self._end_group(watch.adopted)
+        elif watch.leftover_leaf is not None:
+            leaf, watch.leftover_leaf = watch.leftover_leaf, None
+            await self._end_leaf(leaf)
 
-    async def _end_group(self, record: GroupRecord) -> None:
-        """End a command this engine did not spawn (adopted) by escalation, in a worker thread."""
+    async def _end_group(self, state: WatchState) -> None:
+        """End a command this engine did not spawn (adopted) by escalation, in a worker thread: its
+        recorded group and marked processes, and in cgroup containment its whole leaf (then removed)."""
         grace, kill_wait = self.supervisor.grace_seconds, self.supervisor.kill_wait_seconds
+        record = state.group_record()
+        leaf = watched_leaf(state.cgroup) if state.cgroup is not None else None
 
         def end() -> None:
-            end_processes(find_record_processes([record]), grace_seconds=grace, kill_wait_seconds=kill_wait)
+            end_processes(
+                find_record_processes([record]),
+                grace_seconds=grace,
+                kill_wait_seconds=kill_wait,
+                leaves=[leaf] if leaf is not None else [],
+            )
             _reap_if_ours(record.pgid, record.start_time)  # left by an engine in this very process
 
         await trio.to_thread.run_sync(end)
 
-    # -- watch state in the store ------------------------------------------------------------------
+    async def _end_leaf(self, path: str) -> None:
+        """End what an adopted command left in its leaf, then remove the leaf (cgroup containment)."""
+        leaf = watched_leaf(path)
+        if leaf is None:
+            await trio.lowlevel.checkpoint()
+            return
+        grace, kill_wait = self.supervisor.grace_seconds, self.supervisor.kill_wait_seconds
+        await trio.to_thread.run_sync(
+            functools.partial(
+                end_processes, {}, grace_seconds=grace, kill_wait_seconds=kill_wait, leaves=[leaf]
+            )
+        )
 
-    def _state_lock(self, job_id: str) -> trio.Lock:
-        return self._state_locks.setdefault(job_id, trio.Lock())
+    # -- watch state in the store ------------------------------------------------------------------
 
     async def _save_state(self, watch: _Watch, job: CronJob) -> None:
         state = watch.state
         assert state is not None
-        async with self._state_lock(job.id):
+        async with self._state_locks.hold(job.id):
             if not self._owns(watch):
                 return
             try:
@@ -559,7 +585,7 @@ class CronExitWatchers:
                 logger.error("on-exit job %s: saving the watch state failed (%s)", job.id, exc)
 
     async def _forget(self, watch: _Watch, paths: _Paths, *, keep_logs: bool = False) -> None:
-        async with self._state_lock(watch.job_id):
+        async with self._state_locks.hold(watch.job_id):
             slot = self._table.slot(watch.job_id)
             if slot is None or slot.token == watch.token:
                 with contextlib.suppress(OSError, JobNotFoundError):
@@ -591,8 +617,8 @@ class CronExitWatchers:
                 and state.targets(job.schedule)
             )
             if not current:  # the job changed or went away meanwhile: end the old command, forget it
-                if alive:
-                    await self._end_group(state.group_record())
+                if alive or state.cgroup is not None:
+                    await self._end_group(state)
                 with contextlib.suppress(OSError, JobNotFoundError):
                     await self.store.set_watch_state(job_id, None)
                 continue
@@ -600,8 +626,15 @@ class CronExitWatchers:
             if alive or record is not None:
                 token = self._table.arm(job)
                 self._start(job, token, adopted=state, recorded=None if alive else record)
+                if not alive and state.cgroup is not None:
+                    await self._end_leaf(state.cgroup)  # its leftovers, now: the command is over
             else:
                 await self._report_lost(job_id, "the command was neither running nor recorded")
+        # Leaves of watched commands no job watches any more (the state was dropped meanwhile).
+        claimed = {state.cgroup for state in states.values() if state.cgroup is not None}
+        for leaf in self.supervisor.containment.watched_leaves():
+            if leaf.path not in claimed:
+                await self._end_leaf(leaf.path)
 
     async def _report_lost(self, job_id: str, why: str) -> None:
         message = f"watch lost across restart: {why}; the job is disabled and did not fire"

@@ -138,6 +138,10 @@ class CronJob:
         project: the id of the project the job belongs to (``Project.id``; an MCP session or an RPC
             client that named a project), or ``None`` for a job added without one (the CLI, the library).
             The MCP cron tools of a project see and touch only its jobs. It never changes.
+        owner: the id of the engine that added the job (``EngineConfig.engine_id``), or ``None`` for a job
+            added before engines had ids. On a fleet store only the owner runs a ``Command`` payload or an
+            on-exit schedule; a ``SystemEvent`` job on a timed schedule floats (any engine fires it). It
+            never changes.
     """
 
     id: str
@@ -154,6 +158,7 @@ class CronJob:
     last_error: str | None = None
     consecutive_errors: int = 0
     project: str | None = None
+    owner: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the store keeps (times as ISO 8601 strings)."""
@@ -172,6 +177,7 @@ class CronJob:
             "last_error": self.last_error,
             "consecutive_errors": self.consecutive_errors,
             "project": self.project,
+            "owner": self.owner,
         }
 
     @classmethod
@@ -199,6 +205,7 @@ class CronJob:
                 last_error=None if last_error is None else check_string(last_error, "last_error"),
                 consecutive_errors=check_int(data.get("consecutive_errors", 0), "consecutive_errors"),
                 project=check_optional_text(data.get("project"), "project"),
+                owner=check_optional_text(data.get("owner"), "owner"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid job record: {exc!r}") from exc

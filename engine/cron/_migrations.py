@@ -9,7 +9,8 @@ step never changes, and reads only what the file held at its version (never toda
 History: 1 creates the jobs and the event log; 2 adds ``events.acked`` (existing events count as acked,
 except one whose fire is still pending on its job: a version-1 engine stopped between logging it and
 ``on_fire``); 3 adds ``jobs.project`` and ``events.project`` (the project id of a job and of its events;
-``NULL`` for what existed: no job had a project before).
+``NULL`` for what existed: no job had a project before); 4 adds the ``notices`` table (subprocess exit
+notices persisted before delivery, ``_notices``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sqlite3
 from collections.abc import Callable
 
 from .._errors import StoreError
+from ._notices import add_notices_table
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "Migration", "migrate"]
 
@@ -75,7 +77,7 @@ def _add_project(conn: sqlite3.Connection) -> None:
 
 
 #: The steps, in order: ``MIGRATIONS[n]`` takes a file from version ``n`` to ``n + 1``.
-MIGRATIONS: tuple[Migration, ...] = (_create_tables, _add_events_acked, _add_project)
+MIGRATIONS: tuple[Migration, ...] = (_create_tables, _add_events_acked, _add_project, add_notices_table)
 #: The schema version this engine writes: the number of steps.
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from datetime import datetime
 from typing import Protocol
 
+import trio
+
+from ._claims import CLAIM_BATCH, DueClaims
 from ._events import FiredEvent, PendingFire
+from ._fleet import FleetMember
 from ._job import CronJob
 from ._watch_state import WatchState
 
@@ -28,6 +33,12 @@ class JobStore(Protocol):
 
     def describe(self) -> str:
         """Where the store is, for logs and ``status`` (``sqlite:/path``; a URL without its password)."""
+        ...
+
+    def owns(self, job: CronJob) -> bool:
+        """Whether this engine runs ``job``'s owned work (a ``Command``, an on-exit command, its watch
+        state, a ``RUNNING`` status left by a crash): every job of a SQLite store; on a fleet store the
+        jobs whose ``owner`` is this engine."""
         ...
 
     async def open(self) -> None:
@@ -91,5 +102,33 @@ class JobStore(Protocol):
         ...
 
     async def events(self, since: int = 0) -> list[FiredEvent]:
-        """The events with a cursor greater than ``since``, in order."""
+        """The events with a cursor greater than ``since``, in order. A reader never skips an event:
+        one that commits later has a greater cursor."""
+        ...
+
+    async def claim_due(
+        self, now: datetime, *, skip: Collection[str] = (), acked: bool, limit: int = CLAIM_BATCH
+    ) -> DueClaims:
+        """In one transaction, claim every due time this engine may run (``_claims``), oldest first, at
+        most ``limit``: each job written as claimed and each ``SystemEvent`` fire appended to the log
+        (``acked`` as given), deduplicated by its ``fire_id``. ``now`` is the engine's wall time; a fleet
+        store decides on the database's clock instead. Jobs in ``skip`` (running here) are left."""
+        ...
+
+    async def listen(
+        self,
+        on_jobs: Callable[[], None],
+        on_events: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Until cancelled, call ``on_jobs()`` when another engine may have changed the jobs and
+        ``on_events()`` when it may have appended events (a fleet store: ``LISTEN/NOTIFY``; SQLite, where
+        one engine writes: never)."""
+
+    async def beat(self, member: FleetMember) -> None:
+        """Publish this engine's heartbeat (``member``'s ``age_seconds`` and ``lost`` are ignored)."""
+
+    async def fleet(self) -> list[FleetMember]:
+        """Every engine's last heartbeat, with its age on the store's clock, oldest engine first."""
         ...

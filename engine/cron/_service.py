@@ -5,9 +5,15 @@ One :class:`CronService` per engine (``engine.cron``). Its tasks live in a nurse
 
 Every fire takes the same path. A due time is *claimed* in one store transaction before anything runs
 (``last_run_at`` moves to now, ``next_run_at`` past now): a claimed due time never runs again, a crash
-included. A ``SystemEvent`` job commits its fire in that same transaction; a ``Command`` job commits its
-fire once the command has ended. A committed fire is then recorded in the event log and delivered by
-the service's :class:`Delivery` (``_delivery``; :meth:`CronService.fire_pending`).
+included. The timer claims every due job it may run at once (:meth:`JobStore.claim_due`, ``_claims``);
+a ``SystemEvent`` job's event is appended to the log in that same transaction, with a ``fire_id`` fixed
+by the due time, so any engine of a fleet may fire it and exactly one event exists per due time. A
+``Command`` job commits its fire once the command has ended, and ``run_now`` commits a fire on the job
+first; a committed fire is then recorded in the event log. The service's :class:`Delivery` hands the
+events over (``_delivery``; :meth:`CronService.fire_pending`).
+
+On a fleet store the store decides (``JobStore.owns``) which jobs are this engine's own: only those are
+run here when their payload is a ``Command``, armed by the exit watchers, or reset at start-up.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundErr
 from .._input import check_flag, check_int, check_optional_text, check_text
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
+from ._claims import Claim, JobOwnedElsewhereError, floats
 from ._command import command_log_paths, run_command
 from ._delivery import Delivery, FireHandler, FireObserver
 from ._events import FiredEvent, PendingFire, text_fire
 from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
-from ._plan import claim, finish, interrupted, is_due, next_wake, schedule_next, should_delete
+from ._notices import NoticeStore
+from ._plan import claim, finish, interrupted, is_due, schedule_next, should_delete
 from ._protocol import JobStore
 from ._schedule import (
     At,
@@ -99,6 +107,7 @@ class CronService:
         recheck_seconds: the longest the timer sleeps before it looks at the wall clock again.
         retry: the waits between attempts of a store write that must not be lost (a run's result) and
             between the timer's looks at a failing store.
+        engine_id: this engine's id, kept as the ``owner`` of every job it adds.
     """
 
     store: JobStore
@@ -111,7 +120,10 @@ class CronService:
     on_jobs_changed: JobsChangedHandler | None = None
     recheck_seconds: float = 60.0
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    engine_id: str | None = None
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
+    _appended: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _reconcile_pending: bool = attrs.field(init=False, default=False)
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
@@ -181,6 +193,7 @@ class CronService:
             updated_at=now,
             next_run_at=next_run_at,
             project=project,
+            owner=self.engine_id,
         )
         await self.store.insert_job(job)
         await self.notify_jobs_changed()
@@ -309,6 +322,30 @@ class CronService:
         check_int(since, "since")
         return await self.store.events(since)
 
+    async def wait_events(self, since: int, seconds: float) -> builtins.list[FiredEvent]:
+        """The logged events after cursor ``since``, waiting up to ``seconds`` for the first one.
+
+        Woken by every event this engine logs and, on a fleet store, by ``LISTEN/NOTIFY`` when another
+        engine logs one: a follower needs no polling loop.
+
+        Cancellation: safe; nothing changes.
+
+        Returns:
+            The events after ``since`` (empty if none came within ``seconds``).
+        """
+        with trio.move_on_after(seconds):
+            while True:
+                appended = self._appended
+                events = await self.store.events(since)
+                if events:
+                    return events
+                await appended.wait()
+        return []
+
+    def _events_appended(self) -> None:
+        self._appended.set()
+        self._appended = trio.Event()
+
     async def run_now(self, job_id: str) -> None:
         """Run a job now, whatever its schedule or enabled flag, and wait until its fire is delivered.
 
@@ -323,6 +360,11 @@ class CronService:
             StoreError: the claim could not be written; nothing runs.
         """
         check_text(job_id, "job_id")
+        job = await self.store.get_job(job_id)
+        if not floats(job) and not self.store.owns(job):
+            raise JobOwnedElsewhereError(
+                f"job_id {job_id!r} runs only on engine {job.owner!r}, which added it; run it there"
+            )
         while (busy := self._running.get(job_id)) is not None:
             await busy.wait()
         done = await self._claim_and_start(job_id, self._wall(), forced=True)
@@ -334,15 +376,23 @@ class CronService:
     async def notify_jobs_changed(self) -> None:
         """Wake the timer and await ``on_jobs_changed`` with the complete current job list.
 
+        On a fleet store the handler sees this engine's own jobs only (``JobStore.owns``), and a
+        ``Command`` run here whose job another engine removed is ended.
+
         Cancellation: a handler call under way may be interrupted; the next call sees the whole set again.
         """
         self._changed.set()
-        if self.on_jobs_changed is None:
+        if self.on_jobs_changed is None and not self._run_scopes:
             await trio.lowlevel.checkpoint()
             return
         async with self._notify_lock:
             jobs = await self.store.list_jobs()
-            await self.on_jobs_changed(jobs)
+            ids = {job.id for job in jobs}
+            for job_id, scope in list(self._run_scopes.items()):
+                if job_id not in ids:  # removed elsewhere: a removed job never fires
+                    scope.cancel()
+            if self.on_jobs_changed is not None:
+                await self.on_jobs_changed([job for job in jobs if self.store.owns(job)])
 
     # -- delivery (shared with the exit watchers) ---------------------------------------------------
 
@@ -367,6 +417,31 @@ class CronService:
         handed = await self.delivery.hand_over(event)
         await self._delete_if_done(job_id)
         return event if handed else None
+
+    async def notify(self, job_id: str, project: str | None, fire: PendingFire) -> FiredEvent | None:
+        """Deliver a fire that belongs to no job (a subprocess's exit notice, ``_notices``): persist it,
+        record it in the event log, and (embedded) hand it to ``on_fire``, as :meth:`fire_pending` does.
+
+        Cancellation: once persisted, the notice is recorded and delivered at the next start.
+
+        Returns:
+            The event, or ``None`` when the store keeps no notices (logged) or ``on_fire`` raised (it is
+            handed over again later).
+        """
+        store = self.store
+        if not isinstance(store, NoticeStore):
+            await trio.lowlevel.checkpoint()
+            logger.error("the job store %s keeps no exit notices; %s is not sent", store.describe(), job_id)
+            return None
+        await self.retry.run(
+            f"persisting exit notice {fire.fire_id} of {job_id}",
+            functools.partial(store.add_notice, job_id, project, fire),
+            logger=logger,
+        )
+        event = await self.delivery.record_notice(store, fire.fire_id)
+        if event is None:
+            return None
+        return event if await self.delivery.hand_over(event) else None
 
     async def _delete_if_done(self, job_id: str) -> None:
         try:
@@ -431,12 +506,15 @@ class CronService:
         except Exception:
             logger.exception("cron job %s: the run failed", job.id)
         finally:
-            if self._run_scopes.get(job.id) is scope:
-                del self._run_scopes[job.id]
-            if self._running.get(job.id) is done:
-                del self._running[job.id]
-            done.set()
-            self._changed.set()
+            self._finished(job.id, done, scope)
+
+    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope) -> None:
+        if self._run_scopes.get(job_id) is scope:
+            del self._run_scopes[job_id]
+        if self._running.get(job_id) is done:
+            del self._running[job_id]
+        done.set()
+        self._changed.set()
 
     async def _run_command(self, job: CronJob, payload: Command) -> PendingFire | None:
         """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
@@ -467,10 +545,12 @@ class CronService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:
+                self.delivery.add_observer(lambda _event: self._events_appended())
                 await nursery.start(self.delivery.run)
+                await nursery.start(self.store.listen, self._jobs_changed_elsewhere, self._events_appended)
                 now = self._wall()
                 for job in await self.store.list_jobs():
-                    if job.last_status is JobStatus.RUNNING:
+                    if job.last_status is JobStatus.RUNNING and self.store.owns(job):
                         await self.store.update_job(job.id, lambda j: interrupted(j, now))
                 pending = await self.store.pending_fires()
                 await self.notify_jobs_changed()
@@ -490,7 +570,25 @@ class CronService:
             with contextlib.suppress(JobNotFoundError):
                 await self.delivery.record(job.id, fire)
             await self._delete_if_done(job.id)
+        if isinstance(self.store, NoticeStore):  # exit notices persisted and not recorded yet
+            for fire_id in await self.store.pending_notices():
+                await self.delivery.record_notice(self.store, fire_id)
         await self.delivery.catch_up()
+
+    def _jobs_changed_elsewhere(self) -> None:
+        """Another engine changed the jobs: wake the timer, and reconcile (in the nursery) if asked to."""
+        self._changed.set()
+        wanted = self.on_jobs_changed is not None or self._run_scopes
+        if self._nursery is not None and wanted and not self._reconcile_pending:
+            self._reconcile_pending = True  # one reconcile for a burst of changes
+            self._nursery.start_soon(self._notify_quietly)
+
+    async def _notify_quietly(self) -> None:
+        try:
+            self._reconcile_pending = False
+            await self.notify_jobs_changed()
+        except Exception:
+            logger.exception("cron: reconciling the jobs another engine changed failed")
 
     async def _timer(self) -> None:
         while True:
@@ -505,27 +603,45 @@ class CronService:
                 await changed.wait()
 
     async def _start_due(self) -> float | None:
-        """One look of the timer: start every due job; return how long to sleep (``None``: until a change).
+        """One look of the timer: claim every due job and start its run or deliver its event; return how
+        long to sleep (``None``: until a change). The wait is counted on the store's clock.
 
         Raises:
             OSError: the store failed (the timer waits, then looks again; a change wakes it early).
         """
+        assert self._nursery is not None
         self._changed = trio.Event()
-        jobs = await self.store.list_jobs()
-        now = self._wall()
-        due = sorted(
-            (j for j in jobs if j.id not in self._running and is_due(j, now)),
-            key=lambda j: (j.next_run_at, j.created_at),
+        due = await self.store.claim_due(
+            self._wall(), skip=set(self._running), acked=self.delivery.on_fire is None
         )
-        for job in due:
-            with contextlib.suppress(JobNotFoundError):
-                await self._claim_and_start(job.id, now, forced=False)
-        if due:
+        for claimed in due.claims:
+            self._start_claimed(claimed)
+        if due.full:
             return 0.0  # look again at once
-        wake = next_wake(j for j in jobs if j.id not in self._running)
-        if wake is None:
+        if due.next_due is None:
             return None
-        return min(self.recheck_seconds, max(0.0, (wake - now).total_seconds()))
+        return min(self.recheck_seconds, max(0.0, (due.next_due - due.now).total_seconds()))
+
+    def _start_claimed(self, claimed: Claim) -> None:
+        """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event."""
+        assert self._nursery is not None
+        job = claimed.job
+        done = self._running[job.id] = trio.Event()
+        scope = self._run_scopes[job.id] = trio.CancelScope()
+        if claimed.event is None:
+            self._nursery.start_soon(self._run, job, None, done, scope, name=f"cron job {job.id}")
+        else:
+            self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope)
+
+    async def _deliver_claimed(
+        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope
+    ) -> None:
+        try:
+            with self.delivery.holding(event):
+                await self.delivery.hand_over(event)
+            await self._delete_if_done(job.id)
+        finally:
+            self._finished(job.id, done, scope)
 
     async def _wait_changed(self, seconds: float) -> None:
         """The timer's back-off after a store failure: ``seconds``, or until a job changes."""
@@ -543,6 +659,7 @@ async def open_cron_service(
     on_fire: FireHandler | None = None,
     on_jobs_changed: JobsChangedHandler | None = None,
     fire_observers: Iterable[FireObserver] = (),
+    engine_id: str | None = None,
 ) -> AsyncIterator[CronService]:
     """Open the store, start a :class:`CronService` (start-up recovery done), and stop it on exit.
 
@@ -554,6 +671,7 @@ async def open_cron_service(
         on_fire: awaited with each delivered event (embedded hosts).
         on_jobs_changed: see :attr:`CronService.on_jobs_changed`.
         fire_observers: called with each event as it is recorded in the event log (``serve`` logs it).
+        engine_id: this engine's id (the ``owner`` of the jobs it adds).
 
     Cancellation: leaving the block stops the timer and every run (``Command`` children ended), then
     closes the store under a shield.
@@ -572,6 +690,7 @@ async def open_cron_service(
                 now=now if now is not None else utc_now,
                 delivery=Delivery(store, on_fire=on_fire, observers=list(fire_observers)),
                 on_jobs_changed=on_jobs_changed,
+                engine_id=engine_id,
             )
             await nursery.start(service.run)
             try:

@@ -26,15 +26,19 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from datetime import datetime
 from typing import Any, TypeVar
 
 import attrs
 import trio
 
 from .._errors import EngineError, JobNotFoundError, StoreError
+from ._claims import CLAIM_BATCH, Claim, DueClaims, due_at, take_due
 from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
+from ._fleet import FleetMember, LocalBeats
 from ._job import CronJob
+from ._notices import add_notice, pending_notices, take_notice
 from ._protocol import JobChange, JobStore
 from ._rows import (
     EVENT_COLUMNS,
@@ -64,22 +68,34 @@ class SqliteJobStore:
         connection_factory: the ``sqlite3.Connection`` class to use (tests pass one that fails on purpose).
         repair: at :meth:`open`, repair a damaged store (keep every readable row in a new file, move the
             damaged one aside) instead of refusing it (``EngineConfig.repair_store``).
+        owner_lost_seconds: the heartbeat age past which ``fleet`` shows the engine as lost.
     """
 
     path: str
     connection_factory: type[sqlite3.Connection] = sqlite3.Connection
     repair: bool = attrs.field(default=False, kw_only=True)
+    owner_lost_seconds: float = attrs.field(default=60.0, kw_only=True)
+    _beats: LocalBeats = attrs.field(
+        init=False, default=attrs.Factory(lambda self: LocalBeats(self.owner_lost_seconds), takes_self=True)
+    )
     _conn: sqlite3.Connection | None = attrs.field(init=False, default=None)
     _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
 
     @classmethod
-    def in_state_dir(cls, state_dir: str, *, repair: bool = False) -> SqliteJobStore:
+    def in_state_dir(
+        cls, state_dir: str, *, repair: bool = False, owner_lost_seconds: float = 60.0
+    ) -> SqliteJobStore:
         """The store of a state directory: ``<state_dir>/cron.sqlite3``."""
-        return cls(os.path.join(state_dir, STORE_FILE_NAME), repair=repair)
+        path = os.path.join(state_dir, STORE_FILE_NAME)
+        return cls(path, repair=repair, owner_lost_seconds=owner_lost_seconds)
 
     def describe(self) -> str:
         """``sqlite:<path>``."""
         return f"sqlite:{self.path}"
+
+    def owns(self, job: CronJob) -> bool:
+        """``True``: the one engine of a SQLite store runs every job, whatever its ``owner``."""
+        return True
 
     def __repr__(self) -> str:
         return f"<SqliteJobStore {self.path!r}: {'open' if self._conn is not None else 'closed'}>"
@@ -170,8 +186,8 @@ class SqliteJobStore:
 
     @staticmethod
     def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
-        if job.id != before.id or job.project != before.project:
-            raise ValueError("a job change must keep the job's id and project")
+        if job.id != before.id or job.project != before.project or job.owner != before.owner:
+            raise ValueError("a job change must keep the job's id and project, and its owner")
         conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(job.to_dict()), job.id))
 
     async def list_jobs(self) -> list[CronJob]:
@@ -320,6 +336,29 @@ class SqliteJobStore:
         """
         return await self._call(self._record(job_id, fire, acked=True), write=True)
 
+    # -- exit notices (engine.cron._notices) ---------------------------------------------------------
+
+    async def add_notice(self, job_id: str, project: str | None, fire: PendingFire) -> None:
+        """Persist a subprocess's exit notice before it is recorded (``_notices``)."""
+        await self._call(lambda conn: add_notice(conn, job_id, project, fire), write=True)
+
+    async def record_notice(self, fire_id: str, *, acked: bool) -> FiredEvent | None:
+        """Append the notice's fire to the event log (deduplicated by ``fire_id``) and delete the notice,
+        atomically; ``None`` when no such notice is kept."""
+
+        def run(conn: sqlite3.Connection) -> FiredEvent | None:
+            taken = take_notice(conn, fire_id)
+            if taken is None:
+                return None
+            job_id, project, fire = taken
+            return self._append(conn, job_id, project, fire, acked=acked)
+
+        return await self._call(run, write=True)
+
+    async def pending_notices(self) -> list[str]:
+        """The fire ids of the notices persisted and not recorded yet, oldest first."""
+        return await self._call(pending_notices, write=False)
+
     async def ack_events(self, cursors: Iterable[int]) -> None:
         """Mark the events at ``cursors`` delivered (unknown cursors are ignored)."""
         rows = [(cursor,) for cursor in cursors]
@@ -391,3 +430,58 @@ class SqliteJobStore:
             return [e for e in (event_or_none(r) for r in rows) if e is not None]
 
         return await self._call(run, write=False)
+
+    # -- the timer's claim, and the fleet's parts of the protocol ------------------------------------
+
+    async def claim_due(
+        self, now: datetime, *, skip: Collection[str] = (), acked: bool, limit: int = CLAIM_BATCH
+    ) -> DueClaims:
+        """Claim every due job (not in ``skip``) at ``now``, oldest due first, in one transaction
+        (``_claims``); log each ``SystemEvent`` fire with it (``acked`` as given)."""
+        skipped = set(skip)
+
+        def run(conn: sqlite3.Connection) -> DueClaims:
+            rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
+            jobs = [
+                j for j in (job_or_none(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped
+            ]
+            due = sorted((j for j in jobs if (at := due_at(j)) is not None and at <= now), key=_due_order)
+            claims = []
+            for job in due[:limit]:
+                taken = take_due(job, now)
+                if taken is None:
+                    continue
+                after, fire = taken
+                self._write(conn, after, job)
+                event = None if fire is None else self._append(conn, job.id, job.project, fire, acked=acked)
+                claims.append(Claim(after, event))
+            claimed = {c.job.id: c.job for c in claims}
+            waiting = [due_at(claimed.get(j.id, j)) for j in jobs]
+            next_due = min((at for at in waiting if at is not None), default=None)
+            return DueClaims(claims, now, next_due, full=len(due) > limit)
+
+        return await self._call(run, write=True)
+
+    async def listen(
+        self,
+        on_jobs: Callable[[], None],
+        on_events: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Nothing to hear: only this engine writes a SQLite store. Sleeps until cancelled."""
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def beat(self, member: FleetMember) -> None:
+        """Keep this engine's heartbeat in memory (one engine per SQLite store)."""
+        await self._beats.beat(member)
+
+    async def fleet(self) -> list[FleetMember]:
+        """This engine's last heartbeat and its age."""
+        return await self._beats.fleet()
+
+
+def _due_order(job: CronJob) -> tuple[datetime, datetime]:
+    assert job.next_run_at is not None
+    return job.next_run_at, job.created_at

@@ -46,6 +46,8 @@ class WatchState:
         command: the job's command when it was started.
         cwd: the job's working directory then (``None``: the engine's).
         started_at: aware UTC time of the spawn.
+        cgroup: the command's cgroup v2 leaf (``w-...``) in cgroup containment, else ``None``: kept across
+            an engine stop or crash, ended with the command's leftovers once it is over.
     """
 
     arm_id: str = attrs.field(validator=_str)
@@ -57,6 +59,7 @@ class WatchState:
     command: str = attrs.field(validator=_str)
     cwd: str | None = attrs.field(validator=attrs.validators.optional(_str))
     started_at: datetime = attrs.field(validator=attrs.validators.instance_of(datetime))
+    cgroup: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
 
     @classmethod
     def of_run(cls, run: ManagedRun, schedule: OnExit, *, arm_id: str, exit_file: str) -> WatchState:
@@ -71,6 +74,7 @@ class WatchState:
             command=schedule.command,
             cwd=schedule.cwd,
             started_at=run.started_at,
+            cgroup=run.cgroup,
         )
 
     def targets(self, schedule: OnExit) -> bool:
@@ -97,6 +101,7 @@ class WatchState:
             "command": self.command,
             "cwd": self.cwd,
             "started_at": self.started_at.isoformat(),
+            "cgroup": self.cgroup,
         }
 
     @classmethod
@@ -120,6 +125,7 @@ class WatchState:
                 command=data["command"],
                 cwd=data["cwd"],
                 started_at=started_at,
+                cgroup=data.get("cgroup"),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid watch state: {exc}") from exc

@@ -84,7 +84,7 @@ class RunLogger:
     """A supervisor observer logging ``spawned`` and ``exited`` of every run (``escalated`` first if so)."""
 
     def run_started(self, run: ManagedRun) -> None:
-        log_event("spawned", pid=run.pid, scope=run.scope_key, argv=shlex.join(run.argv))
+        log_event("spawned", pid=run.pid, scope=run.scope_key, argv=_capped(shlex.join(run.argv)))
 
     def run_ended(self, run: ManagedRun) -> None:
         ex = run.exit
@@ -109,6 +109,16 @@ class RunLogger:
             escalated=ex.escalated,
             duration_seconds=round(ex.duration_seconds, 3),
         )
+
+
+#: The longest command line a ``spawned`` log line carries, in characters (``summarize`` keeps it whole).
+_ARGV_CHARS = 1000
+
+
+def _capped(line: str) -> str:
+    if len(line) <= _ARGV_CHARS:
+        return line
+    return f"{line[: _ARGV_CHARS - 40]}... ({len(line.encode())} bytes in all)"
 
 
 def log_fired(event: FiredEvent) -> None:

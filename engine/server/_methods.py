@@ -20,22 +20,32 @@ import trio
 from .._engine import Engine
 from .._errors import EngineError, InvalidArgumentError, JobNotFoundError
 from .._input import (
+    MAX_WAIT_SECONDS,
     check_env,
     check_flag,
     check_read_args,
+    check_reader,
+    check_string,
     check_strings,
     check_text,
     read_fields,
     read_payload,
     read_project,
+    read_ready,
+    read_restart,
     read_schedule,
+    read_seconds,
     read_stream,
     read_whole,
     show,
 )
 from .._project import Project
-from ..cron._job import Command, Payload, SystemEvent, payload_to_dict, schedule_to_dict
+from .._readiness import ReadyCheck
+from .._restart import RestartPolicy
+from ..cron._claims import floats
+from ..cron._job import Command, CronJob, Payload, SystemEvent, payload_to_dict, schedule_to_dict
 from ..cron._schedule import At, Cron, Every, OnExit, Schedule
+from ._stats import RunStats
 
 __all__ = ["InvalidParamsError", "MethodNotFoundError", "Methods", "to_wire"]
 
@@ -103,6 +113,26 @@ def _offset(value: object, field: str) -> int:
     return read_whole(value, field, 0)
 
 
+#: The longest one ``events.wait`` waits, in seconds (under the socket's idle limit).
+EVENTS_WAIT_MAX_SECONDS: Final = 50.0
+
+
+def _wait_seconds(value: object, field: str) -> float:
+    seconds = read_seconds(value, field)
+    if seconds > EVENTS_WAIT_MAX_SECONDS:
+        raise InvalidArgumentError(
+            f"{field} must be at most {EVENTS_WAIT_MAX_SECONDS:g} seconds, got {seconds}"
+        )
+    return seconds
+
+
+def _subprocess_wait_seconds(value: object, field: str) -> float:
+    seconds = read_seconds(value, field)
+    if seconds > MAX_WAIT_SECONDS:
+        raise InvalidArgumentError(f"{field} must be at most {MAX_WAIT_SECONDS:g} seconds, got {show(value)}")
+    return seconds
+
+
 def _tool_params(value: object, field: str) -> Mapping[str, object]:
     if not isinstance(value, Mapping):
         raise InvalidArgumentError(f"{field} must be a JSON object of tool parameters, got {show(value)}")
@@ -133,6 +163,8 @@ def to_wire(params: Mapping[str, object]) -> dict[str, object]:
             value = payload_to_dict(value)
         elif isinstance(value, Project):
             value = value.directory
+        elif isinstance(value, ReadyCheck | RestartPolicy):
+            value = value.to_dict()
         elif isinstance(value, tuple):
             value = list(value)
         out[name] = value
@@ -159,6 +191,9 @@ class Methods:
     stop: Callable[[bool], None] | None = None
     _started: float = attrs.field(init=False, factory=trio.current_time)
     _last_event: dict[str, object] | None = attrs.field(init=False, default=None)
+    _stats: RunStats = attrs.field(
+        init=False, default=attrs.Factory(lambda self: RunStats(self.engine), takes_self=True)
+    )
 
     @staticmethod
     def names() -> list[str]:
@@ -255,12 +290,46 @@ class Methods:
         command=_need(check_text),
         args=_may(check_strings),
         env=_may(check_env),
+        stdin=_may(check_flag),
+        ready=_may(read_ready),
+        restart=_may(read_restart),
+        notify_on_exit=_may(check_flag),
     )
     async def _create(
-        self, project: Project, command: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None
+        self,
+        project: Project,
+        command: str,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+        ready: ReadyCheck | None = None,
+        restart: RestartPolicy | None = None,
+        notify_on_exit: bool = False,
     ) -> object:
-        sp = await self.engine.service.create(project, command, args, env=env or None)
+        sp = await self.engine.service.create(
+            project,
+            command,
+            args,
+            env=env or None,
+            stdin=stdin,
+            ready=ready,
+            restart=restart,
+            notify_on_exit=notify_on_exit,
+        )
         return self.engine.service.summarize(sp).to_dict()
+
+    @_method("subprocess.input", pid=_need(_positive), text=_may(check_string), eof=_may(check_flag))
+    async def _input(self, pid: int, text: str = "", eof: bool = False) -> object:
+        await self.engine.service.write_stdin(pid, text, eof=eof)
+        return {"pid": pid, "sent": len(text.encode()), "eof": eof}
+
+    @_method("subprocess.wait", pid=_need(_positive), timeout_seconds=_may(_subprocess_wait_seconds))
+    async def _wait(self, pid: int, timeout_seconds: float = 30.0) -> object:
+        service = self.engine.service
+        sp = service.lookup(pid)
+        with trio.move_on_after(timeout_seconds):
+            await sp.wait_finished()
+        return {**service.summarize(sp).to_dict(), "finished": sp.finished}
 
     @_method("subprocess.list", project=_may(read_project))
     async def _list(self, project: Project | None = None) -> object:
@@ -313,6 +382,9 @@ class Methods:
         limit=_may(_positive),
         tail=_may(_positive),
         max_bytes=_may(_positive),
+        new_only=_may(check_flag),
+        grep=_may(check_text),
+        reader=_may(check_reader),
     )
     async def _read_log(
         self,
@@ -322,14 +394,29 @@ class Methods:
         limit: int | None = None,
         tail: int | None = None,
         max_bytes: int = READ_LOG_MAX_BYTES,
+        new_only: bool = False,
+        grep: str | None = None,
+        reader: str = "default",
     ) -> object:
         service = self.engine.service
         sp = service.lookup(pid)
         running = sp.running  # before the read: "not running" and a drained read mean the end
         piece = await service.read_log(
-            pid, stream, offset=offset, limit=limit, tail=tail, max_bytes=max_bytes
+            pid,
+            stream,
+            offset=offset,
+            limit=limit,
+            tail=tail,
+            max_bytes=max_bytes,
+            new_only=new_only,
+            grep=grep,
+            reader=reader,
         )
         return {**attrs.asdict(piece), "pid": sp.pid, "stream": stream, "running": running}
+
+    @_method("subprocess.stats", project=_may(read_project))
+    async def _stats_of(self, project: Project | None = None) -> object:
+        return await self._stats.collect(project)
 
     # ---- the tool ----------------------------------------------------------------------------------
 
@@ -402,7 +489,28 @@ class Methods:
     @_method("cron.list", include_disabled=_may(check_flag), project=_may(read_project))
     async def _cron_list(self, include_disabled: bool = True, project: Project | None = None) -> object:
         jobs = await self.engine.cron.list(include_disabled=include_disabled)
-        return [job.to_dict() for job in jobs if project is None or job.project == project.id]
+        lost = await self._lost_owners(jobs)
+        return [  # ``owner_lost`` only where true: a job is otherwise its ``to_dict()`` as everywhere
+            {**job.to_dict(), **({"owner_lost": True} if job.id in lost else {})}
+            for job in jobs
+            if project is None or job.project == project.id
+        ]
+
+    async def _lost_owners(self, jobs: Sequence[CronJob]) -> set[str]:
+        """The ids of ``jobs`` that only another engine runs, one whose heartbeat is older than
+        ``owner_lost_seconds`` (or that never beat): ``cron list`` shows them ``owner lost``."""
+        store = self.engine.cron.store
+        elsewhere = [job for job in jobs if not floats(job) and not store.owns(job)]
+        if not elsewhere:
+            await trio.lowlevel.checkpoint()
+            return set()
+        live = {member.engine_id for member in await store.fleet() if not member.lost}
+        return {job.id for job in elsewhere if job.owner not in live}
+
+    @_method("fleet")
+    async def _fleet(self) -> object:
+        members = await self.engine.cron.store.fleet()
+        return [{**m.to_dict(), "self": m.engine_id == self.engine.engine_id} for m in members]
 
     @_method("cron.get", job_id=_need(check_text), project=_may(read_project))
     async def _cron_get(self, job_id: str, project: Project | None = None) -> object:
@@ -430,6 +538,26 @@ class Methods:
         await self._scoped(job_id, project)
         await self.engine.cron.run_now(job_id)
         return {"job_id": job_id}
+
+    @_method(
+        "events.wait",
+        since=_may(_offset),
+        seconds=_may(_wait_seconds),
+        limit=_may(_positive),
+        project=_may(read_project),
+    )
+    async def _events_wait(
+        self, since: int = 0, seconds: float = 30.0, limit: int | None = None, project: Project | None = None
+    ) -> object:
+        with trio.move_on_after(seconds):
+            while True:
+                events = await self.engine.cron.wait_events(since, seconds)
+                mine = [event for event in events if project is None or event.project == project.id]
+                if mine:
+                    return [event.to_dict() for event in mine[:limit]]
+                if events:
+                    since = events[-1].cursor
+        return []
 
     @_method("events", since=_may(_offset), limit=_may(_positive), project=_may(read_project))
     async def _events(
