@@ -165,9 +165,13 @@ def engine_environment() -> dict[bytes, bytes]:
 Environment = Mapping[str, str] | Mapping[bytes, bytes]
 
 
+def _encoded(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else os.fsencode(text)
+
+
 def _env_entries(env: Environment) -> tuple[list[bytes], str | None]:
     """``NAME=value`` entries of ``env`` and its ``PATH`` (for :func:`resolve_executable`)."""
-    entries = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]
+    entries = [_encoded(k) + b"=" + _encoded(v) for k, v in env.items()]
     path = env.get("PATH", env.get(b"PATH"))  # type: ignore[call-overload]  # a str or a bytes key
     return entries, None if path is None else os.fsdecode(path)
 
