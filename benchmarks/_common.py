@@ -41,17 +41,23 @@ class Row:
     target: str = ""
     met: bool | None = None
     note: str = ""
+    #: the containment mode the variant ran in (``"cgroup"``, ``"process-group"``), or ``""``
+    mode: str = ""
+    #: the target is below what this machine allows (``met`` then shows ``floor``; see analysis.md)
+    floor: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return {
             "workload": self.workload,
             "variant": self.variant,
+            "mode": self.mode,
             "unit": self.unit,
             "values": self.values,
             "baseline": self.baseline,
             "ratios": self.ratios,
             "target": self.target,
             "met": self.met,
+            "floor": self.floor,
             "note": self.note,
         }
 
@@ -65,6 +71,8 @@ class Context:
     tmp: str
     supervisord: Supervisord | None
     notes: list[str] = field(default_factory=list)
+    #: the containment modes measured side by side (``"cgroup"`` only where a cgroup v2 is writable)
+    modes: tuple[str, ...] = ("process-group",)
 
     def scratch(self, name: str) -> str:
         path = tempfile.mkdtemp(prefix=f"{name}-", dir=self.tmp)
@@ -139,6 +147,40 @@ def stopwatch() -> Iterator[list[float]]:
 def loadavg() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def wait_quiet(max_load: float, max_wait_seconds: float) -> tuple[float, float]:
+    """Wait (up to ``max_wait_seconds``) until the 1-minute load average is at most ``max_load``.
+
+    Returns:
+        ``(load when the wait ended, seconds waited)``.
+    """
+    t0 = time.monotonic()
+    while True:
+        one = os.getloadavg()[0]
+        waited = time.monotonic() - t0
+        if one <= max_load or waited >= max_wait_seconds:
+            return one, waited
+        time.sleep(min(10.0, max_wait_seconds - waited))
+
+
+def containment_modes() -> tuple[tuple[str, ...], str]:
+    """The containment modes this machine can run (``cgroup`` where a cgroup v2 is writable), and why
+    ``cgroup`` is missing when it is."""
+    from engine._cgroup import EngineCgroup, find_cgroup2
+
+    found, why = find_cgroup2()
+    if found is None:
+        return ("process-group",), why
+    probe = tempfile.mkdtemp(prefix="gadget-bench-probe-")
+    try:
+        cgroup = EngineCgroup.open(found, probe, record=False)
+    except OSError as exc:
+        return ("process-group",), str(exc)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    cgroup.close()
+    return ("cgroup", "process-group"), ""
 
 
 def _cpu_model() -> str:

@@ -55,11 +55,25 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
         lines.append(f"- {key}: {value}")
     lines += [
         f"- load average (1, 5, 15 min) at start: {meta['load_start']}; at end: {meta['load_end']}",
+    ]
+    loads = meta.get("workload_loads")
+    if isinstance(loads, dict) and loads:
+        lines.append(
+            "- load average per workload (start -> end): "
+            + "; ".join(f"{name} {pair[0]} -> {pair[1]}" for name, pair in loads.items())
+        )
+    lines += [
         "",
         "## Results",
         "",
-        "| workload | variant | median | p10-p90 | unit | vs | ratio | ratio p10-p90 | target | met | n |",
-        "|---|---|---:|---:|---|---|---:|---:|---|---|---:|",
+        "`containment` is the engine's mode for the row (`cgroup`: a cgroup v2 leaf per run; "
+        "`process-group`: process groups, `/proc` links and the run marker); rows without one do not "
+        "depend on it. `met` is `floor` where the target is below what the machine allows: the measured "
+        "floor of each step is in [analysis.md](analysis.md).",
+        "",
+        "| workload | variant | containment | median | p10-p90 | unit | vs | ratio | ratio p10-p90 | target "
+        "| met | n |",
+        "|---|---|---|---:|---:|---|---|---:|---:|---|---|---:|",
     ]
     baselines = {(r.workload, r.baseline) for r in rows if r.baseline}
     for r in rows:
@@ -69,17 +83,18 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
             rmed += "x"
         else:
             rmed, rrng = ("baseline" if (r.workload, r.variant) in baselines else "-"), ""
-        met = {True: "yes", False: "**no**", None: ""}[r.met]
+        met = "floor" if r.floor else {True: "yes", False: "**no**", None: ""}[r.met]
         vs = _esc(r.baseline or "")
         lines.append(
-            f"| {r.workload} | {_esc(r.variant)} | {med} | {rng} | {r.unit} | {vs} | {rmed} | {rrng} | "
-            f"{r.target} | {met} | {len(r.values)} |"
+            f"| {r.workload} | {_esc(r.variant)} | {r.mode} | {med} | {rng} | {r.unit} | {vs} | {rmed} | "
+            f"{rrng} | {r.target} | {met} | {len(r.values)} |"
         )
     notes = [r for r in rows if r.note]
     if notes:
         lines += ["", "## Row notes", ""]
         for r in notes:
-            lines.append(f"- {r.workload} / {_esc(r.variant)}: {r.note}")
+            mode = f" ({r.mode})" if r.mode else ""
+            lines.append(f"- {r.workload} / {_esc(r.variant)}{mode}: {r.note}")
     extra = meta.get("notes")
     if isinstance(extra, list) and extra:
         lines += ["", "## Run notes", ""]
@@ -101,7 +116,9 @@ def plot(rows: list[Row], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.ratios]
-    labels = [f"{r.workload}: {r.variant}\n(vs {r.baseline})" for r in shown]
+    labels = [
+        f"{r.workload}: {r.variant}{f' [{r.mode}]' if r.mode else ''}\n(vs {r.baseline})" for r in shown
+    ]
     meds, lo, hi = [], [], []
     for r in shown:
         med, p10, p90 = spread(r.ratios)

@@ -6,7 +6,11 @@ Usage (from the repository root, after ``.venv/bin/pip install -e '.[bench]'``):
     .venv/bin/python -m benchmarks.run --quick         # a smoke run (well under a minute)
     .venv/bin/python -m benchmarks.run --only spawn,terminate --log-bytes 256MiB
 
-The run fails when supervisord cannot be started, unless ``--no-supervisord`` is given.
+The run fails when supervisord cannot be started, unless ``--no-supervisord`` is given. It waits for a
+quiet machine first: while the 1-minute load average is above ``--max-load`` (1.0), it waits (up to
+``--quiet-wait`` seconds) and looks again; the load at the start and end of the run and of each workload
+is recorded. The spawn, terminate and scale workloads run in every containment mode the machine has
+(``cgroup`` where a cgroup v2 hierarchy is writable, and ``process-group``), side by side.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from . import cron, fleet, logs, report, scale, spawn, terminate, tool_log
-from ._common import Context, GiB, MiB, Row, loadavg, machine
+from ._common import Context, GiB, MiB, Row, containment_modes, loadavg, machine, wait_quiet
 from ._supervisord import Supervisord
 
 WORKLOADS: dict[str, Callable[[Context], Awaitable[list[Row]]]] = {
@@ -72,15 +76,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="do not draw results.png (no matplotlib needed)")
     p.add_argument("--out", default=os.path.join("docs", "benchmarks"), help="output directory")
     p.add_argument("--tmp", default=None, help="scratch directory (default: a new one under $TMPDIR)")
+    p.add_argument(
+        "--max-load",
+        type=float,
+        default=1.0,
+        help="wait until the 1-minute load average is at most this before starting (default 1.0)",
+    )
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=None,
+        help="seconds to wait for --max-load at most (default 900, 0 with --quick); then run anyway, noted",
+    )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated containment modes (default: every mode this machine has)",
+    )
     return p
 
 
-async def _main(ctx: Context, names: list[str]) -> list[Row]:
+async def _main(ctx: Context, names: list[str], loads: dict[str, list[str]]) -> list[Row]:
     rows: list[Row] = []
     for name in names:
         t0 = time.perf_counter()
-        print(f"[{name}] running ...", flush=True)
+        start = loadavg()
+        print(f"[{name}] running (load {start}) ...", flush=True)
         rows += await WORKLOADS[name](ctx)
+        loads[name] = [start.split()[0], loadavg().split()[0]]
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
 
@@ -95,12 +118,32 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     log_bytes = args.log_bytes if args.log_bytes is not None else (32 * MiB if args.quick else GiB)
+    notes: list[str] = []
+    modes, why = containment_modes()
+    if args.modes is not None:
+        asked = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        missing = [m for m in asked if m not in modes]
+        if missing:
+            print(f"containment mode(s) not available here: {', '.join(missing)} ({why})", file=sys.stderr)
+            return 2
+        modes = asked
+    elif why:
+        notes.append(f"cgroup rows skipped: {why}")
+    quiet_wait = args.quiet_wait if args.quiet_wait is not None else (0.0 if args.quick else 900.0)
+    load_now, waited = wait_quiet(args.max_load, quiet_wait)
+    if waited >= 1:
+        print(f"waited {waited:.0f} s for a 1-minute load average <= {args.max_load}", flush=True)
+    if load_now > args.max_load:
+        notes.append(
+            f"the 1-minute load average was {load_now:.2f} at the start (above {args.max_load}) after "
+            f"waiting {waited:.0f} s for a quieter machine: ratios are less steady than usual"
+        )
     tmp = tempfile.mkdtemp(prefix="gadget-bench-", dir=args.tmp)
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
     t0 = time.perf_counter()
     sd: Supervisord | None = None
-    notes: list[str] = []
+    loads: dict[str, list[str]] = {}
     try:
         if "logs" in names:
             logs.check_disk(tmp, log_bytes)
@@ -109,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             sd.start()  # raises: the run fails when supervisord cannot start
         else:
             notes.append("supervisord rows skipped (--no-supervisord)")
-        ctx = Context(quick=args.quick, log_bytes=log_bytes, tmp=tmp, supervisord=sd, notes=notes)
-        rows = trio.run(_main, ctx, names)
+        ctx = Context(
+            quick=args.quick, log_bytes=log_bytes, tmp=tmp, supervisord=sd, notes=notes, modes=modes
+        )
+        rows = trio.run(_main, ctx, names, loads)
         meta: dict[str, object] = {
             "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
             "mode": "quick" if args.quick else "full",
@@ -119,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(tmp),
             "load_start": load_start,
             "load_end": loadavg(),
+            "workload_loads": loads,
+            "waited_for_quiet": f"{waited:.0f} s",
+            "modes": list(modes),
             "notes": notes,
         }
         for path in report.write_all(rows, meta, args.out, with_plot=not args.no_plot):

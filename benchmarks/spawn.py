@@ -1,44 +1,69 @@
-"""Spawn-to-exit of ``true``: the service, the supervisor, bare trio, subprocess.Popen and supervisord.
+"""Spawn-to-exit of ``true``: the service, the supervisor, bare trio, subprocess.Popen, a bare
+``os.posix_spawn`` + ``waitpid`` (the floor: no Python object, no event loop) and supervisord.
 
+The service and the supervisor run in each containment mode (one engine per mode, open side by side).
 Every round runs each variant once, in a rotating order, so drift and background load hit them alike;
 ratios are medians over blocks of rounds (one ratio per block).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import statistics
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from engine import EngineConfig, Project, SpawnSpec, open_engine
+from engine import Engine, EngineConfig, Project, SpawnSpec, open_engine
 
 from ._common import Context, Row, block_ratios
 
 TRUE = "/bin/true"
 WORKLOAD = "spawn-to-exit of `true`"
+SERVICE = "SubProcessService.create + wait"
+SUPERVISOR = "Supervisor.spawn + wait"
+TRIO = "trio.lowlevel.open_process"
+POPEN = "subprocess.Popen"
+POSIX_SPAWN = "os.posix_spawn + waitpid"
+SUPERVISORD = "supervisord startProcess"
 
 
 def _popen_true() -> None:
     subprocess.Popen([TRUE]).wait()
 
 
+def _posix_spawn_true() -> None:
+    os.waitpid(os.posix_spawn(TRUE, [TRUE], {}), 0)
+
+
 async def run(ctx: Context) -> list[Row]:
     rounds = 60 if ctx.quick else 400
     blocks = 5 if ctx.quick else 10
     project_dir = ctx.scratch("spawn-project")
-    config = EngineConfig(state_dir=ctx.scratch("spawn-state"))
-    async with open_engine(config) as engine:
-        project = Project.from_directory(project_dir)
+    project = Project.from_directory(project_dir)
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {
+            mode: await stack.enter_async_context(
+                open_engine(EngineConfig(state_dir=ctx.scratch(f"spawn-state-{mode}"), containment=mode))
+            )
+            for mode in ctx.modes
+        }
+        variants: dict[str, Callable[[], Awaitable[None]]] = {}
+        for mode, engine in engines.items():
 
-        async def service() -> None:
-            sp = await engine.service.create(project, TRUE)
-            await sp.wait()
+            async def service(engine: Engine = engine) -> None:
+                sp = await engine.service.create(project, TRUE)
+                await sp.wait()
 
-        async def supervisor() -> None:
-            run = await engine.supervisor.spawn(SpawnSpec(argv=(TRUE,)))
-            await run.wait()
+            async def supervisor(engine: Engine = engine) -> None:
+                run = await engine.supervisor.spawn(SpawnSpec(argv=(TRUE,)))
+                await run.wait()
+
+            variants[f"{SERVICE}|{mode}"] = service
+            variants[f"{SUPERVISOR}|{mode}"] = supervisor
 
         async def bare_trio() -> None:
             proc = await trio.lowlevel.open_process([TRUE])
@@ -48,12 +73,13 @@ async def run(ctx: Context) -> list[Row]:
             _popen_true()
             await trio.lowlevel.checkpoint()
 
-        variants: dict[str, Callable[[], Awaitable[None]]] = {
-            "SubProcessService.create + wait": service,
-            "Supervisor.spawn + wait": supervisor,
-            "trio.lowlevel.open_process": bare_trio,
-            "subprocess.Popen": popen,
-        }
+        async def posix_spawn() -> None:
+            _posix_spawn_true()
+            await trio.lowlevel.checkpoint()
+
+        variants[TRIO] = bare_trio
+        variants[POPEN] = popen
+        variants[POSIX_SPAWN] = posix_spawn
         sd = ctx.supervisord
         if sd is not None:
 
@@ -61,83 +87,110 @@ async def run(ctx: Context) -> list[Row]:
                 sd.run_to_exit("true")
                 await trio.lowlevel.checkpoint()
 
-            variants["supervisord startProcess"] = supervisord
+            variants[SUPERVISORD] = supervisord
         samples: dict[str, list[float]] = {name: [] for name in variants}
         names = list(variants)
+
+        async def drop_records() -> None:  # the finished records (and their logs), outside the timed part
+            for engine in engines.values():
+                await engine.service.kill_all()
+
         for _warm in range(10):
             for name in names:
                 await variants[name]()
-        await engine.service.kill_all()
+        await drop_records()
         for i in range(rounds):
             order = names[i % len(names) :] + names[: i % len(names)]
             for name in order:
                 t0 = time.perf_counter()
                 await variants[name]()
                 samples[name].append(time.perf_counter() - t0)
-            if i % 50 == 49:  # drop the finished records (and their logs) outside the timed part
-                await engine.service.kill_all()
-        await engine.service.kill_all()
+            if i % 50 == 49:
+                await drop_records()
+        await drop_records()
 
     ms = {name: [s * 1e3 for s in values] for name, values in samples.items()}
-    trio_ms = ms["trio.lowlevel.open_process"]
-    rows = [
+    return _rows(ms, ctx.modes, blocks)
+
+
+def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int) -> list[Row]:
+    trio_ms = ms[TRIO]
+    rows: list[Row] = []
+    for mode in modes:
+        svc = ms[f"{SERVICE}|{mode}"]
+        row = Row(
+            WORKLOAD,
+            SERVICE,
+            "ms",
+            svc,
+            TRIO,
+            block_ratios(svc, trio_ms, blocks),
+            target="<= 1.0x trio",
+            note="includes the two log files and, in process-group mode, the guardian's record",
+            mode=mode,
+        )
+        row.met = statistics.median(row.ratios) <= 1.0
+        rows.append(row)
+    rows.append(
         Row(
             WORKLOAD,
-            "subprocess.Popen",
+            POPEN,
             "ms",
-            ms["subprocess.Popen"],
-            "trio.lowlevel.open_process",
-            block_ratios(ms["subprocess.Popen"], trio_ms, blocks),
+            ms[POPEN],
+            TRIO,
+            block_ratios(ms[POPEN], trio_ms, blocks),
             note="anchor 0.53 ms",
-        ),
-        Row(WORKLOAD, "trio.lowlevel.open_process", "ms", trio_ms, note="baseline; anchor 0.67 ms"),
+        )
+    )
+    rows.append(
         Row(
             WORKLOAD,
-            "Supervisor.spawn + wait",
+            POSIX_SPAWN,
             "ms",
-            ms["Supervisor.spawn + wait"],
-            "trio.lowlevel.open_process",
-            block_ratios(ms["Supervisor.spawn + wait"], trio_ms, blocks),
-        ),
-    ]
-    svc = ms["SubProcessService.create + wait"]
-    svc_row = Row(
-        WORKLOAD,
-        "SubProcessService.create + wait",
-        "ms",
-        svc,
-        "trio.lowlevel.open_process",
-        block_ratios(svc, trio_ms, blocks),
-        target="<= 1.0x trio",
-        note="includes creating and renaming two log files",
+            ms[POSIX_SPAWN],
+            TRIO,
+            block_ratios(ms[POSIX_SPAWN], trio_ms, blocks),
+            note="the floor of a spawn-to-exit from Python: one syscall pair, a blocking wait",
+        )
     )
-    svc_row.met = sorted(svc_row.ratios)[len(svc_row.ratios) // 2] <= 1.0
-    rows.insert(0, svc_row)
-    if "supervisord startProcess" in ms:
-        sdv = ms["supervisord startProcess"]
+    rows.append(Row(WORKLOAD, TRIO, "ms", trio_ms, note="baseline; anchor 0.67 ms"))
+    for mode in modes:
+        sup = ms[f"{SUPERVISOR}|{mode}"]
+        rows.append(Row(WORKLOAD, SUPERVISOR, "ms", sup, TRIO, block_ratios(sup, trio_ms, blocks), mode=mode))
+    if SUPERVISORD in ms:
+        sdv = ms[SUPERVISORD]
         rows.append(
             Row(
                 WORKLOAD,
-                "supervisord startProcess",
+                SUPERVISORD,
                 "ms",
                 sdv,
-                "trio.lowlevel.open_process",
+                TRIO,
                 block_ratios(sdv, trio_ms, blocks),
                 note="anchor 6.4 ms; XML-RPC start, then getProcessInfo until EXITED",
             )
         )
-        speedup = block_ratios(sdv, svc, blocks)
-        rows.append(
-            Row(
-                WORKLOAD,
-                "service speed-up over supervisord",
-                "x",
-                speedup,
-                "supervisord startProcess",
-                speedup,
-                target=">= 10x",
-                met=sorted(speedup)[len(speedup) // 2] >= 10,
-                note="supervisord time / service time (higher is better)",
+        # The most any spawn from this process can gain over supervisord here: its time over the fastest
+        # bare spawn-to-exit measured in the same rounds. Below the target, the target is a floor.
+        ceiling = max(statistics.median(block_ratios(sdv, ms[bare], blocks)) for bare in (POPEN, POSIX_SPAWN))
+        for mode in modes:
+            speedup = block_ratios(sdv, ms[f"{SERVICE}|{mode}"], blocks)
+            rows.append(
+                Row(
+                    WORKLOAD,
+                    "service speed-up over supervisord",
+                    "x",
+                    speedup,
+                    SUPERVISORD,
+                    speedup,
+                    target=">= 10x",
+                    met=statistics.median(speedup) >= 10,
+                    floor=statistics.median(speedup) < 10 and ceiling < 10,
+                    note=(
+                        "supervisord time / service time (higher is better); a bare spawn reaches "
+                        f"{ceiling:.1f}x at most here"
+                    ),
+                    mode=mode,
+                )
             )
-        )
     return rows

@@ -3,6 +3,7 @@ bytes returned, next to ``tail -n 200`` of the same file."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import time
 
@@ -22,7 +23,18 @@ async def run(ctx: Context) -> list[Row]:
     project = Project.from_directory(ctx.scratch("toollog-project"))
     line = "2026-01-01T00:00:00Z INFO request served in 12 ms, path=/api/items?page=7 status=200"
     lat, tail_lat, returned, tail_bytes = [], [], [], []
+    cold, cold_tail = [], []
     async with open_engine(config) as engine:
+        for _ in range(3):  # the first call on a log counts its lines once (cold)
+            fresh = await engine.service.create(project, "sh", ["-c", f"yes '{line}' | head -c {size}"])
+            await fresh.wait()
+            t0 = time.perf_counter()
+            await engine.tool.execute({"cmd": "log", "pid": fresh.pid, "which": "stdout"}, project)
+            cold.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            _tail(fresh.stdout_path)
+            cold_tail.append((time.perf_counter() - t0) * 1e3)
+            await engine.service.kill_subprocess(fresh)
         sp = await engine.service.create(project, "sh", ["-c", f"yes '{line}' | head -c {size}"])
         await sp.wait()
         params = {"cmd": "log", "pid": sp.pid, "which": "stdout"}
@@ -48,7 +60,19 @@ async def run(ctx: Context) -> list[Row]:
             lat,
             "tail -n 200 (a process)",
             paired(lat, tail_lat),
-            note="includes counting the lines of the whole file (LogSlice.total_lines)",
+            target="<= 2x tail",
+            met=statistics.median(paired(lat, tail_lat)) <= 2.0,
+            note="the tool's whole call: read the last lines, count the lines (LogSlice.total_lines), "
+            "format; the log's lines were counted by an earlier call (its first, below)",
+        ),
+        Row(
+            workload,
+            "SubprocessTool.execute log, first call on the log",
+            "ms",
+            cold,
+            "tail -n 200 (a process)",
+            paired(cold, cold_tail),
+            note="counts the lines of the whole file once; later calls count only what was appended",
         ),
         Row(workload, "tail -n 200 (a process)", "ms", tail_lat),
         Row(

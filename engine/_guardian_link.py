@@ -1,4 +1,4 @@
-"""The engine's end of the guardian (see ``_guardian``): group records and the pipe."""
+"""The engine's end of the guardian (see ``_guardian``): group records (a journal) and the pipe."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import final
 import attrs
 import trio
 
+from ._group_journal import GroupJournal
 from ._guardian import BOOTSTRAP
 from ._pidfd import wait_exited
 from ._procfs import GUARDIAN_VAR, RUN_MARKER_VAR, read_proc
@@ -20,6 +21,14 @@ from ._sweep import GroupRecord, records_dir, remove_token, write_token
 __all__ = ["GuardianLink"]
 
 _LOG = "guardian.log"
+
+
+def _batch_scheduling(pid: int) -> None:
+    """Put the guardian under ``SCHED_BATCH``: the lines the engine writes wake it without preempting
+    the engine (a woken normal task would run at once on the engine's CPU, ~0.25 ms per line under load),
+    and it still gets a normal task's share of CPU when it must end the engine's children."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
 
 
 @final
@@ -42,6 +51,7 @@ class GuardianLink:
     pid: int | None = attrs.field(init=False, default=None)
     _pipe: int = attrs.field(init=False, default=-1)
     _records: dict[int, GroupRecord] = attrs.field(init=False, factory=dict)
+    _journal: GroupJournal | None = attrs.field(init=False, default=None)
 
     def start(self) -> None:
         """Start the guardian process (it loads in the background; lines wait in the pipe)."""
@@ -63,6 +73,7 @@ class GuardianLink:
             env = {k: v for k, v in os.environ.items() if k != RUN_MARKER_VAR}
             env[GUARDIAN_VAR] = self.state_dir  # the engine's own child, never an orphan to end
             self.pid = spawn_process(argv, cwd="/", env=env, stdout_fd=log, stderr_fd=log, stdin_fd=read_end)
+            _batch_scheduling(self.pid)
         finally:
             os.close(read_end)
             os.close(log)
@@ -80,9 +91,11 @@ class GuardianLink:
         return info.start_time if info is not None else 0
 
     def record_token(self) -> None:
-        """Write the engine's token to the state dir before its first spawn (see ``_sweep.write_token``)."""
+        """Write the engine's token to the state dir before its first spawn (see ``_sweep.write_token``),
+        and open its group journal (``_group_journal``)."""
         if self.token:
             write_token(self.state_dir, self.token, self._start_time())
+            self._journal = GroupJournal(records_dir(self.state_dir), self.token)
 
     def _send(self, line: str) -> None:
         if self._pipe < 0:
@@ -103,16 +116,24 @@ class GuardianLink:
         """
         if run.outlive_engine_crash or run.cgroup is not None:
             return
-        record = GroupRecord.of_run(run)
+        # Every run leads a session of its own (``posix_spawn`` with ``POSIX_SPAWN_SETSID``), and its pid
+        # stays its own while it is not reaped: its session id is its pid, no ``/proc`` read needed.
+        record = GroupRecord(pgid=run.pgid, sid=run.pid, start_time=run.start_time, marker=run.marker)
         self._records[run.pid] = record
-        record.write(self.state_dir)
+        if self._journal is not None:
+            self._journal.add(record)
+        else:
+            record.write(self.state_dir)
         self._send(f"+ {record.line()}")
 
     def run_ended(self, run: ManagedRun) -> None:
         """Drop the run's record and tell the guardian."""
         record = self._records.pop(run.pid, None)
         if record is not None:
-            record.remove(self.state_dir)
+            if self._journal is not None:
+                self._journal.drop(record)
+            else:
+                record.remove(self.state_dir)
             self._send(f"- {record.pgid} {record.start_time}")
 
     def _reap_guardian(self, *, block: bool) -> bool:
@@ -133,6 +154,8 @@ class GuardianLink:
         Cancellation: shielded and bounded (2 s, then SIGKILL).
         """
         with trio.CancelScope(shield=True):
+            if self._journal is not None:
+                self._journal.close()
             if self.token:
                 remove_token(self.state_dir, self.token)
             if self._pipe >= 0:

@@ -143,6 +143,18 @@ class LogFolder:
             UntrustedPathError: a folder on the way is a symbolic link or owned by another uid.
             SpawnError: a file is in the way, or a folder cannot be made (reason ``"bad log folder"``).
         """
+        folder, fd = cls.make_opened(directory, base=base)
+        os.close(fd)
+        return folder
+
+    @classmethod
+    def make_opened(cls, directory: str, *, base: str | None = None) -> tuple[LogFolder, int]:
+        """:meth:`make`, and the checked descriptor of the folder the walk ended on (the caller closes
+        it), so that files can be made in it without walking again.
+
+        Raises:
+            As :meth:`make`.
+        """
         directory = os.path.abspath(directory)
         base = os.path.abspath(base) if base is not None else _nearest_existing(directory)
         parts = _parts(base, directory)
@@ -168,16 +180,17 @@ class LogFolder:
                     wrote.append(len(parts))
             info = os.fstat(fd)
         except BaseException:
-            if made or wrote:  # leave nothing of this call: what it wrote, the folders it made
-                info = os.fstat(fd)
-                partial = parts[:reached]
-                identity = (info.st_dev, info.st_ino)
-                path = os.path.join(base, *partial)
-                cls(path, base, partial, identity, made, tuple(wrote)).unmake()
+            try:
+                if made or wrote:  # leave nothing of this call: what it wrote, the folders it made
+                    info = os.fstat(fd)
+                    partial = parts[:reached]
+                    identity = (info.st_dev, info.st_ino)
+                    path = os.path.join(base, *partial)
+                    cls(path, base, partial, identity, made, tuple(wrote)).unmake()
+            finally:
+                os.close(fd)
             raise
-        finally:
-            os.close(fd)
-        return cls(directory, base, parts, (info.st_dev, info.st_ino), made, tuple(wrote))
+        return cls(directory, base, parts, (info.st_dev, info.st_ino), made, tuple(wrote)), fd
 
     @staticmethod
     def _open_or_make(parent: int, name: str, where: str) -> tuple[int, bool]:
@@ -205,6 +218,18 @@ class LogFolder:
             LogGoneError: a folder on the way is gone, is a link now, or the log folder is
                 another one than the engine made.
         """
+        fd = self.open(depth)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def open(self, depth: int | None = None) -> int:
+        """:meth:`opened` for a descriptor the caller keeps (and closes).
+
+        Raises:
+            LogGoneError: as :meth:`opened`.
+        """
         depth = len(self.parts) if depth is None else depth
         fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -221,9 +246,10 @@ class LogFolder:
                 info = os.fstat(fd)
                 if (info.st_dev, info.st_ino) != self.identity:
                     raise LogGoneError(errno.ENOENT, "the log folder was replaced", self.path)
-            yield fd
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd
 
     def unmake(self) -> None:
         """Undo :meth:`make`: remove the ``.gitignore`` files it wrote and the folders it made, when

@@ -1,19 +1,26 @@
 """A child's pair of log files, from creation (before the spawn) to deletion.
 
-Created under temporary names before the spawn in a folder reached without following links
-(:class:`~engine._logdir.LogFolder`), handed to the child as descriptors, given their final names
-(``subproc-<pid>.stdout.log`` / ``.stderr.log``) once the pid is known, capped while the child runs, read,
-and deleted by ``kill``. Each file is a :class:`~engine._logs.LogFile`.
+Created before the spawn in a folder reached without following links (:class:`~engine._logdir.LogFolder`),
+handed to the child as descriptors, given their final names (``subproc-<pid>.stdout.log`` /
+``.stderr.log``) once the pid is known, capped while the child runs, read, and deleted by ``kill``. Each
+file is a :class:`~engine._logs.LogFile`.
+
+Until the pid is known the files have no name at all: they are made with ``O_TMPFILE`` in the folder's
+checked descriptor and named with ``linkat`` of that very inode (``/proc/self/fd/<fd>``), so no other
+file can be named in their place and a crash leaves nothing behind. Where the filesystem has no
+``O_TMPFILE``, they are made under temporary names and renamed, as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import final
 
@@ -25,6 +32,28 @@ from ._logs import STREAMS, LogFile, LogSlice, RawPiece, Stream, final_log_paths
 __all__ = ["LogPair"]
 
 _log = logging.getLogger("engine.subprocesses")
+
+#: ``O_TMPFILE`` errors meaning "not on this filesystem" (old kernels report ``EISDIR``).
+_NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOTSUP})
+
+_TMPFILE_FLAGS = os.O_TMPFILE | os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+
+
+def make_unnamed(folder_fd: int) -> int:
+    """A new unnamed file in the folder ``folder_fd`` (``O_TMPFILE``, write-only, appending, close-on-exec,
+    mode 0600 whatever the umask), that ``linkat`` can name later.
+
+    Raises:
+        OSError: the filesystem has no ``O_TMPFILE`` (``EOPNOTSUPP``, ``EISDIR`` on old kernels), or the
+            file cannot be made.
+    """
+    fd = os.open(".", _TMPFILE_FLAGS, 0o600, dir_fd=folder_fd)
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _make_file(folder: int, stream: Stream) -> tuple[str, tuple[int, int]]:
@@ -59,9 +88,9 @@ class LogPair:
     """The two log files of one child, from creation (before the spawn) to deletion.
 
     Made by :meth:`create`. The files are created empty (mode 0600, in a folder of mode 0700 holding a
-    ``.gitignore``) under temporary names, given to the child as its stdout and stderr
-    (:meth:`open_for_child`), and renamed to their final names by :meth:`rename` once the pid is known;
-    the child's descriptors follow a rename.
+    ``.gitignore``) without names (or, without ``O_TMPFILE``, under temporary names), given to the child as
+    its stdout and stderr (:meth:`open_for_child`), and named by :meth:`rename` once the pid is known;
+    the child's descriptors follow.
 
     Attributes:
         directory: the folder holding both files.
@@ -70,11 +99,13 @@ class LogPair:
     directory: str
     _files: dict[Stream, LogFile] = attrs.field(alias="files")
     _folder: LogFolder = attrs.field(alias="folder")
+    #: The unnamed files' descriptors (write-only, appending) and the folder's, until :meth:`rename`.
+    _unnamed: dict[Stream, int] | None = attrs.field(alias="unnamed", default=None)
+    _folder_fd: int = attrs.field(alias="folder_fd", default=-1)
 
     @classmethod
     def create(cls, directory: str, *, base: str | None = None) -> LogPair:
-        """Create the folder (and its missing parents below ``base``) and two empty files under
-        temporary names.
+        """Create the folder (and its missing parents below ``base``) and two empty files, unnamed.
 
         The folders are reached from ``base`` without following links (see :class:`LogFolder`), made
         0700 when missing, and get a ``.gitignore`` holding ``*``: the log folder always, each folder
@@ -90,18 +121,53 @@ class LogPair:
             SpawnError: a file is in the way, or a folder cannot be made (reason ``"bad log folder"``).
             OSError: a file cannot be created.
         """
-        folder = LogFolder.make(directory, base=base)
+        folder, fd = LogFolder.make_opened(directory, base=base)
+        unnamed: list[int] = []
+        try:
+            for _ in STREAMS:
+                unnamed.append(make_unnamed(fd))
+        except OSError as exc:
+            for opened in unnamed:
+                os.close(opened)
+            if exc.errno not in _NO_TMPFILE:
+                os.close(fd)
+                folder.unmake()
+                raise
+            return cls._create_named(folder, fd)
+        except BaseException:
+            for opened in unnamed:
+                os.close(opened)
+            os.close(fd)
+            folder.unmake()
+            raise
+        files = {}
+        for stream, opened in zip(STREAMS, unnamed, strict=True):
+            info = os.fstat(opened)
+            placeholder = os.path.join(folder.path, f"(unnamed {stream} log, named once the pid is known)")
+            files[stream] = LogFile(placeholder, folder=folder, identity=(info.st_dev, info.st_ino))
+        return cls(
+            directory=folder.path,
+            files=files,
+            folder=folder,
+            unnamed=dict(zip(STREAMS, unnamed, strict=True)),
+            folder_fd=fd,
+        )
+
+    @classmethod
+    def _create_named(cls, folder: LogFolder, fd: int) -> LogPair:
+        """Without ``O_TMPFILE``: two empty files under fresh temporary names, renamed later."""
         made: list[tuple[str, tuple[int, int]]] = []
         try:
-            with folder.opened() as fd:
-                for stream in STREAMS:
-                    made.append(_make_file(fd, stream))
+            for stream in STREAMS:
+                made.append(_make_file(fd, stream))
         except BaseException:
-            with contextlib.suppress(OSError), folder.opened() as fd:
+            with contextlib.suppress(OSError):
                 for name, _ in made:
                     os.unlink(name, dir_fd=fd)
             folder.unmake()
             raise
+        finally:
+            os.close(fd)
         files = {
             stream: LogFile(os.path.join(folder.path, name), folder=folder, identity=identity)
             for stream, (name, identity) in zip(STREAMS, made, strict=True)
@@ -119,12 +185,16 @@ class LogPair:
 
     @contextlib.contextmanager
     def open_for_child(self) -> Iterator[tuple[int, int]]:
-        """``(stdout fd, stderr fd)`` for a child: the two files opened ``O_WRONLY | O_APPEND`` without
-        following a link, closed when the block is left (the child keeps its copies).
+        """``(stdout fd, stderr fd)`` for a child: the two files opened ``O_WRONLY | O_APPEND`` (the
+        unnamed files' own descriptors, kept until :meth:`rename`; named files opened without following a
+        link and closed when the block is left). The child keeps its copies.
 
         Raises:
             FileNotFoundError: a file is gone or is not the one made by :meth:`create`.
         """
+        if self._unnamed is not None:
+            yield self._unnamed["stdout"], self._unnamed["stderr"]
+            return
         with (
             self._files["stdout"].opened(os.O_WRONLY | os.O_APPEND) as out,
             self._files["stderr"].opened(os.O_WRONLY | os.O_APPEND) as err,
@@ -137,39 +207,103 @@ class LogPair:
         Files already holding those names (a kept record of an earlier child that had the same pid)
         move aside first, to ``subproc-<pid>-<n>.*`` with the first free ``n``; the pair among
         ``others`` that owns them follows them. Every rename is made in the folder's descriptor, so a
-        link is renamed as a link, never followed.
+        link is renamed as a link, never followed; an unnamed file is named by ``linkat`` of its own
+        inode, which never replaces a name that exists.
 
         Raises:
-            OSError: a rename failed; each file is where its path says.
+            OSError: a rename (or naming) failed; each file is where its path says.
         """
         finals = [os.path.basename(p) for p in final_log_paths(self.directory, pid)]
+        if self._unnamed is not None:
+            for attempt in range(3):
+                self._move_aside(self._folder_fd, pid, finals, others)
+                try:
+                    self._link_unnamed(finals)
+                except FileExistsError:
+                    if attempt == 2:
+                        raise
+                    continue  # a file took a final name meanwhile: move it aside too
+                break
+            self._close_unnamed()
+            return
         with self._folder.opened() as fd:
-            if any(_exists(fd, name) for name in finals):
-                generation = 1
-                while any(
-                    _exists(fd, os.path.basename(p)) for p in final_log_paths(self.directory, pid, generation)
-                ):
-                    generation += 1
-                aside = final_log_paths(self.directory, pid, generation)
-                owners = {log.path: log for pair in others for log in pair._files.values()}
-                for old, new in zip(finals, aside, strict=True):
-                    old_path = os.path.join(self.directory, old)
-                    if _exists(fd, old):
-                        os.rename(old, os.path.basename(new), src_dir_fd=fd, dst_dir_fd=fd)
-                    if old_path in owners:
-                        owners[old_path].path = new
+            self._move_aside(fd, pid, finals, others)
             for stream, name in zip(STREAMS, finals, strict=True):
                 log = self._files[stream]
                 os.rename(os.path.basename(log.path), name, src_dir_fd=fd, dst_dir_fd=fd)
                 log.path = os.path.join(self.directory, name)
 
-    def enforce_cap(self, cap_bytes: int) -> int:
+    def _move_aside(self, fd: int, pid: int, finals: list[str], others: Iterable[LogPair]) -> None:
+        """Move files holding the final names aside (an earlier child's, kept), with their owner."""
+        if not any(_exists(fd, name) for name in finals):
+            return
+        generation = 1
+        while any(_exists(fd, os.path.basename(p)) for p in final_log_paths(self.directory, pid, generation)):
+            generation += 1
+        aside = final_log_paths(self.directory, pid, generation)
+        owners = {log.path: log for pair in others for log in pair._files.values()}
+        for old, new in zip(finals, aside, strict=True):
+            old_path = os.path.join(self.directory, old)
+            if _exists(fd, old):
+                os.rename(old, os.path.basename(new), src_dir_fd=fd, dst_dir_fd=fd)
+            if old_path in owners:
+                owners[old_path].path = new
+
+    def _link_unnamed(self, finals: list[str]) -> None:
+        """Name both unnamed files, all or nothing."""
+        assert self._unnamed is not None
+        linked: list[Stream] = []
+        try:
+            for stream, name in zip(STREAMS, finals, strict=True):
+                os.link(f"/proc/self/fd/{self._unnamed[stream]}", name, dst_dir_fd=self._folder_fd)
+                linked.append(stream)
+        except BaseException:
+            for stream in linked:  # only a name that is still our inode's
+                name = finals[STREAMS.index(stream)]
+                with contextlib.suppress(OSError):
+                    info = os.stat(name, dir_fd=self._folder_fd, follow_symlinks=False)
+                    if (info.st_dev, info.st_ino) == self._files[stream].identity:
+                        os.unlink(name, dir_fd=self._folder_fd)
+            raise
+        for stream, name in zip(STREAMS, finals, strict=True):
+            self._files[stream].path = os.path.join(self.directory, name)
+
+    def _close_unnamed(self) -> None:
+        if self._unnamed is not None:
+            for fd in self._unnamed.values():
+                os.close(fd)
+            self._unnamed = None
+        if self._folder_fd >= 0:
+            os.close(self._folder_fd)
+            self._folder_fd = -1
+
+    @property
+    def files(self) -> tuple[LogFile, LogFile]:
+        """``(stdout file, stderr file)``."""
+        return self._files["stdout"], self._files["stderr"]
+
+    def enforce_cap(
+        self,
+        cap_bytes: int,
+        *,
+        only: Iterable[LogFile] | None = None,
+        arm: Callable[[LogFile, int], object] | None = None,
+    ) -> int:
         """Keep each file within about ``cap_bytes`` (see :meth:`LogFile.enforce_cap`); a file that
-        fails is logged and left as it is. Returns the bytes dropped."""
+        fails is logged and left as it is. Returns the bytes dropped.
+
+        Args:
+            cap_bytes: the size to keep.
+            only: these of the pair's files (``None``: both).
+            arm: called with each file and its checked descriptor before its size is read (the log
+                cap's watch, ``_logwatch``).
+        """
         dropped = 0
-        for log in self._files.values():
+        for log in self._files.values() if only is None else only:
             try:
-                dropped += log.enforce_cap(cap_bytes)
+                dropped += log.enforce_cap(
+                    cap_bytes, arm=None if arm is None else functools.partial(arm, log)
+                )
             except OSError as exc:
                 _log.warning("log cap of %s failed: %s", log.path, exc)
         return dropped
@@ -219,8 +353,11 @@ class LogPair:
 
         Only the files the engine made are deleted, and a link, FIFO or socket a child put in their place
         (a directory entry of the engine's own folder; nothing it points to is touched). Another regular
-        file at a log's path is left alone.
+        file at a log's path is left alone. Files never named are freed with their descriptors.
         """
+        if self._unnamed is not None:  # never named: closing frees them
+            self._close_unnamed()
+            return
         try:
             with self._folder.opened() as fd:
                 for log in self._files.values():

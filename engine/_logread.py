@@ -2,13 +2,20 @@
 
 These work on a file object and physical positions; :class:`~engine._logs.LogFile` turns them into
 logical offsets and a :class:`~engine._logs.LogSlice`. A bound of ``None`` bytes means "every kept byte".
+
+Line counts: a log only grows at its end, and the cap only drops a prefix, so a :class:`LineIndex` counts
+each byte once: a call counts only what was appended since the last one (a 50 MiB log is counted once,
+then every ``log`` call costs what the child wrote since), and a prefix dropped by the cap is subtracted
+with at most one chunk read.
 """
 
 from __future__ import annotations
 
 from typing import IO
 
-__all__ = ["count_lines", "read_forward", "read_tail"]
+import attrs
+
+__all__ = ["LineIndex", "count_lines", "read_forward", "read_tail"]
 
 _CHUNK = 1 << 20
 
@@ -100,3 +107,70 @@ def count_lines(f: IO[bytes], first: int, size: int) -> int:
         remaining -= len(chunk)
         last = chunk[-1:]
     return count + (0 if last == b"\n" else 1)
+
+
+@attrs.define(eq=False)
+class LineIndex:
+    """The newlines of one file counted so far, from physical position ``origin`` on.
+
+    ``marks[k]`` is the count in ``[origin, origin + k * chunk)``, so the count up to any position
+    already counted is one mark plus at most one chunk read. The index is only valid while the bytes
+    from ``origin`` keep their physical positions (see :class:`~engine._logs.LogFile`, which drops it
+    when they move).
+
+    Attributes:
+        base: the file's logical base when the index was made (a new base means the bytes moved).
+        origin: physical position where counting started.
+        first: the first kept physical position the count is for.
+        before_first: newlines in ``[origin, first)``.
+        end: physical position counted up to.
+        count: newlines in ``[origin, end)``.
+        marks: counts at each chunk boundary from ``origin``.
+        chunk: the distance between marks, in bytes.
+    """
+
+    base: int
+    origin: int
+    first: int = attrs.field(default=attrs.Factory(lambda self: self.origin, takes_self=True))
+    before_first: int = 0
+    end: int = attrs.field(default=attrs.Factory(lambda self: self.origin, takes_self=True))
+    count: int = 0
+    marks: list[int] = attrs.field(factory=lambda: [0])
+    chunk: int = attrs.field(factory=lambda: _CHUNK)
+
+    def extend(self, f: IO[bytes], size: int) -> None:
+        """Count the newlines of ``[end, size)`` (what was appended since the last call)."""
+        while self.end < size:
+            boundary = self.origin + len(self.marks) * self.chunk
+            f.seek(self.end)
+            data = f.read(min(boundary, size) - self.end)
+            if not data:
+                break
+            self.count += data.count(b"\n")
+            self.end += len(data)
+            if self.end == boundary:
+                self.marks.append(self.count)
+
+    def upto(self, f: IO[bytes], pos: int) -> int:
+        """The newlines in ``[origin, pos)``, for ``origin <= pos <= end`` (reads at most one chunk)."""
+        k = (pos - self.origin) // self.chunk
+        start = self.origin + k * self.chunk
+        f.seek(start)
+        return self.marks[k] + f.read(pos - start).count(b"\n")
+
+    def move_first(self, f: IO[bytes], first: int) -> bool:
+        """Account for a prefix dropped up to ``first``, while its bytes can still be read; ``False``
+        (the index is useless then) when ``first`` lies beyond what was counted."""
+        if not self.first <= first <= self.end:
+            return False
+        self.before_first = self.upto(f, first)
+        self.first = first
+        return True
+
+    def lines(self, f: IO[bytes], size: int) -> int:
+        """The lines in ``[first, size)`` (a last line without ``\\n`` counts), counting what is new."""
+        self.extend(f, size)
+        if size <= self.first:
+            return 0
+        f.seek(size - 1)
+        return self.count - self.before_first + (0 if f.read(1) == b"\n" else 1)

@@ -32,14 +32,14 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Literal, NamedTuple
 
 import attrs
 
 from . import _libc
 from ._logdir import LogFolder, LogGoneError
-from ._logread import count_lines, read_forward, read_tail
+from ._logread import LineIndex, read_forward, read_tail
 
 if TYPE_CHECKING:
     from ctypes import _NamedFuncPointer
@@ -155,6 +155,7 @@ class LogFile:
     identity: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
     _seen: int = attrs.field(init=False, default=0)  # the physical size last seen
     _warned: bool = attrs.field(init=False, default=False)
+    _index: LineIndex | None = attrs.field(init=False, default=None)  # newlines counted so far
 
     # ---- opening the inode the engine made, and nothing else -----------------------------------------
 
@@ -228,12 +229,17 @@ class LogFile:
 
     # ---- the cap ---------------------------------------------------------------------------------
 
-    def enforce_cap(self, cap_bytes: int) -> int:
+    def enforce_cap(self, cap_bytes: int, *, arm: Callable[[int], object] | None = None) -> int:
         """Drop the oldest bytes so that about ``cap_bytes`` stay on disk; return how many were dropped.
 
         With hole punching the kept part is at most ``cap_bytes`` plus one filesystem block (holes are
         block-aligned); the newest bytes are never touched. A missing file is left alone, and so is
         anything that is not the file the engine made (logged once).
+
+        Args:
+            cap_bytes: the size to keep.
+            arm: called with the checked descriptor of the file before its size is read (the log cap
+                arms its watch for the next write there, ``_logwatch``); not called when the file is gone.
         """
         try:
             fd = self._open(os.O_RDWR)
@@ -245,6 +251,8 @@ class LogFile:
         except FileNotFoundError:
             return 0
         try:
+            if arm is not None:
+                arm(fd)
             st = os.fstat(fd)
             self._observe(fd, st.st_size)
             if self.base + st.st_size - self.dropped <= cap_bytes:
@@ -266,6 +274,12 @@ class LogFile:
         end = (st.st_size - cap_bytes) // block * block
         if end <= start:
             return 0
+        index = self._index
+        if index is not None:  # count what is dropped while it can still be read
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                valid = index.base == self.base and index.first == start and index.move_first(f, end)
+            if not valid:
+                self._index = None
         if fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
             err = ctypes.get_errno()
             if err in _NO_PUNCH:
@@ -299,12 +313,20 @@ class LogFile:
             size = newer
         os.ftruncate(fd, written)
         self._seen = written
+        self._index = None  # the kept bytes moved: counted afresh
         dropped = self.base + keep_from - self.dropped
         self.base += keep_from
         self.dropped = self.base
         return dropped
 
     # ---- reading ---------------------------------------------------------------------------------
+
+    def _count_lines(self, f: IO[bytes], first: int, size: int) -> int:
+        """The lines in ``[first, size)``, counting only what was appended since the last count."""
+        index = self._index
+        if index is None or index.base != self.base or index.first != first or size < index.end:
+            index = self._index = LineIndex(base=self.base, origin=first)
+        return index.lines(f, size)
 
     def read_all(self) -> str:
         """Every byte still kept, decoded (invalid UTF-8 replaced): :meth:`read` without bounds.
@@ -352,7 +374,7 @@ class LogFile:
             else:
                 want = first if offset is None else min(max(offset - self.base, first), size)
                 start, data = want, read_forward(f, want, size, limit, max_bytes)
-            lines = count_lines(f, first, size)
+            lines = self._count_lines(f, first, size)
         end = start + len(data)
         return LogSlice(
             text=data.decode("utf-8", "replace"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import functools
 import os
 import signal
 import stat
@@ -24,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from . import _libc
 from ._errors import SpawnError
 
-__all__ = ["resolve_executable", "spawn_process"]
+__all__ = ["Environment", "engine_environment", "resolve_executable", "spawn_process"]
 
 # glibc's flag values (<spawn.h>); musl uses the same numbers.
 _POSIX_SPAWN_SETSIGDEF = 0x04
@@ -47,12 +48,8 @@ def _check(rc: int, what: str) -> None:
         raise OSError(rc, f"{what}: {os.strerror(rc)}")
 
 
-def _cstrings(items: Sequence[str]) -> ctypes.Array[ctypes.c_char_p]:
-    arr = (ctypes.c_char_p * (len(items) + 1))()
-    for i, item in enumerate(items):
-        arr[i] = os.fsencode(item)
-    arr[len(items)] = None
-    return arr
+def _cstrings(items: Sequence[bytes]) -> ctypes.Array[ctypes.c_char_p]:
+    return (ctypes.c_char_p * (len(items) + 1))(*items, None)
 
 
 def resolve_executable(command: str, cwd: str, path_var: str | None) -> str:
@@ -132,11 +129,58 @@ def _shebang_interpreter(path: str) -> str | None:
     return os.fsdecode(line.split()[0]) if line else None
 
 
+@functools.cache
+def _spawn_attr() -> ctypes.Array[ctypes.c_char]:
+    """The spawn attributes every child gets, built once: a new session, every catchable signal at its
+    default disposition, an empty signal mask. ``posix_spawn`` only reads them, so one copy serves every
+    spawn (glibc copies the signal sets into the attributes)."""
+    libc = _libc.require()
+    attr = ctypes.create_string_buffer(_ATTR_SIZE)
+    sigdef = ctypes.create_string_buffer(_SIGSET_SIZE)
+    sigmask = ctypes.create_string_buffer(_SIGSET_SIZE)
+    _check(libc.posix_spawnattr_init(attr), "posix_spawnattr_init")
+    libc.sigemptyset(sigdef)
+    for sig in _DEFAULT_SIGNALS:
+        libc.sigaddset(sigdef, sig)
+    libc.sigemptyset(sigmask)
+    _check(libc.posix_spawnattr_setsigdefault(attr, sigdef), "setsigdefault")
+    _check(libc.posix_spawnattr_setsigmask(attr, sigmask), "setsigmask")
+    flags = _POSIX_SPAWN_SETSID | _POSIX_SPAWN_SETSIGDEF | _POSIX_SPAWN_SETSIGMASK
+    _check(libc.posix_spawnattr_setflags(attr, ctypes.c_short(flags)), "setflags")
+    return attr
+
+
+def engine_environment() -> dict[bytes, bytes]:
+    """A copy of this process's environment as the OS holds it (bytes), without decoding it.
+
+    ``os.environb`` and ``os.environ`` share one table of bytes; copying that table costs a microsecond
+    where rebuilding it from ``os.environ`` decodes and encodes every variable again.
+    """
+    data = getattr(os.environb, "_data", None)
+    if isinstance(data, dict):
+        return dict(data)
+    return {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
+
+
+Environment = Mapping[str, str] | Mapping[bytes, bytes]
+
+
+def _encoded(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else os.fsencode(text)
+
+
+def _env_entries(env: Environment) -> tuple[list[bytes], str | None]:
+    """``NAME=value`` entries of ``env`` and its ``PATH`` (for :func:`resolve_executable`)."""
+    entries = [_encoded(k) + b"=" + _encoded(v) for k, v in env.items()]
+    path = env.get("PATH", env.get(b"PATH"))  # type: ignore[call-overload]  # a str or a bytes key
+    return entries, None if path is None else os.fsdecode(path)
+
+
 def spawn_process(
     argv: Sequence[str],
     *,
     cwd: str,
-    env: Mapping[str, str],
+    env: Environment,
     stdout_fd: int | None,
     stderr_fd: int | None,
     stdin_fd: int | None = None,
@@ -151,7 +195,7 @@ def spawn_process(
     Args:
         argv: the program and its arguments; ``argv[0]`` is resolved as :func:`resolve_executable` does.
         cwd: absolute working directory of the child.
-        env: the complete environment.
+        env: the complete environment, as strings or as bytes (:func:`engine_environment`).
         stdout_fd: descriptor the child's stdout is a copy of, or ``None``.
         stderr_fd: likewise for stderr.
         stdin_fd: descriptor the child's stdin is a copy of (the guardian's pipe), or ``None``.
@@ -168,25 +212,14 @@ def spawn_process(
             path=cwd,
             reason="bad cwd",
         )
-    path = resolve_executable(argv[0], cwd, env.get("PATH"))
+    entries, path_var = _env_entries(env)
+    path = resolve_executable(argv[0], cwd, path_var)
     libc = _libc.require()
+    attr = _spawn_attr()
 
     fa = ctypes.create_string_buffer(_FILE_ACTIONS_SIZE)
-    attr = ctypes.create_string_buffer(_ATTR_SIZE)
-    sigdef = ctypes.create_string_buffer(_SIGSET_SIZE)
-    sigmask = ctypes.create_string_buffer(_SIGSET_SIZE)
     _check(libc.posix_spawn_file_actions_init(fa), "posix_spawn_file_actions_init")
-    _check(libc.posix_spawnattr_init(attr), "posix_spawnattr_init")
     try:
-        libc.sigemptyset(sigdef)
-        for sig in _DEFAULT_SIGNALS:
-            libc.sigaddset(sigdef, sig)
-        libc.sigemptyset(sigmask)
-        _check(libc.posix_spawnattr_setsigdefault(attr, sigdef), "setsigdefault")
-        _check(libc.posix_spawnattr_setsigmask(attr, sigmask), "setsigmask")
-        flags = _POSIX_SPAWN_SETSID | _POSIX_SPAWN_SETSIGDEF | _POSIX_SPAWN_SETSIGMASK
-        _check(libc.posix_spawnattr_setflags(attr, ctypes.c_short(flags)), "setflags")
-
         devnull = b"/dev/null"
         if stdin_fd is None:
             rc = libc.posix_spawn_file_actions_addopen(fa, 0, devnull, _O_FLAGS_READ, 0)
@@ -202,13 +235,12 @@ def spawn_process(
         _check(libc.posix_spawn_file_actions_addclosefrom_np(fa, 3), "addclosefrom_np")
         _check(libc.posix_spawn_file_actions_addchdir_np(fa, os.fsencode(cwd)), "addchdir_np")
 
-        c_argv = _cstrings(argv)
-        c_env = _cstrings([f"{k}={v}" for k, v in env.items()])
+        c_argv = _cstrings([os.fsencode(a) for a in argv])
+        c_env = _cstrings(entries)
         pid = ctypes.c_int(0)
         rc = libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), fa, attr, c_argv, c_env)
     finally:
         libc.posix_spawn_file_actions_destroy(fa)
-        libc.posix_spawnattr_destroy(attr)
     if rc != 0:
         raise _describe_exec_failure(rc, argv[0], path)
     return pid.value

@@ -35,8 +35,9 @@ from ._errors import (
 from ._input import check_argv, check_env, check_flag, check_read_args, check_reader, check_string, show
 from ._keeper import keep
 from ._logpair import LogPair
-from ._logs import LogSlice, Stream, check_stream
+from ._logs import LogFile, LogSlice, Stream, check_stream
 from ._logsearch import grep_log
+from ._logwatch import LogWatch, open_log_watch
 from ._patterns import compile_pattern
 from ._project import Project
 from ._readiness import ReadyCheck, first_output, wait_ready
@@ -52,7 +53,8 @@ ExitHandler = Callable[[SubProcess, RunExit], Awaitable[None]]
 
 _log = logging.getLogger("engine.subprocesses")
 
-#: How often the log-cap task looks at the files of live children (the design's floor is 1 s).
+#: How often at most the log-cap task looks at the files of live children (the design's floor is 1 s);
+#: with inotify it looks only at those written since (``_logwatch``), without it at every one.
 CAP_POLL_SECONDS = 1.0
 #: ``new_only`` cursors kept per record; past this the oldest reader's is forgotten.
 MAX_READERS = 256
@@ -108,6 +110,7 @@ class SubProcessService:
     _settled: trio.Event = attrs.field(init=False, factory=trio.Event)
     _log_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
     _capper: trio.CancelScope | None = attrs.field(init=False, default=None)
+    _cap_fresh: bool = attrs.field(init=False, default=False)
     _closed: bool = attrs.field(init=False, default=False)
     #: Awaited with each ``notify_on_exit`` record's own final exit (the engine records a fired event).
     on_final_exit: ExitHandler | None = attrs.field(init=False, default=None)
@@ -712,30 +715,90 @@ class SubProcessService:
     # ---- the log cap -----------------------------------------------------------------------------
 
     def _start_capper(self) -> None:
-        if self._capper is None and not self._closed:
+        if self._closed:
+            return
+        self._cap_fresh = True  # a new child: its logs are looked at (and their watches armed) next
+        if self._capper is None:
             self._capper = trio.CancelScope()
             self._nursery.start_soon(self._cap_loop, self._capper, name="subprocess log cap")
 
     async def _cap_loop(self, scope: trio.CancelScope) -> None:
+        watch: LogWatch[LogFile] | None = open_log_watch()
         try:
             with scope:
-                while True:
-                    await trio.sleep(CAP_POLL_SECONDS)
-                    todo = [sp for sp in self._records if sp.running or not sp._capped_final]
-                    if not todo:
-                        return
-                    await self._cap(todo)
+                if watch is None:
+                    await self._cap_polling()
+                else:
+                    await self._cap_watching(watch)
         finally:
+            if watch is not None:
+                watch.close()
             if self._capper is scope:
                 self._capper = None
 
-    async def _cap(self, records: list[SubProcess]) -> None:
+    async def _cap_polling(self) -> None:
+        """Without inotify: every log of every live child once a second, until none is alive."""
+        while True:
+            await trio.sleep(CAP_POLL_SECONDS)
+            todo = [sp for sp in self._records if sp.running or not sp._capped_final]
+            if not todo:
+                return
+            await self._cap(todo)
+
+    async def _cap_watching(self, watch: LogWatch[LogFile]) -> None:
+        """Each second, look only at the logs written since the last look (``_logwatch``): a new child's
+        logs once (arming their watches), then each log when its watch reports a write; logs whose watch
+        could not be added every second, and every log when the kernel's queue overflowed. A second with
+        nothing written costs one ``read`` of the inotify descriptor. Ends once no child is alive."""
+        tracked: dict[LogFile, SubProcess] = {}
+        polled: set[LogFile] = set()
+
+        def arm(log: LogFile, fd: int) -> None:
+            if watch.arm(fd, log):
+                polled.discard(log)
+            else:
+                polled.add(log)
+
+        while True:
+            await trio.sleep(CAP_POLL_SECONDS)
+            written, overflow = watch.take()
+            fresh, self._cap_fresh = self._cap_fresh, False
+            if written or overflow or fresh or polled:
+                todo: dict[SubProcess, set[LogFile] | None] = {}  # None: both files
+                live = set(self._records)
+                for log in [log for log, sp in tracked.items() if sp not in live]:  # killed: forgotten
+                    del tracked[log]
+                    polled.discard(log)
+                if overflow or fresh:
+                    for sp in self._records:
+                        if overflow or sp._logs.files[0] not in tracked:
+                            todo[sp] = None
+                            tracked.update(dict.fromkeys(sp._logs.files, sp))
+                for log in written | polled:
+                    owner = tracked.get(log)
+                    if owner is not None and (owner not in todo or todo[owner] is not None):
+                        todo[owner] = {*(todo.get(owner) or ()), log}
+                if todo:
+                    await self._cap(list(todo), only=todo, arm=arm)
+            if not any(sp.running for sp in self._records):
+                last = [sp for sp in self._records if not sp._capped_final]
+                if last:  # the last look: a child that ended since it was looked at gets its final cap
+                    await self._cap(last)
+                return
+
+    async def _cap(
+        self,
+        records: list[SubProcess],
+        *,
+        only: Mapping[SubProcess, set[LogFile] | None] | None = None,
+        arm: Callable[[LogFile, int], object] | None = None,
+    ) -> None:
         finished = [sp for sp in records if not sp.running]
         cap = self._config.log_cap_bytes
 
         def enforce() -> None:
             for sp in records:
-                sp._logs.enforce_cap(cap)
+                sp._logs.enforce_cap(cap, only=None if only is None else only.get(sp), arm=arm)
 
         async with self._log_lock:
             await trio.to_thread.run_sync(enforce)

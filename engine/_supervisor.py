@@ -37,7 +37,7 @@ from ._procfs import (
     read_proc,
     set_child_subreaper,
 )
-from ._spawn import spawn_process
+from ._spawn import engine_environment, spawn_process
 from ._sweep import end_processes
 from ._termination import ProcessTree, wait_gone
 
@@ -315,7 +315,11 @@ class RunObserver(Protocol):
         """Called right after the spawn, before ``spawn`` returns."""
 
     def run_ended(self, run: ManagedRun) -> None:
-        """Called once the run's tree is reaped, before ``wait`` returns."""
+        """Called once the run's tree is reaped, right after its waiters were woken (one checkpoint
+        later, so that the housekeeping does not delay them)."""
+
+
+_RUN_MARKER_KEY = RUN_MARKER_VAR.encode()
 
 
 def _now_ticks() -> int:
@@ -495,14 +499,14 @@ class Supervisor:
     def _start(self, spec: SpawnSpec) -> ManagedRun:
         argv = spec.resolved_argv()
         cwd = os.path.abspath(spec.cwd) if spec.cwd is not None else os.getcwd()
-        env = dict(os.environ) if spec.inherit_env else {}
+        env = engine_environment() if spec.inherit_env else {}
         if spec.env:
-            env.update(spec.env)
-        env["PWD"] = cwd
+            env.update((os.fsencode(k), os.fsencode(v)) for k, v in spec.env.items())
+        env[b"PWD"] = os.fsencode(cwd)
         run_id = next(self._ids)
         watched = spec.outlive_engine_crash
         marker = self._containment.marker(run_id, watched=watched)
-        env[RUN_MARKER_VAR] = marker
+        env[_RUN_MARKER_KEY] = marker.encode()
         placement = self._containment.place(run_id, watched=watched)
         opened: list[int] = []
         try:
@@ -633,10 +637,18 @@ class Supervisor:
             run._tree.close()
             run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
             run._state = RunState.EXITED
-            self._containment.release(run._placement)
-            self._forget(run)
+            self._forget(run, ended=False)
             run._leader_done.set()
             run._done.set()
+            # The tree is gone and reaped: the waiters may go on. What is left is housekeeping (remove the
+            # leaf, tell the guardian and the records), done after one checkpoint so that it overlaps what
+            # the waiters do next (the next spawn's child runs meanwhile) instead of delaying them.
+            try:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            finally:
+                self._containment.release(run._placement)
+                for observer in self._observers:
+                    observer.run_ended(run)
 
     def _forget(self, run: ManagedRun, *, ended: bool = True) -> None:
         run._tree.close()

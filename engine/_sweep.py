@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ._cgroup import Cgroup2, Leaf, load_recorded_parent, parent_leaves
 from ._escalation import Escalation, EscalationTarget, Steps, WaitGone, advance, escalate
+from ._group_journal import JOURNAL_PREFIX, journal_path, read_journal
 from ._procfs import children_map, read_marker, read_proc, scan_processes
 
 if TYPE_CHECKING:
@@ -126,9 +127,12 @@ def write_token(state_dir: str, token: str, start_time: int) -> None:
 
 
 def remove_token(state_dir: str, token: str) -> None:
-    """Forget an engine's token (missing is fine)."""
-    with contextlib.suppress(FileNotFoundError):
-        (records_dir(state_dir) / f"{_TOKEN_PREFIX}{token}").unlink()
+    """Forget an engine's token and its group journal (missing is fine)."""
+    records = records_dir(state_dir)
+    journal = journal_path(records, token)
+    for path in (records / f"{_TOKEN_PREFIX}{token}", journal, journal.with_name(journal.name + ".tmp")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def load_tokens(state_dir: str) -> dict[str, int]:
@@ -172,13 +176,17 @@ def find_marked_processes(tokens: dict[str, int]) -> dict[int, int]:
 
 
 def load_records(state_dir: str) -> list[GroupRecord]:
-    """Every readable record; unreadable files are removed."""
+    """Every readable record: the live ones of each engine's journal (``_group_journal``) and those kept
+    one per file (by an older engine); unreadable files are removed."""
     out = []
     for path in records_dir(state_dir).iterdir():
         if path.name.startswith(_TOKEN_PREFIX):
             continue
         try:
-            out.append(GroupRecord.parse(path.read_text()))
+            if path.name.startswith(JOURNAL_PREFIX):
+                out.extend(read_journal(path))
+            else:
+                out.append(GroupRecord.parse(path.read_text()))
         except (OSError, ValueError):
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -391,6 +399,7 @@ def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: fl
     recorded = load_recorded_parent(state_dir)
     leaves = unwatched_leaves(*recorded) if recorded is not None else []
     if not records and not tokens and not leaves:
+        _remove_journals(state_dir)
         return 0, []
     targets = find_record_processes(records)
     targets.update(find_marked_processes(tokens))
@@ -402,4 +411,12 @@ def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: fl
         rec.remove(state_dir)
     for token in tokens:
         remove_token(state_dir, token)
+    _remove_journals(state_dir)
     return count, survivors
+
+
+def _remove_journals(state_dir: str) -> None:
+    """Remove every group journal left (one whose token file was lost too)."""
+    for path in records_dir(state_dir).glob(f"{JOURNAL_PREFIX}*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

@@ -14,7 +14,7 @@ import trio
 
 from engine import EngineConfig, SpawnSpec, open_engine
 from engine._procfs import read_proc
-from engine._sweep import GroupRecord, end_processes, records_dir
+from engine._sweep import GroupRecord, end_processes, load_records, records_dir
 
 from .children import SESSION, ignoring_sigint, kill_leftovers, mark, pgrep, wait_for_text, wait_until
 
@@ -148,8 +148,8 @@ async def test_guardian_skips_runs_that_outlive_engine_crash(
                 assert run.cgroup is not None
                 assert os.path.basename(run.cgroup).startswith("w-") is outlive
             else:
-                recorded = [p.name for p in (state / "groups").iterdir()]
-                assert (f"{run.pid}-{run.start_time}" in recorded) is not outlive
+                recorded = {(r.pgid, r.start_time) for r in load_records(str(state))}
+                assert ((run.pid, run.start_time) in recorded) is not outlive
         # A graceful exit leaves a watched command running (for the next engine), and ends the rest.
         assert pgrep(rf"^sleep 334\.1{SESSION}") == ([run.pid] if outlive else [])
     finally:

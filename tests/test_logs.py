@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import stat
 import tempfile
@@ -13,7 +15,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import LogSlice
+from engine import LogSlice, _logpair
 from engine._logpair import LogPair
 from engine._logs import LogFile, check_stream, final_log_paths
 
@@ -61,15 +63,34 @@ def test_check_stream_names_allowed_values() -> None:
 # ---- the pair -----------------------------------------------------------------------------------------
 
 
-def test_log_pair_create_rename_read_delete(tmp_path: Path) -> None:
+@pytest.mark.parametrize("unnamed", [True, False], ids=["O_TMPFILE", "temporary names"])
+def test_log_pair_create_rename_read_delete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unnamed: bool
+) -> None:
+    if not unnamed:  # a filesystem without O_TMPFILE: temporary names, renamed
+
+        def no_tmpfile(folder_fd: int) -> int:
+            raise OSError(errno.EOPNOTSUPP, "O_TMPFILE is not supported here")
+
+        monkeypatch.setattr(_logpair, "make_unnamed", no_tmpfile)
     folder = tmp_path / "project" / ".gadget" / "subprocess-logs"
     pair = LogPair.create(str(folder))
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert all(os.path.basename(p).startswith(".subproc-") for p in pair.paths)
-    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in pair.paths)
-    with open(pair.path("stdout"), "ab") as out:  # the child's descriptor follows the rename
+    if unnamed:
+        assert os.listdir(folder) == [".gitignore"]  # no name at all until the pid is known
+    else:
+        assert all(os.path.basename(p).startswith(".subproc-") for p in pair.paths)
+        assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in pair.paths)
+    with pair.open_for_child() as fds:
+        assert all(stat.S_IMODE(os.fstat(fd).st_mode) == 0o600 for fd in fds)
+        if unnamed:  # never inherited by another child than the one they are handed to
+            assert all(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in fds)
+        out = os.dup(fds[0])  # the child's copy
+    try:  # the child's descriptor follows the naming
         pair.rename(4242)
-        out.write(b"one\ntwo\n")
+        os.write(out, b"one\ntwo\n")
+    finally:
+        os.close(out)
     assert pair.paths == final_log_paths(str(folder), 4242)
     assert sorted(os.listdir(folder)) == [".gitignore", "subproc-4242.stderr.log", "subproc-4242.stdout.log"]
     assert pair.read("stdout").text == "one\ntwo\n"
