@@ -58,6 +58,16 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (the long trials: 20 fleet rounds) run only with ``GADGET_SLOW=1``."""
+    if os.environ.get("GADGET_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="a long trial: run it with GADGET_SLOW=1")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _lock_waits:
         terminalreporter.write_line(

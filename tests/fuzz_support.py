@@ -145,7 +145,7 @@ def tool_params(rng: random.Random) -> Any:
 
 def rpc_params(rng: random.Random, method: str, project: str) -> Any:
     if rng.random() < 0.05:
-        return random_value(rng)
+        return _bound_wait(rng, method, random_value(rng))
     params: dict[str, Any] = {}
     for name in _TABLE[method].params:
         if rng.random() < 0.35:
@@ -164,7 +164,23 @@ def rpc_params(rng: random.Random, method: str, project: str) -> Any:
             params[name] = random_value(rng)
     if rng.random() < 0.1:
         params[random_string(rng)] = random_value(rng)
+    return _bound_wait(rng, method, params)
+
+
+def _bound_wait(rng: random.Random, method: str, params: Any) -> Any:
+    """``params`` with the wait of a waiting method bounded (0 to 0.05 s), else each would hold the run
+    for its 30 s default; values that are refused at once (not a number, negative, NaN) are kept."""
+    waits = _WAITS.get(method)
+    if waits is not None and isinstance(params, dict):
+        value = params.get(waits)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is None or (number and value > 0.05):
+            params[waits] = rng.choice([0, 0.01, 0.05])
     return params
+
+
+#: The methods that wait, and the parameter that bounds the wait (seconds).
+_WAITS: Final = {"events.wait": "seconds", "subprocess.wait": "timeout_seconds"}
 
 
 def _dumps(value: Any) -> bytes:
@@ -215,7 +231,7 @@ def rpc_messages(
             request: dict[str, Any] = {
                 "jsonrpc": "2.0",
                 "method": method,
-                "params": params if isinstance(params, dict) else {},
+                "params": params if isinstance(params, dict) else _bound_wait(rng, method, {}),
             }
             yield _dumps(request), False
             continue
