@@ -105,6 +105,13 @@ def _seconds_up_to(maximum: float, *, above_zero: bool = False) -> Callable[[str
     return read
 
 
+def _folder(text: str) -> str:
+    """An argparse type: a folder's path, not empty (an empty one would quietly mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a folder, or leave the option out")
+    return text
+
+
 def _duration(text: str) -> float:
     """An argparse type: seconds, or a duration such as ``5m`` or ``1h30m`` (:func:`read_duration`)."""
     try:
@@ -223,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gadget-engine`` parser (the completion scripts are generated from it)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--state-dir", metavar="DIR", default=argparse.SUPPRESS, help="the engine's state directory"
+        "--state-dir",
+        type=_folder,
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="the engine's state directory",
     )
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per line"

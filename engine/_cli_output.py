@@ -68,6 +68,9 @@ def user_message(error: BaseException) -> str:
             "the running engine does not know this command (it is an older version); "
             "restart it: gadget-engine stop, then gadget-engine start"
         )
+    os_error = error if isinstance(error, OSError) and not isinstance(error, EngineError) else None
+    if os_error is not None and os_error.strerror and os_error.filename is not None:  # not "[Errno 2] ..."
+        return one_line(f"{os_error.filename}: {os_error.strerror.lower()}")
     text = one_line(str(error))
     if isinstance(error, EngineError):  # RpcError's INVALID_PARAMS among them
         text = text.removeprefix("invalid params: ")

@@ -68,6 +68,7 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
         ),  # no such time
         ("create", *state, "--project", ".", "--ready-timeout", "301", "--", "true"),
         ("wait", *state, "1", "--timeout", "1e9"),
+        ("status", "--state-dir", ""),  # not the default state dir, quietly
         ("log", *state, "99999999999999999999999"),
     ]
     procs = [subprocess.Popen([sys.executable, "-m", "engine", *c], stderr=subprocess.PIPE) for c in commands]
@@ -556,3 +557,12 @@ def test_a_reader_that_stops_reading_is_no_error(served: Served, project: Path) 
     assert len(piped.stdout) == 400
     assert piped.stderr in ("rc=0\n", "rc=141\n"), piped.stderr  # 0: it had written all before head left
     served.cli("kill", pid)
+
+
+def test_os_errors_are_said_in_the_clis_words(tmp_path: Path) -> None:
+    """Found by a new user: ``--state-dir /proc/nope start`` printed ``[Errno 2] No such file ...``."""
+    assert user_message(FileNotFoundError(2, "No such file or directory", "/proc/nope")) == (
+        "/proc/nope: no such file or directory"
+    )
+    out = cli("--state-dir", "/proc/nope", "start")
+    assert out.returncode == 1 and "[Errno" not in out.stderr and "/proc/nope" in out.stderr, out
