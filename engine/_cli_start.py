@@ -12,7 +12,6 @@ Standard library only, like every client command.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import select
@@ -24,6 +23,7 @@ from typing import Any, Final
 
 from ._cli_output import CommandFailedError, emit_json
 from ._termtext import escape_controls
+from ._trust import open_own_file
 from ._when import format_duration
 from .server._client import (
     EngineClient,
@@ -127,10 +127,11 @@ def _serve_argv(state_dir: str, args: argparse.Namespace) -> list[str]:
 def _open_log(state_dir: str) -> tuple[int, int]:
     """The engine's log, opened for appending (rotated once past :data:`LOG_ROTATE_BYTES`); fd and size."""
     path = log_path(state_dir)
-    with contextlib.suppress(FileNotFoundError):
-        if os.stat(path).st_size > LOG_ROTATE_BYTES:
-            os.replace(path, path + ".1")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_own_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what="the engine's log")  # no link
+    if os.fstat(fd).st_size > LOG_ROTATE_BYTES:
+        os.close(fd)
+        os.replace(path, path + ".1")  # renames the entry itself, a checked regular file of ours
+        fd = open_own_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what="the engine's log")
     return fd, os.fstat(fd).st_size
 
 
@@ -153,7 +154,7 @@ def _spawn(argv: Sequence[str], log_fd: int, store: str | None = None) -> int:
 def _error_lines(state_dir: str, offset: int) -> str:
     """What the server wrote to its log since ``offset``: its ``gadget-engine:`` line, else its last line."""
     try:
-        with open(log_path(state_dir), "rb") as f:
+        with os.fdopen(open_own_file(log_path(state_dir), os.O_RDONLY, what="the engine's log"), "rb") as f:
             f.seek(offset)
             lines = f.read(64 * 1024).decode(errors="replace").splitlines()
     except OSError:

@@ -200,3 +200,15 @@ def test_completion_scripts_for_zsh_and_fish(shell: str) -> None:
 
 def test_completion_of_an_unknown_shell_is_a_usage_error() -> None:
     assert cli("completion", "tcsh").returncode == 2
+
+
+def test_start_never_writes_through_a_link_planted_as_its_log(tmp_path: Path) -> None:
+    """Found by a new user: with ``<state_dir>/engine.log`` a link elsewhere, ``start`` wrote there."""
+    state, target = tmp_path / "state", tmp_path / "elsewhere.log"
+    state.mkdir(mode=0o700)
+    target.write_text("")
+    (state / "engine.log").symlink_to(target)
+    out = cli("--state-dir", str(state), "start")
+    assert out.returncode == 1, out
+    assert "is a symbolic link, which the engine does not follow; remove it" in out.stderr
+    assert target.read_text() == "" and not (state / "engine.sock").exists()
