@@ -12,6 +12,7 @@ never registered, so they survive for the next engine to adopt.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
     if not targets and not any(leaf.populated() for leaf in leaves):
         for leaf in leaves:
             leaf.remove()
+        _remove_empty(parents)
         return 0
     _log(
         f"the engine is gone; ending {len(targets)} processes of {len(live)} groups and {len(leaves)} cgroups"
@@ -86,7 +88,17 @@ def main(argv: list[str]) -> int:
         record.remove(state_dir)
     for token in tokens:
         remove_token(state_dir, token)
+    for leaf in leaves:
+        leaf.remove()
+    _remove_empty(parents)
     return 0
+
+
+def _remove_empty(parents: list[str]) -> None:
+    """Remove the engine's parent cgroups that no leaf is left in (a watched command's keeps its own)."""
+    for path in parents:
+        with contextlib.suppress(OSError):  # not empty (a watched command's leaf), or gone already
+            os.rmdir(path)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import os
@@ -77,9 +78,26 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _session_temp_root(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Paths under this run's base temp dir are unique to the session: children.pgrep accepts them."""
-    add_session_root(tmp_path_factory.getbasetemp())
+def _session_temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Paths under this run's base temp dir are unique to the session: children.pgrep accepts them.
+
+    At the end, the cgroups of this session's engines that are empty now are removed: a watched
+    command's leaf outlives its engine on purpose (for the next one, which a test's temporary state
+    directory never gets), and would stay behind as an empty folder.
+    """
+    base = tmp_path_factory.getbasetemp()
+    add_session_root(base)
+    yield
+    for record in base.rglob("cgroup.path"):
+        parent = Path(record.read_text().strip())
+        if not parent.name.startswith("gadget-engine-") or not str(parent).startswith("/sys/fs/cgroup/"):
+            continue
+        for leaf in parent.iterdir() if parent.is_dir() else ():
+            if leaf.is_dir() and not leaf.is_symlink():
+                with contextlib.suppress(OSError):  # still populated: left alone
+                    leaf.rmdir()
+        with contextlib.suppress(OSError):
+            parent.rmdir()
 
 
 @pytest.fixture(autouse=True)
