@@ -174,13 +174,12 @@ def send_input(client: EngineClient, args: argparse.Namespace) -> int:
 
 def wait(client: EngineClient, args: argparse.Namespace) -> int:
     """``wait PID [--timeout S]``: print the status once the process has exited (exit 1: still running)."""
-    if args.timeout > 300:
-        args.parser.error("--timeout must be at most 300 seconds; run wait again to wait longer")
     summary = client.call("subprocess.wait", pid=args.pid, timeout_seconds=args.timeout)
     if args.json:
         emit_json([summary])
     elif summary["finished"]:
-        print(summary["status"])
+        status, last = summary["status"], summary.get("last_exit")
+        print(f"{status}; its last run {last}" if status.startswith("crash loop") and last else status)
     if not summary["finished"]:
         raise CommandFailedError(f"{args.pid} is still running after {args.timeout:g} s")
     return EXIT_OK
@@ -226,7 +225,8 @@ def stop(method: str, verb: str) -> Callable[[EngineClient, argparse.Namespace],
             print(f"{verb} {args.pid}")
         else:
             kept = "its logs were deleted" if method == "subprocess.kill" else "its logs are kept"
-            print(f"{args.pid} had already stopped; {kept}")
+            called_off = "; its restart is called off" if result.get("restart_called_off") else ""
+            print(f"{args.pid} had already stopped{called_off}; {kept}")
         return EXIT_OK
 
     return run

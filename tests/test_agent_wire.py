@@ -169,7 +169,22 @@ def test_cli_and_rpc_restart_policy(served: Served, project: Path) -> None:
     assert out.returncode == 0, out.stderr
     first = int(out.stdout)
     waited = served.cli("wait", str(first), "--timeout", "30")
-    assert waited.stdout == "crash loop: 1 restarts in 60 s\n"
+    assert waited.stdout == "crash loop: 1 restarts in 60 s; its last run exited 3\n"
+    again = served.cli(
+        "create", "--project", str(project), "--restart", "always", "--", "bash", "-c", "exit 0"
+    )
+    assert again.returncode == 0, again
+    backing_off = int(again.stdout)
+
+    def waiting_to_restart() -> bool:
+        rows = [json.loads(line) for line in served.cli("list", "--json").stdout.splitlines()]
+        return any(r["first_pid"] == backing_off and r["status"].startswith("restarting") for r in rows)
+
+    assert wait_until(waiting_to_restart)
+    halted = served.cli("halt", str(backing_off))  # found by a new user: it did not say the restart was off
+    assert (
+        halted.stdout == f"{backing_off} had already stopped; its restart is called off; its logs are kept\n"
+    )
     listed = [json.loads(line) for line in served.cli("list", "--json").stdout.splitlines()]
     mine = [r for r in listed if r["first_pid"] == first]
     assert [(r["restarts"], r["last_exit"]) for r in mine] == [(1, "exited 3")]

@@ -343,11 +343,18 @@ class Methods:
 
     @_method("subprocess.kill", pid=_need(_positive))
     async def _kill(self, pid: int) -> object:
-        return {"pid": pid, "stopped": await self.engine.service.kill_pid(pid)}
+        pending = self._restart_pending(pid)
+        return {"pid": pid, "stopped": await self.engine.service.kill_pid(pid), "restart_called_off": pending}
 
     @_method("subprocess.halt", pid=_need(_positive))
     async def _halt(self, pid: int) -> object:
-        return {"pid": pid, "stopped": await self.engine.service.halt_pid(pid)}
+        pending = self._restart_pending(pid)
+        return {"pid": pid, "stopped": await self.engine.service.halt_pid(pid), "restart_called_off": pending}
+
+    def _restart_pending(self, pid: int) -> bool:
+        """Whether the record of ``pid`` waits out a restart back-off (a kill or halt calls it off)."""
+        service = self.engine.service
+        return service.summarize(service.lookup(pid)).status.startswith("restarting")
 
     @_method(
         "subprocess.kill_project",
