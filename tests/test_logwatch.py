@@ -7,6 +7,7 @@ watch is on the inode the engine made.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -129,7 +130,9 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return reads
 
 
-async def test_an_idle_engine_s_log_cap_does_not_wake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_idle_engine_s_log_cap_does_not_wake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Children that write nothing: the cap waits on its inotify descriptor and reads it not once."""
     reads = _count_reads(monkeypatch)
     project = make_project(tmp_path)
@@ -171,7 +174,7 @@ async def test_a_busy_log_is_looked_at_once_a_second_at_most(
     async with engine_at(tmp_path, log_cap_bytes=MiB) as engine:
         sp = await engine.service.create(project, "sh", ["-c", "while :; do echo tick; sleep 0.01; done"])
         await trio.sleep(4.5)
-        gaps = [b - a for a, b in zip(reads, reads[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(reads)]
         assert 3 <= len(reads) <= 5, reads
         assert all(gap >= 0.99 for gap in gaps), gaps
         assert all(gap <= 1.5 for gap in gaps), gaps  # each write looked at within about a second
