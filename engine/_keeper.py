@@ -40,6 +40,7 @@ async def keep(service: SubProcessService, sp: SubProcess) -> None:
     """
     while True:
         exit = await sp._run.wait_leader_exit()
+        service._wake_capper()  # the log cap ends once no child is alive
         if sp._stdin is not None:
             sp._stdin.close("the process exited")
         if sp._restart is None or not await _restart_after(service, sp, exit):

@@ -111,6 +111,8 @@ class SubProcessService:
     _log_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
     _capper: trio.CancelScope | None = attrs.field(init=False, default=None)
     _cap_fresh: bool = attrs.field(init=False, default=False)
+    #: The log cap's wait for a write, while it waits: :meth:`_wake_capper` cancels it.
+    _cap_idle: trio.CancelScope | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
     #: Awaited with each ``notify_on_exit`` record's own final exit (the engine records a fired event).
     on_final_exit: ExitHandler | None = attrs.field(init=False, default=None)
@@ -721,6 +723,13 @@ class SubProcessService:
         if self._capper is None:
             self._capper = trio.CancelScope()
             self._nursery.start_soon(self._cap_loop, self._capper, name="subprocess log cap")
+        self._wake_capper()
+
+    def _wake_capper(self) -> None:
+        """Have the log cap look again (at its next allowed look): a child was created or restarted, or
+        a process exited (when none is left alive, the cap takes its last look and ends)."""
+        if self._cap_idle is not None:
+            self._cap_idle.cancel()
 
     async def _cap_loop(self, scope: trio.CancelScope) -> None:
         watch: LogWatch[LogFile] | None = open_log_watch()
@@ -732,6 +741,7 @@ class SubProcessService:
                     await self._cap_watching(watch)
         finally:
             if watch is not None:
+                trio.lowlevel.notify_closing(watch.fileno())
                 watch.close()
             if self._capper is scope:
                 self._capper = None
@@ -746,10 +756,13 @@ class SubProcessService:
             await self._cap(todo)
 
     async def _cap_watching(self, watch: LogWatch[LogFile]) -> None:
-        """Each second, look only at the logs written since the last look (``_logwatch``): a new child's
-        logs once (arming their watches), then each log when its watch reports a write; logs whose watch
-        could not be added every second, and every log when the kernel's queue overflowed. A second with
-        nothing written costs one ``read`` of the inotify descriptor. Ends once no child is alive."""
+        """Look only at the logs written since the last look (``_logwatch``), at most once a second: a
+        new child's logs once (arming their watches), then each log when its watch reports a write; logs
+        whose watch could not be added every second, and every log when the kernel's queue overflowed.
+        Between looks it waits for the inotify descriptor to become readable (or for
+        :meth:`_wake_capper`), so an engine whose children write nothing does not wake for its logs. A
+        write is looked at within a second of the previous look, as with a look every second. Ends once no
+        child is alive."""
         tracked: dict[LogFile, SubProcess] = {}
         polled: set[LogFile] = set()
 
@@ -759,9 +772,12 @@ class SubProcessService:
             else:
                 polled.add(log)
 
+        looked_at = trio.current_time()
         while True:
-            await trio.sleep(CAP_POLL_SECONDS)
-            written, overflow = watch.take()
+            await self._cap_wait(watch, busy=bool(polled))
+            await trio.sleep_until(looked_at + CAP_POLL_SECONDS)  # never two looks within a second
+            looked_at = trio.current_time()
+            written, overflow = watch.take()  # drains the descriptor: it is not readable again until a write
             fresh, self._cap_fresh = self._cap_fresh, False
             if written or overflow or fresh or polled:
                 todo: dict[SubProcess, set[LogFile] | None] = {}  # None: both files
@@ -784,7 +800,24 @@ class SubProcessService:
                 last = [sp for sp in self._records if not sp._capped_final]
                 if last:  # the last look: a child that ended since it was looked at gets its final cap
                     await self._cap(last)
-                return
+                if not any(sp.running for sp in self._records):  # none created during that last look
+                    return
+
+    async def _cap_wait(self, watch: LogWatch[LogFile], *, busy: bool) -> None:
+        """Wait until the cap has something to look at: an armed log was written (the inotify descriptor
+        is readable), :meth:`_wake_capper` was called, or no child is alive; at once when ``busy`` (logs
+        without a watch are looked at every second) or a new child's logs are waiting.
+
+        Cancellation: safe; nothing is read.
+        """
+        if busy or self._cap_fresh or not any(sp.running for sp in self._records):
+            return
+        with trio.CancelScope() as idle:
+            self._cap_idle = idle
+            try:
+                await trio.lowlevel.wait_readable(watch.fileno())
+            finally:
+                self._cap_idle = None
 
     async def _cap(
         self,

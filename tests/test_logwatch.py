@@ -7,6 +7,7 @@ watch is on the inode the engine made.
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -110,3 +111,71 @@ async def test_idle_children_cost_the_cap_no_look(tmp_path: Path, monkeypatch: p
         assert engine.service._capper is not None  # still running while children live
         for sp in sps:
             await engine.service.kill_subprocess(sp)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Record the time of each read of the cap's inotify descriptor (``LogWatch.take``): one per look."""
+    probe: LogWatch[str] | None = open_log_watch()
+    if probe is None:
+        pytest.skip("inotify is not available here: the cap polls every log instead")
+    probe.close()
+    reads: list[float] = []
+    real = LogWatch.take
+
+    def counted(self: LogWatch[LogFile]) -> tuple[set[LogFile], bool]:
+        reads.append(trio.current_time())
+        return real(self)
+
+    monkeypatch.setattr(LogWatch, "take", counted)
+    return reads
+
+
+async def test_an_idle_engine_s_log_cap_does_not_wake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Children that write nothing: the cap waits on its inotify descriptor and reads it not once."""
+    reads = _count_reads(monkeypatch)
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        sps = [await engine.service.create(project, "sleep", ["60"]) for _ in range(20)]
+        await trio.sleep(1.5)  # the first look at the new children's logs
+        assert len(reads) == 1
+        reads.clear()
+        await trio.sleep(3.2)
+        assert reads == []  # no write, no look, no wake: not even a read of the descriptor
+        assert engine.service._capper is not None  # still waiting while children live
+        for sp in sps:
+            await engine.service.kill_subprocess(sp)
+
+
+async def test_a_write_after_a_quiet_while_is_capped_within_two_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = _count_reads(monkeypatch)
+    project = make_project(tmp_path)
+    go = tmp_path / "go"
+    script = f"while [ ! -e {go} ]; do sleep 0.05; done; head -c {4 * MiB} /dev/zero; exec sleep 60"
+    async with engine_at(tmp_path, log_cap_bytes=MiB) as engine:
+        sp = await engine.service.create(project, "sh", ["-c", script])
+        await trio.sleep(3.0)  # looked at (and armed) once, then quiet
+        assert len(reads) == 1
+        go.touch()
+        allocated = await _allocated_within(sp.stdout_path, MiB + 64 * 1024, 2.0)
+        assert allocated <= MiB + 64 * 1024, allocated
+        await engine.service.kill_subprocess(sp)
+
+
+async def test_a_busy_log_is_looked_at_once_a_second_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child writing all the time keeps the descriptor readable: the cap still looks once a second."""
+    reads = _count_reads(monkeypatch)
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path, log_cap_bytes=MiB) as engine:
+        sp = await engine.service.create(project, "sh", ["-c", "while :; do echo tick; sleep 0.01; done"])
+        await trio.sleep(4.5)
+        gaps = [b - a for a, b in itertools.pairwise(reads)]
+        assert 3 <= len(reads) <= 5, reads
+        assert all(gap >= 0.99 for gap in gaps), gaps
+        assert all(gap <= 1.5 for gap in gaps), gaps  # each write looked at within about a second
+        await engine.service.kill_subprocess(sp)
