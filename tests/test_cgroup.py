@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -116,11 +117,18 @@ async def test_a_scrubbed_double_forked_daemon_cannot_leave_its_leaf(
     leaf = parent.leaf("r3-test")
     script = "setsid -f env -i sleep 7771.25; exec sleep 7771.5"
     pid = parent.spawn_in(leaf, lambda: _spawn(["bash", "-c", script], str(tmp_path)))
+
+    def scrubbed_daemon() -> int | None:  # the sleep that env -i started: before its exec it is setsid's
+        for p in leaf.procs():
+            with contextlib.suppress(OSError):
+                if p != pid and Path(f"/proc/{p}/cmdline").read_bytes() == b"sleep\x007771.25\x00":
+                    return p
+        return None
+
     async with open_leaf_watcher() as watcher:
         with trio.fail_after(5):
-            while len(leaf.procs()) < 2:
+            while (daemon := scrubbed_daemon()) is None:
                 await trio.sleep(0.01)
-        daemon = next(p for p in leaf.procs() if p != pid)
         assert b"GADGET" not in Path(f"/proc/{daemon}/environ").read_bytes()
         leaf.signal(signal.SIGINT)  # sleep dies of SIGINT: both go
         with trio.fail_after(5):
