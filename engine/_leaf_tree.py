@@ -11,6 +11,7 @@ zombies it handed to the engine (a subreaper) are reaped by their own pid: a zom
 from __future__ import annotations
 
 import os
+import time
 
 import attrs
 import trio
@@ -38,6 +39,8 @@ class LeafTree(ProcessTree):
     leaf: Leaf = attrs.field(kw_only=True)
     watcher: LeafWatcher = attrs.field(kw_only=True)
     _seen: int = attrs.field(init=False, default=-1)
+    #: When :meth:`gone` last saw the leaf empty (``time.monotonic``); an empty leaf stays empty.
+    _empty_at: float | None = attrs.field(init=False, default=None)
 
     def snapshot(self, *, fresh: bool = True) -> None:
         """Nothing to look for: every descendant is in the leaf."""
@@ -55,9 +58,10 @@ class LeafTree(ProcessTree):
         self.force = True
         self.watcher.poke(self.leaf)
 
-    def _reap_leaf_zombies(self) -> None:
-        # A fresh read: a process re-parented to the engine a moment ago (its parent just died) counts.
-        adopted = engine_children() - self.known_leaders
+    def _reap_leaf_zombies(self, *, read_since: float | None = None) -> None:
+        # A fresh read (or one made since ``read_since``, a moment when the leaf was seen empty: what
+        # had left it by then is in it): a process re-parented to the engine a moment ago counts.
+        adopted = engine_children(read_since=read_since) - self.known_leaders
         for pid in adopted:
             if self.leaf.holds(pid):
                 try:  # look first (WNOWAIT): reap only a zombie, by its own pid, never waitpid(-1)
@@ -73,6 +77,7 @@ class LeafTree(ProcessTree):
         self._seen = self.watcher.generation(self.leaf)  # before the look: no change is missed
         if self.leaf.populated():
             return False
+        self._empty_at = time.monotonic()
         self._reap_leaf_zombies()
         return True
 
@@ -81,8 +86,8 @@ class LeafTree(ProcessTree):
         alive = set(self.leaf.procs())
         if not self.poll_leader():
             alive.add(self.pid)
-        if not alive:
-            self._reap_leaf_zombies()
+        if not alive:  # the read gone() made just before (the settle look) will do
+            self._reap_leaf_zombies(read_since=self._empty_at)
         return sorted(alive)
 
     def leftovers(self) -> bool:

@@ -182,7 +182,7 @@ class ProcessTree:
             if info is not None and info.start_time == start:
                 roots.append(pid)
         adopted = engine_children(max_age_seconds=0.0 if fresh else _SHARED_CHILDREN_SECONDS)
-        for pid in (p for p in adopted if p not in self.known_leaders):
+        for pid in adopted - self.known_leaders:  # a set difference (in C: 1000 children each time)
             info = read_proc(pid)
             if info is None or not self._ours(info):
                 continue
@@ -261,7 +261,7 @@ class ProcessTree:
         except PermissionError:
             pass
         strays = False
-        for pid in (p for p in engine_children() if p not in self.known_leaders):
+        for pid in engine_children() - self.known_leaders:
             info = read_proc(pid)
             if info is None or not self._ours(info):
                 continue
