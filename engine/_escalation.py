@@ -19,7 +19,8 @@ The steps (systemd stops a unit the same way, with SIGTERM where we send SIGINT)
 2. look again (a look shared with other escalations will do: it only aims SIGKILL, and the fresh looks
    of the kill wait find what it missed); if anything is left, kill it (SIGKILL) and wait up to the
    kill wait the same way;
-3. report what is still alive as survivors, never hiding it.
+3. if the kill wait ran out, look afresh and kill what that finds (the look of step 2 may have missed
+   it); report what is still alive as survivors, never hiding it.
 
 A driver may end a grace wait early (``force``: straight to SIGKILL) by answering "not gone".
 
@@ -162,7 +163,11 @@ def escalate(
         if not target.remaining():
             return Escalation(escalated=False, survivors=())
     target.kill()
-    yield from _settle(target, Phase.KILL, now() + kill_wait_seconds, now, target.kill)
+    if not (yield from _settle(target, Phase.KILL, now() + kill_wait_seconds, now, target.kill)):
+        # Something outlived the kill wait. The look that aimed SIGKILL may have been shared: a fresh
+        # one now finds what it missed, which is killed and, if it outlives that, reported too.
+        target.snapshot(fresh=True)
+        target.kill()
     return Escalation(escalated=True, survivors=tuple(target.remaining()))
 
 

@@ -20,7 +20,7 @@ from ._cgroup import Leaf
 from ._cgroup_watch import LeafWatcher
 from ._pidfd import wait_pidfd
 from ._procfs import engine_children
-from ._termination import ProcessTree
+from ._termination import ProcessTree, children_read_since
 
 __all__ = ["LeafTree"]
 
@@ -39,8 +39,6 @@ class LeafTree(ProcessTree):
     leaf: Leaf = attrs.field(kw_only=True)
     watcher: LeafWatcher = attrs.field(kw_only=True)
     _seen: int = attrs.field(init=False, default=-1)
-    #: When :meth:`gone` last saw the leaf empty (``time.monotonic``); an empty leaf stays empty.
-    _empty_at: float | None = attrs.field(init=False, default=None)
 
     def snapshot(self, *, fresh: bool = True) -> None:
         """Nothing to look for: every descendant is in the leaf."""
@@ -58,10 +56,19 @@ class LeafTree(ProcessTree):
         self.force = True
         self.watcher.poke(self.leaf)
 
-    def _reap_leaf_zombies(self, *, read_since: float | None = None) -> None:
-        # A fresh read (or one made since ``read_since``, a moment when the leaf was seen empty: what
-        # had left it by then is in it): a process re-parented to the engine a moment ago counts.
-        adopted = engine_children(read_since=read_since) - self.known_leaders
+    def _empty(self) -> bool:
+        """Whether the leaf holds no live process; the first time it is seen so, :attr:`quiet_at` is set
+        (an empty leaf stays empty: nothing can fork into it)."""
+        if self.leaf.populated():
+            return False
+        if self.quiet_at is None:
+            self.quiet_at = time.monotonic()
+        return True
+
+    def _reap_leaf_zombies(self) -> None:
+        # A read made since the leaf was seen empty (shared by the leaves that emptied together, see
+        # wait_change), else a fresh one: a process re-parented to the engine by then counts.
+        adopted = engine_children(read_since=self.quiet_at) - self.known_leaders
         for pid in adopted:
             if self.leaf.holds(pid):
                 try:  # look first (WNOWAIT): reap only a zombie, by its own pid, never waitpid(-1)
@@ -75,9 +82,8 @@ class LeafTree(ProcessTree):
         if not self.poll_leader():
             return False
         self._seen = self.watcher.generation(self.leaf)  # before the look: no change is missed
-        if self.leaf.populated():
+        if not self._empty():
             return False
-        self._empty_at = time.monotonic()
         self._reap_leaf_zombies()
         return True
 
@@ -86,8 +92,9 @@ class LeafTree(ProcessTree):
         alive = set(self.leaf.procs())
         if not self.poll_leader():
             alive.add(self.pid)
-        if not alive:  # the read gone() made just before (the settle look) will do
-            self._reap_leaf_zombies(read_since=self._empty_at)
+        if not alive:
+            self._empty()
+            self._reap_leaf_zombies()
         return sorted(alive)
 
     def leftovers(self) -> bool:
@@ -101,5 +108,7 @@ class LeafTree(ProcessTree):
         if self.pidfd >= 0:
             with trio.move_on_after(step_seconds):
                 await wait_pidfd(self.pidfd)
-            return
-        await self.watcher.wait_changed(self.leaf, self._seen)
+        else:
+            await self.watcher.wait_changed(self.leaf, self._seen)
+        if self.poll_leader() and self._empty():  # its zombies are reaped from a read shared with others
+            await children_read_since(self.quiet_at or 0.0)
