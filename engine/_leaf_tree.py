@@ -14,11 +14,9 @@ import os
 import time
 
 import attrs
-import trio
 
 from ._cgroup import Leaf
 from ._cgroup_watch import LeafWatcher
-from ._pidfd import wait_pidfd
 from ._procfs import engine_children
 from ._termination import ProcessTree, children_read_since
 
@@ -53,7 +51,7 @@ class LeafTree(ProcessTree):
 
     def request_force(self) -> None:
         """Skip the rest of the grace period, and wake a wait on the leaf so it happens now."""
-        self.force = True
+        super().request_force()
         self.watcher.poke(self.leaf)
 
     def _empty(self) -> bool:
@@ -103,11 +101,12 @@ class LeafTree(ProcessTree):
         return self.leaf.populated()
 
     async def wait_change(self, step_seconds: float) -> None:
-        """While the leader lives, wait for its exit (at most ``step_seconds``: the leaf cannot empty
-        before it); after, wait for the leaf's ``cgroup.events`` to change, with no polling."""
+        """While the leader lives, wait for its exit or force (the leaf cannot empty before the leader
+        exits); after, wait for the leaf's ``cgroup.events`` to change, with no polling. Once the leaf is
+        empty, wait for a read of the engine's children made since (shared with the leaves that emptied
+        in the same pass) to reap its zombies from."""
         if self.pidfd >= 0:
-            with trio.move_on_after(step_seconds):
-                await wait_pidfd(self.pidfd)
+            await self._wait_leader_or_force()
         else:
             await self.watcher.wait_changed(self.leaf, self._seen)
         if self.poll_leader() and self._empty():  # its zombies are reaped from a read shared with others
