@@ -303,9 +303,11 @@ class ProcessTree:
         """Wait for the leader's exit (its pidfd) or :meth:`request_force`, with no time step: while the
         leader lives the tree cannot be gone, so looking again would find nothing new (1000 escalations
         each looking every 20 ms through a grace period cost the loop tens of thousands of wake-ups)."""
-        with trio.CancelScope() as self._wake:
-            await wait_pidfd(self.pidfd)
-        self._wake = None
+        try:
+            with trio.CancelScope() as self._wake:
+                await wait_pidfd(self.pidfd)
+        finally:
+            self._wake = None
 
     async def wait_change(self, step_seconds: float) -> None:
         """Wait for the leader's exit or force; once the leader is reaped, wait ``step_seconds``: the
