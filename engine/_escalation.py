@@ -16,8 +16,11 @@ The steps (systemd stops a unit the same way, with SIGTERM where we send SIGINT)
    continued); wait up to the grace period for all of them to be gone. Whenever the driver reports
    "gone", look again (a member may have forked or left the group while handling SIGINT) and signal
    what the new look found, within the same grace period;
-2. look again; if anything is left, kill it (SIGKILL) and wait up to the kill wait the same way;
-3. report what is still alive as survivors, never hiding it.
+2. look again (a look shared with other escalations will do: it only aims SIGKILL, and the fresh looks
+   of the kill wait find what it missed); if anything is left, kill it (SIGKILL) and wait up to the
+   kill wait the same way;
+3. if the kill wait ran out, look afresh and kill what that finds (the look of step 2 may have missed
+   it); report what is still alive as survivors, never hiding it.
 
 A driver may end a grace wait early (``force``: straight to SIGKILL) by answering "not gone".
 
@@ -152,11 +155,19 @@ def escalate(
         deadline = now() + grace_seconds
         if (yield from _settle(target, Phase.GRACE, deadline, now, lambda: target.send(signal.SIGINT))):
             return Escalation(escalated=False, survivors=())
-    target.snapshot(fresh=True)  # children forked while handling SIGINT
+    # Children forked while handling SIGINT. A shared look is enough to aim SIGKILL: what it misses is
+    # found by the fresh look that settles the kill wait, and killed then. Only "gone" needs a fresh look.
+    target.snapshot(fresh=False)
     if target.gone():
-        return Escalation(escalated=False, survivors=())
+        target.snapshot(fresh=True)
+        if not target.remaining():
+            return Escalation(escalated=False, survivors=())
     target.kill()
-    yield from _settle(target, Phase.KILL, now() + kill_wait_seconds, now, target.kill)
+    if not (yield from _settle(target, Phase.KILL, now() + kill_wait_seconds, now, target.kill)):
+        # Something outlived the kill wait. The look that aimed SIGKILL may have been shared: a fresh
+        # one now finds what it missed, which is killed and, if it outlives that, reported too.
+        target.snapshot(fresh=True)
+        target.kill()
     return Escalation(escalated=True, survivors=tuple(target.remaining()))
 
 

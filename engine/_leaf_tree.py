@@ -11,15 +11,14 @@ zombies it handed to the engine (a subreaper) are reaped by their own pid: a zom
 from __future__ import annotations
 
 import os
+import time
 
 import attrs
-import trio
 
 from ._cgroup import Leaf
 from ._cgroup_watch import LeafWatcher
-from ._pidfd import wait_pidfd
 from ._procfs import engine_children
-from ._termination import ProcessTree
+from ._termination import ProcessTree, children_read_since
 
 __all__ = ["LeafTree"]
 
@@ -52,12 +51,22 @@ class LeafTree(ProcessTree):
 
     def request_force(self) -> None:
         """Skip the rest of the grace period, and wake a wait on the leaf so it happens now."""
-        self.force = True
+        super().request_force()
         self.watcher.poke(self.leaf)
 
+    def _empty(self) -> bool:
+        """Whether the leaf holds no live process; the first time it is seen so, :attr:`quiet_at` is set
+        (an empty leaf stays empty: nothing can fork into it)."""
+        if self.leaf.populated():
+            return False
+        if self.quiet_at is None:
+            self.quiet_at = time.monotonic()
+        return True
+
     def _reap_leaf_zombies(self) -> None:
-        # A fresh read: a process re-parented to the engine a moment ago (its parent just died) counts.
-        adopted = engine_children() - self.known_leaders
+        # A read made since the leaf was seen empty (shared by the leaves that emptied together, see
+        # wait_change), else a fresh one: a process re-parented to the engine by then counts.
+        adopted = engine_children(read_since=self.quiet_at) - self.known_leaders
         for pid in adopted:
             if self.leaf.holds(pid):
                 try:  # look first (WNOWAIT): reap only a zombie, by its own pid, never waitpid(-1)
@@ -71,7 +80,7 @@ class LeafTree(ProcessTree):
         if not self.poll_leader():
             return False
         self._seen = self.watcher.generation(self.leaf)  # before the look: no change is missed
-        if self.leaf.populated():
+        if not self._empty():
             return False
         self._reap_leaf_zombies()
         return True
@@ -82,6 +91,7 @@ class LeafTree(ProcessTree):
         if not self.poll_leader():
             alive.add(self.pid)
         if not alive:
+            self._empty()
             self._reap_leaf_zombies()
         return sorted(alive)
 
@@ -91,10 +101,13 @@ class LeafTree(ProcessTree):
         return self.leaf.populated()
 
     async def wait_change(self, step_seconds: float) -> None:
-        """While the leader lives, wait for its exit (at most ``step_seconds``: the leaf cannot empty
-        before it); after, wait for the leaf's ``cgroup.events`` to change, with no polling."""
+        """While the leader lives, wait for its exit or force (the leaf cannot empty before the leader
+        exits); after, wait for the leaf's ``cgroup.events`` to change, with no polling. Once the leaf is
+        empty, wait for a read of the engine's children made since (shared with the leaves that emptied
+        in the same pass) to reap its zombies from."""
         if self.pidfd >= 0:
-            with trio.move_on_after(step_seconds):
-                await wait_pidfd(self.pidfd)
-            return
-        await self.watcher.wait_changed(self.leaf, self._seen)
+            await self._wait_leader_or_force()
+        else:
+            await self.watcher.wait_changed(self.leaf, self._seen)
+        if self.poll_leader() and self._empty():  # its zombies are reaped from a read shared with others
+            await children_read_since(self.quiet_at or 0.0)
