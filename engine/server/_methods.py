@@ -344,12 +344,21 @@ class Methods:
     @_method("subprocess.kill", pid=_need(_positive))
     async def _kill(self, pid: int) -> object:
         pending = self._restart_pending(pid)
-        return {"pid": pid, "stopped": await self.engine.service.kill_pid(pid), "restart_called_off": pending}
+        return self._stopped(pid, await self.engine.service.kill_pid(pid), pending)
 
     @_method("subprocess.halt", pid=_need(_positive))
     async def _halt(self, pid: int) -> object:
         pending = self._restart_pending(pid)
-        return {"pid": pid, "stopped": await self.engine.service.halt_pid(pid), "restart_called_off": pending}
+        return self._stopped(pid, await self.engine.service.halt_pid(pid), pending)
+
+    @staticmethod
+    def _stopped(pid: int, stopped: bool, restart_called_off: bool) -> dict[str, object]:
+        """``{pid, stopped}``, with ``restart_called_off: true`` when a restart back-off was called off."""
+        return {
+            "pid": pid,
+            "stopped": stopped,
+            **({"restart_called_off": True} if restart_called_off else {}),
+        }
 
     def _restart_pending(self, pid: int) -> bool:
         """Whether the record of ``pid`` waits out a restart back-off (a kill or halt calls it off)."""
