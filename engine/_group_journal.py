@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final, final
 if TYPE_CHECKING:
     from ._sweep import GroupRecord
 
-__all__ = ["JOURNAL_PREFIX", "GroupJournal", "journal_path", "read_journal"]
+__all__ = ["JOURNAL_PREFIX", "GroupJournal", "apply_group_line", "journal_path", "read_journal"]
 
 #: Journal files in ``groups/``: ``.journal-<token>``.
 JOURNAL_PREFIX: Final = ".journal-"
@@ -46,21 +46,32 @@ def read_journal(path: Path) -> list[GroupRecord]:
     Raises:
         OSError: the file cannot be read.
     """
-    from ._sweep import GroupRecord
-
     live: dict[tuple[int, int], GroupRecord] = {}
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         kind, _, rest = line.partition(" ")
-        try:
-            if kind == "+":
-                record = GroupRecord.parse(rest)
-                live[(record.pgid, record.start_time)] = record
-            elif kind == "-":
-                pgid, start = rest.split()
-                live.pop((int(pgid), int(start)), None)
-        except ValueError:
-            continue  # a line cut short by a crash, or not ours
+        with contextlib.suppress(ValueError):  # a line cut short by a crash, or not ours
+            apply_group_line(live, kind, rest)
     return list(live.values())
+
+
+def apply_group_line(live: dict[tuple[int, int], GroupRecord], kind: str, rest: str) -> bool:
+    """Apply one journal or guardian line to ``live`` (keyed by pgid and start time): ``+ record`` (a
+    group started) adds it, ``- pgid start_time`` (it ended) drops it. Whether the line was one of them.
+
+    Raises:
+        ValueError: a line of those kinds that does not parse.
+    """
+    from ._sweep import GroupRecord
+
+    if kind == "+":
+        record = GroupRecord.parse(rest)
+        live[(record.pgid, record.start_time)] = record
+        return True
+    if kind == "-":
+        pgid, start = rest.split()
+        live.pop((int(pgid), int(start)), None)
+        return True
+    return False
 
 
 @final

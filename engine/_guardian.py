@@ -17,6 +17,7 @@ import os
 import sys
 
 from ._cgroup import find_cgroup2
+from ._group_journal import apply_group_line
 from ._sweep import (
     GroupRecord,
     end_processes,
@@ -56,13 +57,9 @@ def main(argv: list[str]) -> int:
         for line in pipe:
             kind, _, rest = line.strip().partition(" ")
             try:
-                if kind == "+":
-                    record = GroupRecord.parse(rest)
-                    live[(record.pgid, record.start_time)] = record
-                elif kind == "-":
-                    pgid, start = rest.split()
-                    live.pop((int(pgid), int(start)), None)
-                elif kind == "T":
+                if apply_group_line(live, kind, rest):
+                    continue
+                if kind == "T":
                     token, start = rest.split()
                     tokens[token] = int(start)
                 elif kind == "C":
