@@ -340,7 +340,7 @@ class SubProcessService:
         if sp._stdin is None:
             raise StdinClosedError(
                 f"subprocess {sp.pid} has no stdin pipe (it reads /dev/null); create it with stdin=True "
-                "to write to it"
+                "(the CLI's create --stdin) to write to it"
             )
         await sp._stdin.write(payload, eof=eof)
 
