@@ -406,10 +406,7 @@ class AsyncEngineClient:
                 await self._writer.drain()
                 line = await self._reader.readuntil(b"\n")
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                said = await self._last_word()
                 await self.aclose()
-                if said is not None:  # the engine said why it closed the connection (too many connections)
-                    _result(said, request_id)
                 raise _broken(self.state_dir, method) from exc
             except asyncio.LimitOverrunError:
                 await self.aclose()
@@ -422,15 +419,6 @@ class AsyncEngineClient:
             except _UnusableResponseError:
                 await self.aclose()
                 raise
-
-    async def _last_word(self) -> bytes | None:
-        """A line the engine sent before it closed the connection, still unread (or ``None``)."""
-        if self._reader is None:
-            return None
-        with contextlib.suppress(Exception):  # only what is already there: a broken stream or 0.1 s ends it
-            line = await asyncio.wait_for(self._reader.readuntil(b"\n"), 0.1)
-            return line[:-1]
-        return None
 
     async def _abandon(self) -> None:
         """Drop the connection without waiting (a cancelled call): its answer would come out of turn."""
