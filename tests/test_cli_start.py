@@ -212,3 +212,18 @@ def test_start_never_writes_through_a_link_planted_as_its_log(tmp_path: Path) ->
     assert out.returncode == 1, out
     assert "is a symbolic link, which the engine does not follow; remove it" in out.stderr
     assert target.read_text() == "" and not (state / "engine.sock").exists()
+
+
+def test_start_status_stop_on_a_state_dir_too_deep_for_its_own_socket(tmp_path: Path) -> None:
+    """Found by a new user: ``start`` said ``AF_UNIX path too long`` where ``serve`` binds elsewhere."""
+    state = tmp_path / ("d" * (110 - len(str(tmp_path))))
+    assert len(str(state / "engine.sock")) > 107
+    none = cli("--state-dir", str(state), "status")
+    assert none.returncode == 3 and "no engine is running" in none.stderr, none
+    started = cli("--state-dir", str(state), "start", "--grace-seconds", "0.5")
+    try:
+        assert started.returncode == 0, started
+        assert cli("--state-dir", str(state), "status").returncode == 0
+    finally:
+        stopped = cli("--state-dir", str(state), "stop")
+    assert stopped.returncode == 0, stopped

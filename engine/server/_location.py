@@ -88,16 +88,20 @@ def choose_socket_path(state_dir: str) -> str:
     path = os.path.join(state_dir, SOCKET_NAME)
     if _fits(path):
         return path
+    for candidate in _runtime_candidates(state_dir):
+        if _private_dir(os.path.dirname(candidate)):
+            return candidate
+    raise OSError(f"no private runtime directory for the socket of {state_dir!r}; use a shorter --state-dir")
+
+
+def _runtime_candidates(state_dir: str) -> list[str]:
+    """The runtime-directory socket paths that fit, in the order :func:`choose_socket_path` tries them."""
     name = hashlib.sha256(os.fsencode(state_dir)).hexdigest()[:16] + ".sock"
     runtimes = [os.path.join("/tmp", f"gadget-engine-{os.getuid()}")]
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg):  # what platformdirs.user_runtime_dir gives, without its warning when unset
         runtimes.insert(0, os.path.join(xdg, "gadget-engine"))
-    for runtime in runtimes:
-        candidate = os.path.join(runtime, name)
-        if _fits(candidate) and _private_dir(runtime):
-            return candidate
-    raise OSError(f"no private runtime directory for the socket of {state_dir!r}; use a shorter --state-dir")
+    return [path for runtime in runtimes if _fits(path := os.path.join(runtime, name))]
 
 
 def find_socket_path(state_dir: str) -> str:
@@ -115,7 +119,14 @@ def find_socket_path(state_dir: str) -> str:
         raise
     except OSError:
         named = None
-    return named or os.path.join(state_dir, SOCKET_NAME)
+    if named:
+        return named
+    default = os.path.join(state_dir, SOCKET_NAME)
+    if _fits(default):
+        return default
+    # A state dir too deep for its own socket and no pointer (yet): where serve would bind, made nowhere
+    # here; a client then finds nothing there (no engine runs) instead of failing on the path's length.
+    return next(iter(_runtime_candidates(state_dir)), default)
 
 
 def lock_holder(state_dir: str) -> int | None:
