@@ -20,7 +20,7 @@ from typing import Any, Final
 from ._cli_output import EXIT_OK, emit_json
 from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
-from ._termtext import escape_controls
+from ._termtext import escape_controls, printable
 from .server._client import (
     EngineClient,
     EngineConnectionError,
@@ -179,7 +179,7 @@ def print_events(events: list[dict[str, Any]], as_json: bool) -> None:
                 f"--- event {event['cursor']}: {event['job_name']} (job {event['job_id']}) ---"
             )
             sys.stdout.write(head + "\n")
-            sys.stdout.write(event["text"].rstrip("\n") + "\n")
+            sys.stdout.write(printable(event["text"].rstrip("\n")) + "\n")  # no escape reaches the terminal
     sys.stdout.flush()
 
 

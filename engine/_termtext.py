@@ -25,14 +25,18 @@ _ESCAPES = re.compile(
     r"|\x1b[ -/]*[0-~]"
     r"|\x9b[0-?]*[ -/]*[@-~]"
 )
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_ANY_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# The bidirectional controls (marks, embeddings, overrides, isolates) reorder what follows on a terminal
+# that draws right-to-left text: U+202E makes "txt.exe" of "exe.txt".
+_BIDI = "\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_CONTROLS = re.compile(rf"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}]")
+_ANY_CONTROL = re.compile(rf"[\x00-\x1f\x7f-\x9f{_BIDI}]")
 
 
 def escape_controls(text: str) -> str:
-    """``text`` with each control character (newlines, tabs and ESC included) written as Python writes
-    it in a string (``\\n``, ``\\t``, ``\\x1b``): for one cell or value of a table, where a name or a path
-    that holds one would break the line or move the cursor. Other text is left as it is."""
+    """``text`` with each control character (newlines, tabs, ESC and the bidirectional controls) written
+    as Python writes it in a string (``\\n``, ``\\t``, ``\\x1b``, ``\\u202e``): for one cell or value of a
+    table, where a name or a path that holds one would break the line, move the cursor or reorder the
+    text. Other text is left as it is."""
     return _ANY_CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 

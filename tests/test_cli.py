@@ -512,7 +512,7 @@ def test_control_characters_in_names_and_paths_are_escaped_not_drawn(served: Ser
     """Found by a new user: a job named ``bad<newline>name<ESC>[2J`` broke ``cron list`` and cleared the
     screen from ``cron get``, ``events`` and ``status``; a project folder's name did the same."""
     name = "bad\nname\x1b[2J"
-    added = served.cli("cron", "add", "--every", "1h", "--text", "x", "--name", name)
+    added = served.cli("cron", "add", "--every", "1h", "--text", "t\x1b[31mred\u202e", "--name", name)
     assert added.returncode == 0, added
     job = added.stdout.strip()
     folder = tmp_path / "weird\nproj \x1b[7mX"
@@ -526,7 +526,7 @@ def test_control_characters_in_names_and_paths_are_escaped_not_drawn(served: Ser
     ]
     for out in shown:
         assert out.returncode == 0, out
-        assert "\x1b" not in out.stdout, out.stdout
+        assert "\x1b" not in out.stdout and "\u202e" not in out.stdout, out.stdout  # nor the event's text
     [row] = [line for line in shown[0].stdout.splitlines() if line.startswith(job)]
     assert "bad\\nname\\x1b[2J" in row
     assert "name         bad\\nname\\x1b[2J\n" in shown[1].stdout
