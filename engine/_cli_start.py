@@ -206,8 +206,8 @@ def start(args: argparse.Namespace) -> int:
             raise CommandFailedError(f"the engine did not start: {why} (its log: {log_path(state_dir)})")
         if time.monotonic() > deadline:
             raise CommandFailedError(
-                f"the engine (pid {pid}) did not answer within {args.wait_seconds:g} s; "
-                f"its log: {log_path(state_dir)}"
+                f"the engine (pid {pid}) did not answer within {args.wait_seconds:g} s; it is left running "
+                f"(gadget-engine status shows when it answers, stop ends it); its log: {log_path(state_dir)}"
             )
         time.sleep(_START_POLL_SECONDS)
     if args.json:

@@ -115,6 +115,8 @@ def check_stat(info: os.stat_result, path: str, kind: Kind, what: str, fix: str)
 
 
 def _state_fix(state_dir: str) -> str:
+    if not os.path.isdir(state_dir):  # chmod cannot make a folder of a file
+        return "give a folder, or use another --state-dir"
     return f"run `chmod 700 {state_dir}` as its owner, or use another --state-dir"
 
 

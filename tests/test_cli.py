@@ -566,3 +566,15 @@ def test_os_errors_are_said_in_the_clis_words(tmp_path: Path) -> None:
     )
     out = cli("--state-dir", "/proc/nope", "start")
     assert out.returncode == 1 and "[Errno" not in out.stderr and "/proc/nope" in out.stderr, out
+
+
+def test_long_intervals_and_a_file_as_state_dir_are_said_plainly(tmp_path: Path) -> None:
+    """Found by a new user: ``every 3.15446e+08 s``; and ``chmod 700`` offered to fix a file."""
+    from engine.server._protocol import describe_schedule
+
+    assert describe_schedule({"kind": "every", "every_seconds": 3651 * 86400}) == "every 315446400 s"
+    assert describe_schedule({"kind": "every", "every_seconds": 1.5}) == "every 1.5 s"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    out = cli("--state-dir", str(afile), "start")
+    assert out.returncode == 1 and "is a regular file, not a directory; give a folder" in out.stderr, out

@@ -283,7 +283,7 @@ def describe_schedule(schedule: Mapping[str, Any], *, show_time: Callable[[objec
     if kind == "at":
         return f"at {show_time(schedule.get('at'))}"
     if kind == "every":
-        return f"every {schedule.get('every_seconds'):g} s"
+        return f"every {schedule.get('every_seconds'):.15g} s"  # whole seconds in full, never 3.15e+08
     if kind == "cron":
         return f"cron {schedule.get('expr')!r} {schedule.get('tz')}"
     cwd = schedule.get("cwd")
