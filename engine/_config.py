@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import attrs
 import platformdirs
 
-from ._escalation import MAX_GRACE_SECONDS
+from ._escalation import check_wait_seconds
 from ._retry import DEFAULT_RETRY_SECONDS, check_delays
 
 #: The values of ``containment`` (also ``_containment.CONTAINMENT_MODES``).
@@ -23,14 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["EngineConfig"]
 
 _non_negative = attrs.validators.ge(0.0)
-
-
-def _escalation_wait(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= MAX_GRACE_SECONDS:
-        raise ValueError(
-            f"{attribute.name} must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g} (an hour), "
-            f"got {value!r}"
-        )
 
 
 _positive = attrs.validators.gt(0.0)
@@ -151,8 +143,8 @@ class EngineConfig:
     state_dir: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
-    grace_seconds: float = attrs.field(default=5.0, validator=_escalation_wait)
-    kill_wait_seconds: float = attrs.field(default=5.0, validator=_escalation_wait)
+    grace_seconds: float = attrs.field(default=5.0, validator=check_wait_seconds)
+    kill_wait_seconds: float = attrs.field(default=5.0, validator=check_wait_seconds)
     max_processes_per_project: int = attrs.field(default=32, validator=_positive_int)
     max_processes: int = attrs.field(default=256, validator=_positive_int)
     log_cap_bytes: int = attrs.field(default=50 * 2**20, validator=_positive_int)

@@ -48,12 +48,34 @@ __all__ = [
     "Steps",
     "WaitGone",
     "advance",
+    "check_wait_seconds",
     "escalate",
 ]
 
 #: The longest grace period or kill wait an escalation takes, in seconds (an hour): a longer one would
 #: let a child that ignores SIGINT outlive ``kill``, ``stop`` and the guardian for practical purposes.
 MAX_GRACE_SECONDS: Final = 3600.0
+
+
+def check_wait_seconds(_inst: object, attribute: _Named, value: float) -> None:
+    """An attrs validator: a grace period or kill wait, a number of seconds from 0 to
+    :data:`MAX_GRACE_SECONDS` (``EngineConfig``, ``SpawnSpec``).
+
+    Raises:
+        ValueError: anything else, the field named.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= MAX_GRACE_SECONDS:
+        raise ValueError(
+            f"{attribute.name} must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g} (an hour), "
+            f"got {value!r}"
+        )
+
+
+class _Named(Protocol):
+    """What a validator reads of an attrs attribute."""
+
+    @property
+    def name(self) -> str: ...
 
 
 class EscalationTarget(Protocol):

@@ -25,7 +25,7 @@ import trio
 
 from ._containment import Containment, Placement, open_containment
 from ._errors import unwrap_single
-from ._escalation import MAX_GRACE_SECONDS
+from ._escalation import check_wait_seconds
 from ._input import show
 from ._keyed_locks import KeyedLocks
 from ._procfs import (
@@ -78,14 +78,6 @@ class TerminationReason(enum.Enum):
 def _optional_positive(_inst: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
     if value is not None and not value >= 0:
         raise ValueError(f"{attribute.name} must be a number of seconds >= 0, got {value!r}")
-
-
-def _optional_grace(_inst: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
-    if value is not None and not 0 <= value <= MAX_GRACE_SECONDS:
-        raise ValueError(
-            f"{attribute.name} must be a number of seconds from 0 to {MAX_GRACE_SECONDS:g} (an hour), "
-            f"got {value!r}"
-        )
 
 
 def _stream_target(_inst: object, attribute: attrs.Attribute[str | int | None], value: object) -> None:
@@ -146,7 +138,9 @@ class SpawnSpec:
     scope_key: str = attrs.field(default="default", validator=attrs.validators.instance_of(str))
     replace_existing_scope: bool = False
     max_runtime_seconds: float | None = attrs.field(default=None, validator=_optional_positive)
-    grace_seconds: float | None = attrs.field(default=None, validator=_optional_grace)
+    grace_seconds: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(check_wait_seconds)
+    )
     outlive_engine_crash: bool = False
 
     def __attrs_post_init__(self) -> None:

@@ -68,3 +68,9 @@ def test_owner_lost_seconds_must_outlast_a_heartbeat() -> None:
     with pytest.raises(ValueError, match="owner_lost_seconds must be more than 5 s"):
         EngineConfig(owner_lost_seconds=5.0)
     assert EngineConfig(owner_lost_seconds=8.0).owner_lost_seconds == 8.0
+
+
+def test_a_runs_grace_is_bounded_as_the_engines() -> None:
+    with pytest.raises(ValueError, match="grace_seconds must be a number of seconds from 0 to 3600"):
+        SpawnSpec(argv=("true",), grace_seconds=3601.0)
+    assert SpawnSpec(argv=("true",), grace_seconds=None).grace_seconds is None
