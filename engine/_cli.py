@@ -73,11 +73,11 @@ _positive_int = _whole(1)
 
 
 def _port(text: str) -> int:
-    """An argparse type: a TCP port number, 1 to 65535."""
-    port = _positive_int(text)
-    if port > 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {show(text)}")
-    return port
+    """An argparse type: a TCP port number, 1 to 65535 (one wording for every value refused)."""
+    try:
+        return _whole(1, 65535)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {show(text)}") from None
 
 
 def _finite_seconds(text: str) -> float:
@@ -315,7 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="stdout",
         help="both: stdout then stderr, each line prefixed with its stream",
     )
-    p.add_argument("-n", "--tail", type=_positive_int, metavar="N", help="only the last N lines")
+    p.add_argument(
+        "-n",
+        "--tail",
+        type=_whole(0),
+        metavar="N",
+        help="only the last N lines (0: none; with -f, what comes next)",
+    )
     p.add_argument("-f", "--follow", action="store_true", help="go on until the process has exited")
     p.add_argument("--new", action="store_true", help="only what is new since the last log --new")
     p.add_argument("--grep", metavar="RE", help="only the lines matching RE, with their numbers")

@@ -104,12 +104,16 @@ def _history(client: EngineClient, args: argparse.Namespace, stream: str, out: _
     """Print what the log of ``stream`` holds (or its last ``--tail`` lines; ``--new``: what is new to the
     CLI's reader; ``--grep``: the matching lines); the last slice read."""
     common: dict[str, Any] = {"pid": args.pid, "stream": stream, "max_bytes": _PAGE_BYTES}
+    piece: dict[str, Any]
     if args.new:
         common.update(new_only=True, reader=CLI_READER)
     if args.grep is not None:
         common["grep"] = args.grep
+    if args.tail == 0:  # as ``tail -n 0``: nothing printed; a follow starts at the end
+        piece = client.call("subprocess.read_log", tail=1, **common)
+        return {**piece, "text": "", "next_offset": piece["total_bytes"]}
     if args.tail is not None:
-        piece: dict[str, Any] = client.call("subprocess.read_log", tail=args.tail, **common)
+        piece = client.call("subprocess.read_log", tail=args.tail, **common)
         out.write(piece)
         return piece
     piece = client.call("subprocess.read_log", **common)

@@ -134,6 +134,8 @@ class RestartTracker:
         failed = signal is not None or exit_code != 0
         if policy.mode == "on-failure" and not failed:
             return RestartDecision(restart=False)
+        if policy.max_restarts == 0:  # no restart was ever allowed: the plain exit, not a crash loop
+            return RestartDecision(restart=False)
         self.recent = [t for t in self.recent if now - t < policy.window_seconds]
         if len(self.recent) >= policy.max_restarts:
             return RestartDecision(

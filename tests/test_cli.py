@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,14 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 2, err
         assert b"Traceback" not in err
+
+
+def test_cli_ready_port_out_of_range_is_said_in_one_wording(tmp_path: Path) -> None:
+    state = ("--state-dir", str(tmp_path))
+    for port in ("0", "99999", "x"):
+        out = cli("create", *state, "--project", ".", "--ready-port", port, "--", "true")
+        assert out.returncode == 2
+        assert out.stderr.splitlines()[-1].endswith(f"expected a TCP port from 1 to 65535, got '{port}'")
 
 
 def test_cli_state_dir_before_after_and_from_the_environment(served: Served) -> None:
@@ -362,6 +371,43 @@ def test_cli_log_both_streams_tail_and_follow(served: Served, project: Path) -> 
         *(f"stderr | err {i}" for i in range(4)),
     ]
     assert tail.stdout == "out 2\nout 3\n"
+    served.cli("kill", str(pid))
+
+
+def test_cli_log_tail_zero_prints_nothing_and_follows_what_comes_next(served: Served, project: Path) -> None:
+    go = project / "go"
+    code = (
+        "import os,sys,time\n"
+        "print('old', flush=True)\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.02)\n"
+        "print('new', flush=True)"
+    )
+    pid = _create(served, project, sys.executable, "-c", code)
+    with served.client() as client:
+        assert wait_until(lambda: client.call("subprocess.read_log", pid=pid)["text"] == "old\n")
+    none = served.cli("log", str(pid), "-n", "0")
+    assert (none.returncode, none.stdout, none.stderr) == (0, "", "")
+    follow = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "log",
+            "--state-dir",
+            str(served.state_dir),
+            str(pid),
+            "-n",
+            "0",
+            "-f",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.0)  # the follower has read where the log ends (as tail -n 0 -f: nothing before it)
+    go.touch()
+    out, err = follow.communicate(timeout=30)
+    assert (follow.returncode, out) == (0, "new\n"), err
     served.cli("kill", str(pid))
 
 
