@@ -132,23 +132,13 @@ def _check_strings(args: argparse.Namespace) -> None:
                 args.parser.error(str(exc))
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser; its ``unrecognized arguments`` error says where a ``--`` goes.
-
-    Attributes:
-        trailing_command: the subcommand on the line that ends with a program and its arguments
-            (``create``), set by :func:`main` before parsing; ``None`` for any other.
-    """
-
-    trailing_command: str | None = None
-
-    def error(self, message: str) -> NoReturn:
-        prefix = "unrecognized arguments: "
-        stray = message.removeprefix(prefix).split() if message.startswith(prefix) else []
-        if self.trailing_command is not None and any(word.startswith("-") for word in stray):
-            usage = _TRAILING_ARGV[self.trailing_command]
-            message += f"; put -- before the command and its options: {usage}"
-        super().error(message)
+def _refuse_stray(parser: argparse.ArgumentParser, command: str | None, stray: list[str]) -> NoReturn:
+    """Refuse the arguments no option took, with the subcommand's usage line; for ``create``, say where
+    the ``--`` goes when an option of the program was taken for the CLI's."""
+    message = f"unrecognized arguments: {' '.join(stray)}"
+    if command in _TRAILING_ARGV and any(word.startswith("-") for word in stray):
+        message += f"; put -- before the command and its options: {_TRAILING_ARGV[command]}"
+    parser.error(message)
 
 
 def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> None:
@@ -239,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per line"
     )
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="gadget-engine", parents=[common], description="Run or talk to a standalone gadget-engine."
     )
     parser.add_argument("--version", action="version", version=f"gadget-engine {__version__}")
@@ -419,9 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gadget-engine`` command line and return its exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    assert isinstance(parser, _Parser)
-    parser.trailing_command = next((word for word in raw if word in _TRAILING_ARGV), None)
-    args = parser.parse_args(_normalise(raw))
+    args, stray = parser.parse_known_args(_normalise(raw))
+    if stray:  # said with the subcommand's usage line, not the top level's
+        _refuse_stray(getattr(args, "parser", None) or parser, getattr(args, "command_name", None), stray)
     args.state_dir = getattr(args, "state_dir", None)
     args.json = getattr(args, "json", False)
     args.root_parser = parser

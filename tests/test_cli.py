@@ -467,7 +467,13 @@ def test_cli_messages_hint_at_the_fix_in_the_clis_words(served: Served, project:
     assert "'sleep 30' is one word with spaces" in one_word.stderr
     assert "(-- sleep 30), or run it through a shell (-- bash -c 'sleep 30')" in one_word.stderr
     assert no_dashes.returncode == 2
-    assert "unrecognized arguments: -la; put -- before the command" in no_dashes.stderr
+    assert (
+        "gadget-engine create: error: unrecognized arguments: -la; put -- before the command"
+        in no_dashes.stderr
+    )
+    assert no_dashes.stderr.startswith(
+        "usage: gadget-engine create "
+    )  # the subcommand's usage, not the top's
     assert blank.returncode == 2 and "job_id must be a non-empty string" in blank.stderr  # refused: usage
     assert tool.returncode == 1 and '("command": "sleep", "args": ["30"])' in tool.stderr
     for out in (one_word, no_dashes, blank, tool):
