@@ -23,6 +23,7 @@ from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedE
 from ._errors import EngineError, InvalidArgumentError, InvalidScheduleError
 from ._escalation import MAX_GRACE_SECONDS
 from ._input import MAX_INT, MAX_WAIT_SECONDS, check_env, check_json, read_seconds, read_whole, show
+from ._patterns import compile_pattern
 from ._version import __version__
 from ._when import read_duration
 from .server._client import EngineClient, EngineNotRunningError, RpcError
@@ -103,6 +104,15 @@ def _seconds_up_to(maximum: float, *, above_zero: bool = False) -> Callable[[str
         return seconds
 
     return read
+
+
+def _pattern(text: str) -> str:
+    """An argparse type: a regular expression the engine takes (checked here, said in the CLI's words)."""
+    try:
+        compile_pattern(text, "the pattern")
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _folder(text: str) -> str:
@@ -267,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--project", required=True, metavar="DIR")
     p.add_argument("-e", "--env", action="append", type=_env_item, metavar="KEY=VALUE")
     p.add_argument("--stdin", action="store_true", help="give it a stdin pipe (write with: input PID TEXT)")
-    p.add_argument("--ready-log", metavar="RE", help="return once a line of its output matches RE")
+    p.add_argument(
+        "--ready-log", type=_pattern, metavar="RE", help="return once a line of its output matches RE"
+    )
     p.add_argument("--ready-port", type=_port, metavar="N", help="return once it listens on TCP port N")
     p.add_argument(
         "--ready-timeout",
@@ -314,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-f", "--follow", action="store_true", help="go on until the process has exited")
     p.add_argument("--new", action="store_true", help="only what is new since the last log --new")
-    p.add_argument("--grep", metavar="RE", help="only the lines matching RE, with their numbers")
+    p.add_argument(
+        "--grep", type=_pattern, metavar="RE", help="only the lines matching RE, with their numbers"
+    )
     p = add("input", commands.send_input, "write TEXT and a newline to a subprocess's stdin")
     p.add_argument("pid", type=_positive_int, metavar="PID")
     p.add_argument("text", metavar="TEXT")

@@ -87,6 +87,16 @@ def test_cli_ready_port_out_of_range_is_said_in_one_wording(tmp_path: Path) -> N
         assert out.stderr.splitlines()[-1].endswith(f"expected a TCP port from 1 to 65535, got '{port}'")
 
 
+def test_cli_bad_patterns_are_said_with_the_option_before_asking_the_engine(tmp_path: Path) -> None:
+    state = ("--state-dir", str(tmp_path))  # no engine runs there: refused before any connection
+    ready = cli("create", *state, "--project", ".", "--ready-log", "(", "--", "true")
+    grep = cli("log", *state, "1", "--grep", "[")
+    assert (ready.returncode, grep.returncode) == (2, 2)
+    assert "argument --ready-log: the pattern '(' is not a valid regular expression" in ready.stderr
+    assert "argument --grep: the pattern '[' is not a valid regular expression" in grep.stderr
+    assert "log_pattern" not in ready.stderr
+
+
 def test_cli_state_dir_before_after_and_from_the_environment(served: Served) -> None:
     env = {**env_without_state_dir(), "GADGET_ENGINE_STATE_DIR": str(served.state_dir)}
     before = subprocess.Popen([sys.executable, "-m", "engine", "--state-dir", str(served.state_dir), "list"])
