@@ -503,6 +503,14 @@ class Supervisor:
         """
         if self._closing:
             raise RuntimeError("the supervisor is closed; open a new one to spawn")
+        if not spec.replace_existing_scope and self._locks.idle(spec.scope_key):
+            # Nobody holds or waits for the key: the sync start is as atomic as holding its lock. The
+            # checkpoint comes after the spawn, so that the work waiting on the loop (the last run's
+            # housekeeping, the next log files) runs while the child starts, not before it.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            run = self._start(spec)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return run
         async with self._locks.hold(spec.scope_key):
             if spec.replace_existing_scope:
                 await self._end_scope(spec.scope_key)

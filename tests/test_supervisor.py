@@ -495,3 +495,26 @@ async def test_cancel_still_ends_an_outlive_run(supervisor: Supervisor) -> None:
     with trio.fail_after(10):
         result = await supervisor.cancel(run)
     assert result.reason is TerminationReason.CANCELLED and result.signal == signal.SIGINT
+
+
+async def test_spawn_of_an_idle_scope_checks_cancel_first_and_yields_after_the_start() -> None:
+    """With nobody holding its scope's lock a spawn starts at once: cancelled before, it starts nothing;
+    its checkpoint comes after the start (other tasks run while the child starts), and it cannot lose
+    the run it started to a cancellation."""
+    async with open_supervisor(grace_seconds=0.3) as sup:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await sup.spawn(SpawnSpec(argv=("true",)))
+        assert sup.runs() == []
+        ran: list[int] = []
+
+        async def other() -> None:
+            ran.append(len(sup.runs()))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            with trio.CancelScope() as scope:
+                run = await sup.spawn(SpawnSpec(argv=("sleep", "5")))
+                scope.cancel()  # cancelled once started: the run is returned all the same
+            assert ran == [1]  # ran at the spawn's checkpoint, after the start
+        assert (await sup.cancel(run)).reason is TerminationReason.CANCELLED
