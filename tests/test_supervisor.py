@@ -499,22 +499,18 @@ async def test_cancel_still_ends_an_outlive_run(supervisor: Supervisor) -> None:
 
 async def test_spawn_of_an_idle_scope_checks_cancel_first_and_yields_after_the_start() -> None:
     """With nobody holding its scope's lock a spawn starts at once: cancelled before, it starts nothing;
-    its checkpoint comes after the start (other tasks run while the child starts), and it cannot lose
-    the run it started to a cancellation."""
+    it is still a checkpoint (taken after the start, so that the loop's waiting work runs while the
+    child starts), and a cancellation there cannot lose the run it started."""
     async with open_supervisor(grace_seconds=0.3) as sup:
         with trio.CancelScope() as scope:
             scope.cancel()
             await sup.spawn(SpawnSpec(argv=("true",)))
         assert sup.runs() == []
-        ran: list[int] = []
-
-        async def other() -> None:
-            ran.append(len(sup.runs()))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(other)
-            with trio.CancelScope() as scope:
-                run = await sup.spawn(SpawnSpec(argv=("sleep", "5")))
-                scope.cancel()  # cancelled once started: the run is returned all the same
-            assert ran == [1]  # ran at the spawn's checkpoint, after the start
+        with trio.testing.assert_checkpoints():
+            first = await sup.spawn(SpawnSpec(argv=("true",)))
+        await first.wait()
+        with trio.CancelScope() as scope:
+            scope.deadline = trio.current_time()  # due at the spawn's checkpoint, after the start
+            run = await sup.spawn(SpawnSpec(argv=("sleep", "5")))
+        assert not scope.cancelled_caught and sup.runs() == [run]
         assert (await sup.cancel(run)).reason is TerminationReason.CANCELLED
