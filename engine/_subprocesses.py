@@ -149,11 +149,14 @@ class SubProcessService:
 
         The child gets the engine's environment plus ``env`` (as ``systemd-run --setenv`` does).
 
-        The logs are created (mode 0600, folder 0700 with a ``.gitignore`` holding ``*``) under temporary
-        names before the spawn and renamed to ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid
-        is known; the child's descriptors follow the rename. When a kept record already owns those names,
-        its files move aside to ``subproc-<pid>-<n>.*`` first. The folders under the project are reached
-        without following links and must be the engine user's own (``docs/security.md``).
+        The logs are created (mode 0600, folder 0700 with a ``.gitignore`` holding ``*``) without a name
+        (``O_TMPFILE``; under temporary names where the filesystem has none) before the spawn and named
+        ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid is known; the child's descriptors
+        follow. When a kept record already owns those names, its files move aside to
+        ``subproc-<pid>-<n>.*`` first. The folders under the project are reached without following links
+        and must be the engine user's own (``docs/security.md``); a project's folder is walked once and
+        checked again at each create while the service has records, and the next create's two unnamed
+        files are made right after each spawn, while the child starts.
 
         A failure at any step leaves nothing of this call: after the spawn (a rename that fails) the
         child is killed at once (``cancel(force=True)``, shielded), and the files and the folders this
