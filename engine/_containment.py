@@ -31,6 +31,7 @@ from ._cgroup import EngineCgroup, Leaf, find_cgroup2
 from ._cgroup_watch import LeafWatcher, open_leaf_watcher
 from ._config import CONTAINMENT_MODES
 from ._errors import EngineError
+from ._leaf_pool import LeafPool
 from ._leaf_tree import LeafTree
 from ._termination import ProcessTree
 
@@ -173,12 +174,18 @@ class CgroupContainment:
     watcher: LeafWatcher
     reason: str = "a writable cgroup v2 hierarchy"
     mode: str = attrs.field(init=False, default="cgroup")
+    #: Empty leaves made ahead for the next runs (``_leaf_pool``).
+    pool: LeafPool = attrs.field(
+        init=False, default=attrs.Factory(lambda self: LeafPool(self.cgroup, self.token), takes_self=True)
+    )
 
     def marker(self, run_id: int, *, watched: bool) -> str:
         return f"{self.token}{'w' if watched else ''}:{run_id}"
 
     def place(self, run_id: int, *, watched: bool) -> Placement:
-        return self.cgroup.leaf(f"w-{run_id}-{self.token}" if watched else f"r{run_id}-{self.token}")
+        if watched:
+            return self.cgroup.leaf(f"w-{run_id}-{self.token}")
+        return self.pool.take(f"r{run_id}-{self.token}")
 
     def spawn(self, placement: Placement, spawn: Callable[[], int]) -> int:
         assert placement is not None
@@ -219,6 +226,8 @@ class CgroupContainment:
                 placement.remove()
             except OSError:
                 pass  # a survivor keeps it; the next start-up sweep ends it
+        if placement is not None and not placement.watched:
+            self.pool.fill()  # housekeeping after a run: the next runs' leaves, off their spawn's path
 
     def holds(self, pid: int) -> bool:
         try:
@@ -279,8 +288,12 @@ async def open_containment(
             )
         yield ProcessGroupContainment(token=token, subreaper=subreaper, reason=f"no usable cgroup: {why}")
         return
+    chosen: CgroupContainment | None = None
     try:
         async with open_leaf_watcher() as watcher:
-            yield CgroupContainment(token=token, subreaper=subreaper, cgroup=cgroup, watcher=watcher)
+            chosen = CgroupContainment(token=token, subreaper=subreaper, cgroup=cgroup, watcher=watcher)
+            yield chosen
     finally:
+        if chosen is not None:
+            chosen.pool.close()
         cgroup.close()

@@ -1,6 +1,8 @@
 """The task that follows one record of the subprocess service from its spawn to its last exit.
 
-One per record, in the service's nursery (``SubProcessService._keep``): it closes the record's stdin pipe
+One per record that has a restart policy or an exit notice, in the service's nursery
+(``SubProcessService._keep``); a record with neither has no task: its run calls :func:`finish` when its
+process exits (``ManagedRun.on_leader_exit``). The keeper closes the record's stdin pipe
 when its process exits, restarts the process by the record's policy (the decision is
 :class:`~engine._restart.RestartTracker`'s; here only the waiting, the marker lines and the spawn), then,
 for a ``notify_on_exit`` record whose final exit was its own, hands the exit to the engine's notice
@@ -23,13 +25,34 @@ from ._supervisor import RunExit
 if TYPE_CHECKING:
     from ._subprocesses import SubProcessService
 
-__all__ = ["keep"]
+__all__ = ["exited", "finish", "keep", "needs_task"]
 
 _log = logging.getLogger("engine.subprocesses")
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def needs_task(sp: SubProcess) -> bool:
+    """Whether ``sp`` needs a keeper task (a restart policy, an exit notice); else its process's exit is
+    followed by :func:`exited` as a hook of its run (``ManagedRun.on_leader_exit``), with no task."""
+    return sp._restart is not None or sp.notify_on_exit
+
+
+def exited(service: SubProcessService, sp: SubProcess) -> None:
+    """What follows every exit of ``sp``'s process: the log cap looks again (it ends once no child is
+    alive), and the stdin pipe is closed. Sync: a hook of the run for a record without a keeper task."""
+    service._wake_capper()
+    if sp._stdin is not None:
+        sp._stdin.close("the process exited")
+
+
+def finish(service: SubProcessService, sp: SubProcess) -> None:
+    """The exit of a record that runs no more process and sends no notice: :func:`exited`, then the
+    record is finished (``wait_finished`` returns)."""
+    exited(service, sp)
+    sp._final.set()
 
 
 async def keep(service: SubProcessService, sp: SubProcess) -> None:
@@ -40,9 +63,7 @@ async def keep(service: SubProcessService, sp: SubProcess) -> None:
     """
     while True:
         exit = await sp._run.wait_leader_exit()
-        service._wake_capper()  # the log cap ends once no child is alive
-        if sp._stdin is not None:
-            sp._stdin.close("the process exited")
+        exited(service, sp)
         if sp._restart is None or not await _restart_after(service, sp, exit):
             break
     sp._final.set()

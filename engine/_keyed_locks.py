@@ -30,6 +30,10 @@ class KeyedLocks:
     def __repr__(self) -> str:
         return f"<KeyedLocks {len(self._locks)} in use>"
 
+    def idle(self, key: str) -> bool:
+        """Whether nobody holds or waits for the lock of ``key`` (a sync step may then act as its holder)."""
+        return key not in self._locks
+
     @asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[None]:
         """Hold the lock of ``key`` for the block.

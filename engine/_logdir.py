@@ -21,14 +21,14 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final, final
 
 import attrs
 
 from ._errors import SpawnError, UntrustedPathError
 
-__all__ = ["GITIGNORE", "LogFolder", "LogGoneError"]
+__all__ = ["GITIGNORE", "FolderCache", "LogFolder", "LogGoneError", "Unnamed"]
 
 #: The name of the file that keeps a folder out of git.
 GITIGNORE: Final = ".gitignore"
@@ -265,3 +265,147 @@ class LogFolder:
                         os.rmdir(self.parts[depth - 1], dir_fd=parent)
             except OSError:
                 return
+
+
+@final
+@attrs.define(eq=False)
+class _Opened:
+    """One cached folder: the descriptors of ``base`` and of each folder down to the log folder (each
+    opened without following a link when it was walked), and their identities."""
+
+    folder: LogFolder
+    fds: tuple[int, ...]
+    identities: tuple[tuple[int, int], ...]
+    #: Unnamed files made ahead in the log folder (``FolderCache.prepare``), with their identities.
+    spare: list[Unnamed] = attrs.field(factory=list)
+
+    def close(self) -> None:
+        for fd, _ in self.spare:
+            os.close(fd)
+        self.spare.clear()
+        for fd in self.fds:
+            os.close(fd)
+
+
+#: An unnamed (``O_TMPFILE``) file's descriptor and its ``(st_dev, st_ino)``.
+Unnamed = tuple[int, tuple[int, int]]
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+@final
+@attrs.define(eq=False)
+class FolderCache:
+    """The log folders already walked, kept open: a create walks a project's folders once, not each time.
+
+    A cached folder is checked again at each :meth:`open`, without following a link and without opening
+    anything: the project directory must still be the one opened (``stat``), each folder on the way must
+    still be the very directory the walk opened (``lstat`` in its parent's descriptor: a link, another
+    folder or nothing there fails), and the log folder is set back to 0700 and given its ``.gitignore``
+    when they were changed or removed since, as a walk does. A check that fails drops the entry and walks
+    again (:meth:`LogFolder.make_opened`), which reports a link or a stranger's folder as before.
+
+    Attributes:
+        limit: how many folders are kept open (the least recently used is closed past it).
+    """
+
+    limit: int = 32
+    _entries: dict[tuple[str, str | None], _Opened] = attrs.field(init=False, factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<FolderCache {len(self._entries)} open>"
+
+    def open(self, directory: str, *, base: str | None = None) -> tuple[LogFolder, int, list[Unnamed]]:
+        """:meth:`LogFolder.make_opened` through the cache: the folder, a descriptor of it that the
+        caller closes, and the unnamed files :meth:`prepare` made ahead in it (the caller's now; only
+        when the folder passed its check: they are in the very folder it names).
+
+        Raises:
+            As :meth:`LogFolder.make_opened`.
+        """
+        key = (directory, base)
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            checked = self._check(entry)
+            if checked is not None:
+                self._entries[key] = entry  # the most recently used last
+                spare, entry.spare = entry.spare, []
+                try:
+                    return checked, os.dup(entry.fds[-1]), spare
+                except BaseException:
+                    for fd, _ in spare:
+                        os.close(fd)
+                    raise
+            entry.close()
+        folder, fd = LogFolder.make_opened(directory, base=base)
+        if not folder.made and not folder.wrote_ignores:  # nothing of this call's to undo: kept for the next
+            try:
+                self._keep(key, folder, fd)
+            except OSError:
+                pass  # not kept: the next create walks again
+        return folder, fd, []
+
+    def prepare(
+        self, directory: str, *, base: str | None = None, make: Callable[[int], Unnamed], count: int
+    ) -> None:
+        """Make ``count`` unnamed files ahead in the cached folder (none when it is not cached), with
+        ``make`` (given the folder's descriptor), for the next :meth:`open`. Called once a child is
+        spawned, so that the next child's files are made while this one starts; a failure is ignored
+        (the next create makes its own). A crash leaves nothing: the files have no name."""
+        entry = self._entries.get((directory, base))
+        if entry is None or not entry.folder.parts:
+            return
+        try:
+            while len(entry.spare) < count:
+                entry.spare.append(make(entry.fds[-1]))
+        except OSError:
+            pass
+
+    def _check(self, entry: _Opened) -> LogFolder | None:
+        """The entry's folder when it is still where it was walked to (see the class), else ``None``."""
+        folder = entry.folder
+        try:
+            if _identity(os.stat(folder.base)) != entry.identities[0]:
+                return None
+            steps = zip(entry.fds[:-1], folder.parts, entry.identities[1:], strict=True)
+            for parent, name, identity in steps:
+                info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISDIR(info.st_mode) or _identity(info) != identity:
+                    return None
+            if not folder.parts:
+                return folder
+            leaf = entry.fds[-1]
+            if stat.S_IMODE(os.fstat(leaf).st_mode) != 0o700:
+                os.fchmod(leaf, 0o700)
+            if _write_gitignore(leaf):  # removed since: written again, and undone with a failed create
+                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))
+        except OSError:
+            return None
+        return folder
+
+    def _keep(self, key: tuple[str, str | None], folder: LogFolder, fd: int) -> None:
+        """Cache ``folder``: open its chain again from ``base`` (without following links) and check that
+        the walk's end is the folder ``fd`` is."""
+        fds = [os.open(folder.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        try:
+            for name in folder.parts:
+                fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
+            identities = tuple(_identity(os.fstat(opened)) for opened in fds)
+            if identities[-1] != _identity(os.fstat(fd)):
+                raise FileNotFoundError(errno.ENOENT, "the log folder moved meanwhile", folder.path)
+        except BaseException:
+            for opened in fds:
+                os.close(opened)
+            raise
+        self._entries[key] = _Opened(folder, tuple(fds), identities)
+        while len(self._entries) > self.limit:
+            oldest = next(iter(self._entries))
+            self._entries.pop(oldest).close()
+
+    def close(self) -> None:
+        """Close every cached folder's descriptors."""
+        entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            entry.close()

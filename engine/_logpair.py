@@ -26,7 +26,7 @@ from typing import final
 
 import attrs
 
-from ._logdir import LogFolder
+from ._logdir import FolderCache, LogFolder, Unnamed
 from ._logs import STREAMS, LogFile, LogSlice, RawPiece, Stream, final_log_paths
 
 __all__ = ["LogPair"]
@@ -39,9 +39,12 @@ _NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENO
 _TMPFILE_FLAGS = os.O_TMPFILE | os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
 
 
-def make_unnamed(folder_fd: int) -> int:
+def make_unnamed(folder_fd: int) -> tuple[int, tuple[int, int]]:
     """A new unnamed file in the folder ``folder_fd`` (``O_TMPFILE``, write-only, appending, close-on-exec,
-    mode 0600 whatever the umask), that ``linkat`` can name later.
+    mode 0600 whatever the umask), that ``linkat`` can name later, and its ``(st_dev, st_ino)``.
+
+    The mode is set again only when the umask took a bit of 0600 away (the ``fstat`` that gives the
+    identity tells), not on every file.
 
     Raises:
         OSError: the filesystem has no ``O_TMPFILE`` (``EOPNOTSUPP``, ``EISDIR`` on old kernels), or the
@@ -49,11 +52,13 @@ def make_unnamed(folder_fd: int) -> int:
     """
     fd = os.open(".", _TMPFILE_FLAGS, 0o600, dir_fd=folder_fd)
     try:
-        os.fchmod(fd, 0o600)
+        info = os.fstat(fd)
+        if stat.S_IMODE(info.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, (info.st_dev, info.st_ino)
 
 
 def _make_file(folder: int, stream: Stream) -> tuple[str, tuple[int, int]]:
@@ -104,7 +109,9 @@ class LogPair:
     _folder_fd: int = attrs.field(alias="folder_fd", default=-1)
 
     @classmethod
-    def create(cls, directory: str, *, base: str | None = None) -> LogPair:
+    def create(
+        cls, directory: str, *, base: str | None = None, folders: FolderCache | None = None
+    ) -> LogPair:
         """Create the folder (and its missing parents below ``base``) and two empty files, unnamed.
 
         The folders are reached from ``base`` without following links (see :class:`LogFolder`), made
@@ -115,17 +122,26 @@ class LogPair:
             directory: the log folder.
             base: the folder the walk starts from, opened as it is (the project directory; ``None``: the
                 nearest existing folder above ``directory``).
+            folders: the folders already walked (checked again, not walked again; see
+                :class:`FolderCache`), or ``None`` to walk.
 
         Raises:
             UntrustedPathError: a folder on the way is a symbolic link or another user's.
             SpawnError: a file is in the way, or a folder cannot be made (reason ``"bad log folder"``).
             OSError: a file cannot be created.
         """
-        folder, fd = LogFolder.make_opened(directory, base=base)
-        unnamed: list[int] = []
+        spare: list[Unnamed] = []
+        if folders is not None:
+            folder, fd, spare = folders.open(directory, base=base)
+        else:
+            folder, fd = LogFolder.make_opened(directory, base=base)
+        unnamed: list[int] = [opened for opened, _ in spare]
+        identities: list[tuple[int, int]] = [identity for _, identity in spare]
         try:
-            for _ in STREAMS:
-                unnamed.append(make_unnamed(fd))
+            while len(unnamed) < len(STREAMS):
+                opened, identity = make_unnamed(fd)
+                unnamed.append(opened)
+                identities.append(identity)
         except OSError as exc:
             for opened in unnamed:
                 os.close(opened)
@@ -141,10 +157,9 @@ class LogPair:
             folder.unmake()
             raise
         files = {}
-        for stream, opened in zip(STREAMS, unnamed, strict=True):
-            info = os.fstat(opened)
+        for stream, identity in zip(STREAMS, identities, strict=True):
             placeholder = os.path.join(folder.path, f"(unnamed {stream} log, named once the pid is known)")
-            files[stream] = LogFile(placeholder, folder=folder, identity=(info.st_dev, info.st_ino))
+            files[stream] = LogFile(placeholder, folder=folder, identity=identity)
         return cls(
             directory=folder.path,
             files=files,
@@ -173,6 +188,12 @@ class LogPair:
             for stream, (name, identity) in zip(STREAMS, made, strict=True)
         }
         return cls(directory=folder.path, files=files, folder=folder)
+
+    @staticmethod
+    def prepare(directory: str, *, base: str | None = None, folders: FolderCache) -> None:
+        """Make the next pair's two files ahead, unnamed, in the cached folder (see
+        :meth:`FolderCache.prepare`): called right after a spawn, while the child starts."""
+        folders.prepare(directory, base=base, make=make_unnamed, count=len(STREAMS))
 
     def path(self, stream: Stream) -> str:
         """Where the ``stream`` file is now."""
@@ -215,14 +236,16 @@ class LogPair:
         """
         finals = [os.path.basename(p) for p in final_log_paths(self.directory, pid)]
         if self._unnamed is not None:
-            for attempt in range(3):
-                self._move_aside(self._folder_fd, pid, finals, others)
+            # Named first, moved aside only when a name is taken: ``linkat`` never replaces a name, so a
+            # fresh pid's names (the usual case) cost no look beforehand.
+            for attempt in range(4):
                 try:
                     self._link_unnamed(finals)
                 except FileExistsError:
-                    if attempt == 2:
+                    if attempt == 3:
                         raise
-                    continue  # a file took a final name meanwhile: move it aside too
+                    self._move_aside(self._folder_fd, pid, finals, others)
+                    continue  # moved aside (or a file took a final name meanwhile): name again
                 break
             self._close_unnamed()
             return

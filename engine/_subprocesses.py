@@ -33,7 +33,8 @@ from ._errors import (
     SubProcessNotFoundError,
 )
 from ._input import check_argv, check_env, check_flag, check_read_args, check_reader, check_string, show
-from ._keeper import keep
+from ._keeper import finish, keep, needs_task
+from ._logdir import FolderCache
 from ._logpair import LogPair
 from ._logs import LogFile, LogSlice, Stream, check_stream
 from ._logsearch import grep_log
@@ -74,11 +75,17 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _create_logs(directory: str, project: Project) -> LogPair:
-    """The log pair of a new child, in ``directory`` reached from the project directory."""
+def _log_base(directory: str, project: Project) -> str | None:
+    """Where the walk to the log folder ``directory`` starts: the project directory when it is inside."""
     inside = os.path.commonpath([directory, project.directory]) == project.directory
+    return project.directory if inside else None
+
+
+def _create_logs(directory: str, base: str | None, folders: FolderCache) -> LogPair:
+    """The log pair of a new child, in ``directory`` reached from ``base`` (a folder walked before is
+    checked again in ``folders``, not walked again)."""
     try:
-        return LogPair.create(directory, base=project.directory if inside else None)
+        return LogPair.create(directory, base=base, folders=folders)
     except EngineError:
         raise
     except OSError as exc:
@@ -114,6 +121,9 @@ class SubProcessService:
     #: The log cap's wait for a write, while it waits: :meth:`_wake_capper` cancels it.
     _cap_idle: trio.CancelScope | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
+    #: The projects' log folders, walked once and kept open (checked again at each create) while the
+    #: service has records.
+    _folders: FolderCache = attrs.field(init=False, factory=FolderCache)
     #: Awaited with each ``notify_on_exit`` record's own final exit (the engine records a fired event).
     on_final_exit: ExitHandler | None = attrs.field(init=False, default=None)
 
@@ -139,11 +149,14 @@ class SubProcessService:
 
         The child gets the engine's environment plus ``env`` (as ``systemd-run --setenv`` does).
 
-        The logs are created (mode 0600, folder 0700 with a ``.gitignore`` holding ``*``) under temporary
-        names before the spawn and renamed to ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid
-        is known; the child's descriptors follow the rename. When a kept record already owns those names,
-        its files move aside to ``subproc-<pid>-<n>.*`` first. The folders under the project are reached
-        without following links and must be the engine user's own (``docs/security.md``).
+        The logs are created (mode 0600, folder 0700 with a ``.gitignore`` holding ``*``) without a name
+        (``O_TMPFILE``; under temporary names where the filesystem has none) before the spawn and named
+        ``subproc-<pid>.stdout.log`` / ``.stderr.log`` once the pid is known; the child's descriptors
+        follow. When a kept record already owns those names, its files move aside to
+        ``subproc-<pid>-<n>.*`` first. The folders under the project are reached without following links
+        and must be the engine user's own (``docs/security.md``); a project's folder is walked once and
+        checked again at each create while the service has records, and the next create's two unnamed
+        files are made right after each spawn, while the child starts.
 
         A failure at any step leaves nothing of this call: after the spawn (a rename that fails) the
         child is killed at once (``cancel(force=True)``, shielded), and the files and the folders this
@@ -204,11 +217,14 @@ class SubProcessService:
         # the spawn too, runs them all (end the child, delete the files and the folders made here).
         async with contextlib.AsyncExitStack() as undo:
             with self._reserve(project):
-                logs = _create_logs(directory, project)
+                base = _log_base(directory, project)
+                logs = _create_logs(directory, base, self._folders)
                 undo.callback(logs.discard)
                 spec = SpawnSpec(argv=argv, cwd=project.directory, env=extra_env, scope_key=project.scope_key)
                 run, pipe = await self._spawn(spec, logs, stdin=stdin, undo=undo)
                 logs.rename(run.pid, (sp._logs for sp in self._records))
+                # The next create's two files, made now while this child starts (off the spawn's path).
+                LogPair.prepare(directory, base=base, folders=self._folders)
                 sp = SubProcess(
                     first_pid=run.pid,
                     project=project,
@@ -224,7 +240,10 @@ class SubProcessService:
                 )
                 self._records.append(sp)
             undo.pop_all()
-        self._nursery.start_soon(self._keep, sp, name=f"subprocess {sp.first_pid}")
+        if needs_task(sp):
+            self._nursery.start_soon(self._keep, sp, name=f"subprocess {sp.first_pid}")
+        else:  # nothing to wait for but the exit: a hook of the run, no task
+            run.on_leader_exit(functools.partial(finish, self, sp))
         self._start_capper()
         if ready is not None:
             sp.ready = await wait_ready(ready, run, logs, self._log_lock)
@@ -469,6 +488,8 @@ class SubProcessService:
             sp._stdin.close("the process was killed")
         sp._logs.delete()
         self._records.remove(sp)
+        if not self._records:  # no record left: the folders kept open (and their spare files) go too
+            self._folders.close()
 
     async def kill_subprocess(self, sp: SubProcess) -> bool:
         """End ``sp`` by escalation, delete both its log files and forget it.
@@ -840,6 +861,7 @@ class SubProcessService:
 
     def _close(self) -> None:
         self._closed = True
+        self._folders.close()
         for sp in self._records:  # kept records: their stdin pipes go with the service
             if sp._stdin is not None:
                 sp._stdin.close("the engine stopped")

@@ -12,10 +12,11 @@ import contextlib
 import enum
 import functools
 import itertools
+import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Protocol, final
@@ -233,6 +234,7 @@ class ManagedRun:
     _detached: bool = attrs.field(init=False, default=False)
     _done: trio.Event = attrs.field(init=False, factory=trio.Event)
     _leader_done: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _leader_hooks: list[Callable[[], object]] = attrs.field(init=False, factory=list)
     _cancel_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _requested: TerminationReason | None = attrs.field(init=False, default=None)
 
@@ -291,6 +293,23 @@ class ManagedRun:
         assert exit is not None
         return exit
 
+    def on_leader_exit(self, hook: Callable[[], object]) -> None:
+        """Have ``hook`` called once the leader has exited (reaped), synchronously, right after the
+        waiters of :meth:`wait_leader_exit` are woken; at once when it already has. A task that only
+        waits for that to do something brief needs no task of its own (the subprocess service's records
+        without a restart policy). An exception ``hook`` raises is logged and dropped."""
+        if self._leader_done.is_set():
+            _call_hook(hook, self)
+        else:
+            self._leader_hooks.append(hook)
+
+    def _leader_exited(self) -> None:
+        """Wake the waiters of :meth:`wait_leader_exit`, then call the hooks (once)."""
+        self._leader_done.set()
+        hooks, self._leader_hooks = self._leader_hooks, []
+        for hook in hooks:
+            _call_hook(hook, self)
+
     def pids(self) -> list[int]:
         """The live pids of the run's tree, found afresh: its leaf's members in cgroup containment; the
         leader while alive, its group and the escapees found so far in process-group containment."""
@@ -314,6 +333,7 @@ class RunObserver(Protocol):
 
 
 _RUN_MARKER_KEY = RUN_MARKER_VAR.encode()
+_log = logging.getLogger("engine.supervisor")
 
 
 def _now_ticks() -> int:
@@ -483,6 +503,14 @@ class Supervisor:
         """
         if self._closing:
             raise RuntimeError("the supervisor is closed; open a new one to spawn")
+        if not spec.replace_existing_scope and self._locks.idle(spec.scope_key):
+            # Nobody holds or waits for the key: the sync start is as atomic as holding its lock. The
+            # checkpoint comes after the spawn, so that the work waiting on the loop (the last run's
+            # housekeeping, the next log files) runs while the child starts, not before it.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            run = self._start(spec)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return run
         async with self._locks.hold(spec.scope_key):
             if spec.replace_existing_scope:
                 await self._end_scope(spec.scope_key)
@@ -588,7 +616,7 @@ class Supervisor:
             with run._cancel_scope:
                 await tree.wait_leader()
                 run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
-                run._leader_done.set()
+                run._leader_exited()
                 if tree.leftovers():
                     # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
                     # is gone or the grace period has passed, and is then ended by the escalation.
@@ -632,7 +660,7 @@ class Supervisor:
             run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
             run._state = RunState.EXITED
             self._forget(run, ended=False)
-            run._leader_done.set()
+            run._leader_exited()
             run._done.set()
             # The tree is gone and reaped: the waiters may go on. What is left is housekeeping (remove the
             # leaf, tell the guardian and the records), done after one checkpoint so that it overlaps what
@@ -707,6 +735,13 @@ class Supervisor:
         """
         run._detached = True
         run._cancel_scope.cancel()
+
+
+def _call_hook(hook: Callable[[], object], run: ManagedRun) -> None:
+    try:
+        hook()
+    except Exception:
+        _log.exception("a leader-exit hook of run %d failed", run.pid)
 
 
 def _reap_if_zombie(pid: int) -> None:

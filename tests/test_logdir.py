@@ -306,3 +306,99 @@ async def test_cap_and_reads_skip_a_log_replaced_by_another_regular_file(tmp_pat
             await engine.service.get_log(sp.pid, "stdout")
         await engine.service.kill_subprocess(sp)
         assert Path(sp.stdout_path).exists()  # a regular file the engine did not make is left alone
+
+
+# ---- the folder cache: walked once, checked again at each create -------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_cached_log_folder_moved_and_replaced_by_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    """The service keeps each project's log folder open after the first walk (``FolderCache``); a folder
+    moved away and replaced by a link to it is refused as a walk refuses it, and no file goes into it."""
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        for _ in range(3):  # made, walked and cached, then from the cache
+            sp = await engine.service.create(project, "true")
+            await sp.wait()
+        await engine.service.kill_all()
+        moved = tmp_path / "moved-logs"
+        os.rename(log_dir(project), moved)
+        os.symlink(moved, log_dir(project))
+        with pytest.raises(UntrustedPathError, match="subprocess-logs is a symbolic link"):
+            await engine.service.create(project, "true")
+        assert engine.service.ps() == []
+    assert os.listdir(moved) == [".gitignore"]
+
+
+async def test_cached_gadget_folder_replaced_by_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    target = tmp_path / "elsewhere"
+    async with engine_at(tmp_path) as engine:
+        for _ in range(3):
+            sp = await engine.service.create(project, "true")
+            await sp.wait()
+        await engine.service.kill_all()
+        os.rename(Path(project.directory) / ".gadget", target)
+        os.symlink(target, Path(project.directory) / ".gadget")
+        with pytest.raises(UntrustedPathError, match=r"\.gadget is a symbolic link"):
+            await engine.service.create(project, "true")
+    assert sorted(os.listdir(target / "subprocess-logs")) == [".gitignore"]
+
+
+def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Path) -> None:
+    from engine._logdir import FolderCache
+    from engine._logpair import make_unnamed
+
+    project = tmp_path / "p"
+    project.mkdir()
+    logs = project / ".gadget" / "subprocess-logs"
+    LogFolder.make(str(logs), base=str(project))
+    cache = FolderCache()
+    before = _open_fds()
+    folder, fd, spare = cache.open(str(logs), base=str(project))  # walked, kept
+    os.close(fd)
+    assert spare == [] and folder.identity == (logs.stat().st_dev, logs.stat().st_ino)
+    cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)
+    assert os.listdir(logs) == [".gitignore"]  # the files made ahead have no name
+    os.chmod(logs, 0o755)
+    (logs / ".gitignore").unlink()
+    folder, fd, spare = cache.open(str(logs), base=str(project))  # from the cache, checked again
+    os.close(fd)
+    assert len(spare) == 2 and folder.wrote_ignores == (2,)  # written again: a failed create undoes it
+    for opened, _ in spare:
+        os.close(opened)
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700 and (logs / ".gitignore").exists()
+    cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)
+    shutil.rmtree(logs)  # gone: the check fails, the files made ahead are closed, the walk makes it again
+    folder, fd, spare = cache.open(str(logs), base=str(project))
+    os.close(fd)
+    assert spare == [] and folder.made == 1 and (logs / ".gitignore").exists()
+    cache.close()
+    assert _open_fds() == before
+
+
+def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> None:
+    """Files made ahead (``FolderCache.prepare``) and a pair created but never named have no name: a
+    process that dies there leaves nothing in the log folder."""
+    project = tmp_path / "p"
+    project.mkdir()
+    logs = project / ".gadget" / "subprocess-logs"
+    code = (
+        "import os, sys\n"
+        "from engine._logdir import FolderCache\n"
+        "from engine._logpair import LogPair\n"
+        "cache = FolderCache()\n"
+        "d, base = sys.argv[1], sys.argv[2]\n"
+        "for _ in range(2):\n"
+        "    pair = LogPair.create(d, base=base, folders=cache)\n"
+        "    LogPair.prepare(d, base=base, folders=cache)\n"
+        "with pair.open_for_child() as (out, err):\n"
+        "    os.write(out, b'written, never named')\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    done = subprocess.run([PY, "-c", code, str(logs), str(project)], check=False, timeout=60)
+    assert done.returncode == -9
+    assert os.listdir(logs) == [".gitignore"]

@@ -69,7 +69,7 @@ def test_log_pair_create_rename_read_delete(
 ) -> None:
     if not unnamed:  # a filesystem without O_TMPFILE: temporary names, renamed
 
-        def no_tmpfile(folder_fd: int) -> int:
+        def no_tmpfile(folder_fd: int) -> tuple[int, tuple[int, int]]:
             raise OSError(errno.EOPNOTSUPP, "O_TMPFILE is not supported here")
 
         monkeypatch.setattr(_logpair, "make_unnamed", no_tmpfile)

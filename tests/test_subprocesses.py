@@ -25,6 +25,7 @@ from engine import (
     Project,
     RunState,
     SpawnError,
+    StdinClosedError,
     SubProcess,
     SubProcessNotFoundError,
     SubProcessService,
@@ -756,3 +757,32 @@ async def test_repr_caps_a_huge_argv_and_summarize_keeps_it(tmp_path: Path) -> N
         text = await engine.tool.execute({"cmd": "list"}, project)
         assert len(text) < 300
         await engine.service.kill_subprocess(sp)
+
+
+async def test_a_record_without_restart_or_notice_has_no_keeper_task(tmp_path: Path) -> None:
+    """Its process's exit is followed by a hook of its run (``ManagedRun.on_leader_exit``): the record is
+    finished, its stdin closed and the log cap woken, with no task per record."""
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        service = engine.service
+
+        def keepers() -> list[str]:
+            return [
+                t.name
+                for t in service._nursery.child_tasks
+                if t.name.startswith("subprocess ") and t.name[11:].isdigit()
+            ]
+
+        plain = await service.create(project, "sh", ["-c", "read line; echo got $line"], stdin=True)
+        assert keepers() == []
+        await service.write_stdin(plain.pid, "x\n")
+        with trio.fail_after(10):
+            summary = await service.wait(plain.pid)
+        assert plain.finished and summary.status == "exited 0"
+        assert await service.get_log(plain.pid, "stdout") == "got x\n"
+        with pytest.raises(StdinClosedError, match="exited"):
+            await service.write_stdin(plain.pid, "late")
+        noticed = await service.create(project, "sleep", ["0.1"], notify_on_exit=True)
+        assert keepers() == [f"subprocess {noticed.first_pid}"]
+        with trio.fail_after(10):
+            await service.wait(noticed.pid)

@@ -495,3 +495,22 @@ async def test_cancel_still_ends_an_outlive_run(supervisor: Supervisor) -> None:
     with trio.fail_after(10):
         result = await supervisor.cancel(run)
     assert result.reason is TerminationReason.CANCELLED and result.signal == signal.SIGINT
+
+
+async def test_spawn_of_an_idle_scope_checks_cancel_first_and_yields_after_the_start() -> None:
+    """With nobody holding its scope's lock a spawn starts at once: cancelled before, it starts nothing;
+    it is still a checkpoint (taken after the start, so that the loop's waiting work runs while the
+    child starts), and a cancellation there cannot lose the run it started."""
+    async with open_supervisor(grace_seconds=0.3) as sup:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await sup.spawn(SpawnSpec(argv=("true",)))
+        assert sup.runs() == []
+        with trio.testing.assert_checkpoints():
+            first = await sup.spawn(SpawnSpec(argv=("true",)))
+        await first.wait()
+        with trio.CancelScope() as scope:
+            scope.deadline = trio.current_time()  # due at the spawn's checkpoint, after the start
+            run = await sup.spawn(SpawnSpec(argv=("sleep", "5")))
+        assert not scope.cancelled_caught and sup.runs() == [run]
+        assert (await sup.cancel(run)).reason is TerminationReason.CANCELLED

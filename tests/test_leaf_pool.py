@@ -1,0 +1,90 @@
+"""Empty cgroup leaves made ahead for the next runs (``engine/_leaf_pool.py``): a run is still born in a
+leaf of its own, the spare leaves go with the engine, and the guardian and the sweep remove them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import SpawnSpec, open_supervisor
+from engine._cgroup import EngineCgroup, load_recorded_parent
+from engine._containment import CgroupContainment, open_containment
+from engine._leaf_pool import LeafPool
+from engine._sweep import sweep_records, unwatched_leaves
+
+from .test_cgroup import _FOUND, needs_cgroup
+
+pytestmark = needs_cgroup
+
+
+def _spares(path: str) -> list[str]:
+    return sorted(
+        name for name in os.listdir(path) if name.startswith("p") and os.path.isdir(os.path.join(path, name))
+    )
+
+
+async def test_runs_take_spare_leaves_made_after_a_run_and_close_removes_them(tmp_path: Path) -> None:
+    async with open_containment("cgroup", state_dir=str(tmp_path)) as chosen:
+        assert isinstance(chosen, CgroupContainment)
+        parent = chosen.cgroup.path
+        async with open_supervisor(containment=chosen, grace_seconds=0.3) as sup:
+            first = await sup.spawn(SpawnSpec(argv=("true",)))
+            assert first.cgroup is not None and os.path.basename(first.cgroup).startswith("r")
+            await first.wait()
+            with trio.fail_after(5):
+                while len(_spares(parent)) < chosen.pool.size:  # the housekeeping follows the waiters
+                    await trio.sleep(0.01)
+            spares = _spares(parent)
+            assert len(spares) == chosen.pool.size  # made in the housekeeping after the run
+            second = await sup.spawn(SpawnSpec(argv=("sh", "-c", "cat /proc/self/cgroup")))
+            assert second.cgroup is not None and os.path.basename(second.cgroup) in spares  # born there
+            await second.wait()
+            with trio.fail_after(5):
+                while os.path.exists(second.cgroup):  # one run per leaf: removed when it ended
+                    await trio.sleep(0.01)
+            watched = await sup.spawn(SpawnSpec(argv=("true",), outlive_engine_crash=True))
+            assert watched.cgroup is not None and os.path.basename(watched.cgroup).startswith("w-")
+            await sup.cancel(watched)
+        assert _spares(parent) != []
+    assert not os.path.exists(parent)  # the spares went with the engine, then the parent
+
+
+async def test_spare_leaves_left_by_a_crash_are_removed_by_the_sweep(tmp_path: Path) -> None:
+    assert _FOUND is not None
+    cgroup = EngineCgroup.open(_FOUND, str(tmp_path))  # as an engine that then dies: nothing closed
+    pool = LeafPool(cgroup, "abc123")
+    pool.fill()
+    recorded = load_recorded_parent(str(tmp_path))
+    assert recorded is not None
+    assert sorted(os.path.basename(leaf.path) for leaf in unwatched_leaves(*recorded)) == [
+        "p1-abc123",
+        "p2-abc123",
+    ]
+    sweep_records(str(tmp_path), grace_seconds=0.1, kill_wait_seconds=0.5)
+    assert _spares(cgroup.path) == []
+    cgroup.close()
+    assert not os.path.exists(cgroup.path)
+
+
+@pytest.mark.parametrize("size", [0, 1])
+def test_a_pool_without_spares_makes_the_leaf_itself(tmp_path: Path, size: int) -> None:
+    assert _FOUND is not None
+    cgroup = EngineCgroup.open(_FOUND, str(tmp_path))
+    pool = LeafPool(cgroup, "abc123", size=size)
+    try:
+        pool.fill()
+        leaf = pool.take("r7-abc123")
+        assert os.path.basename(leaf.path) == ("p1-abc123" if size else "r7-abc123")
+        assert pool.take("r8-abc123").path.endswith("r8-abc123")  # none left: made
+        for made in cgroup.leaves():
+            made.remove()
+        pool.fill()
+        pool.close()
+        assert cgroup.leaves() == []
+        pool.fill()  # closed: makes nothing
+        assert cgroup.leaves() == []
+    finally:
+        cgroup.close()
