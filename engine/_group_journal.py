@@ -32,8 +32,6 @@ __all__ = ["JOURNAL_PREFIX", "GroupJournal", "apply_group_line", "journal_path",
 JOURNAL_PREFIX: Final = ".journal-"
 #: Rewrite the journal once it holds this many lines and four times as many as live records.
 _COMPACT_LINES: Final = 4096
-#: ``-`` lines held back at most (see ``GroupJournal.drop``).
-_ENDED_BATCH: Final = 64
 _FLAGS: Final = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -80,15 +78,13 @@ def apply_group_line(live: dict[tuple[int, int], GroupRecord], kind: str, rest: 
 class GroupJournal:
     """The engine's end of the journal: :meth:`add` and :meth:`drop` append a line each."""
 
-    __slots__ = ("_ended", "_fd", "_lines", "_live", "_path")
+    __slots__ = ("_fd", "_lines", "_live", "_path")
 
     def __init__(self, records: Path, token: str) -> None:
         self._path = journal_path(records, token)
         self._fd = os.open(self._path, _FLAGS, 0o600)
         self._live: dict[tuple[int, int], GroupRecord] = {}
         self._lines = 0
-        #: ``-`` lines not yet written: they go with the next ``+`` line (see :meth:`drop`).
-        self._ended: list[str] = []
 
     def __repr__(self) -> str:
         return f"<GroupJournal {self._path}: {len(self._live)} live>"
@@ -99,38 +95,22 @@ class GroupJournal:
         Raises:
             OSError: the line could not be written (a full disk): the caller kills the run.
         """
-        self._append(*self._ended, f"+ {record.line()}\n")
-        self._ended.clear()
+        self._append(f"+ {record.line()}\n")
         self._live[(record.pgid, record.start_time)] = record
 
     def drop(self, record: GroupRecord) -> None:
-        """Record that a group ended, with the next :meth:`add` (one write for both) or at
-        :meth:`close`; a failure to write is ignored (the sweep then finds it gone).
-
-        A ``-`` line that a crash kept from the file leaves a record of a group that ended: the sweep
-        finds nothing of it to end (a reused pid has another start time), as when the write fails. At most
-        :data:`_ENDED_BATCH` wait.
-        """
+        """Record that a group ended; a failure to write is ignored (the sweep then finds it gone)."""
         self._live.pop((record.pgid, record.start_time), None)
-        self._ended.append(f"- {record.pgid} {record.start_time}\n")
-        if len(self._ended) >= _ENDED_BATCH:
-            self._flush()
-        if self._lines >= _COMPACT_LINES and self._lines >= 4 * len(self._live):
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            self._append(f"- {record.pgid} {record.start_time}\n")
+            if self._lines >= _COMPACT_LINES and self._lines >= 4 * len(self._live):
                 self._compact(self._live.values())
 
-    def _flush(self) -> None:
-        ended, self._ended = self._ended, []
-        if ended:
-            with contextlib.suppress(OSError):
-                self._append(*ended)
-
-    def _append(self, *lines: str) -> None:
-        """Append ``lines`` in one write (the ``-`` lines waiting first)."""
+    def _append(self, line: str) -> None:
         if self._fd < 0:
             raise OSError(f"the group journal {self._path} is closed")
-        os.write(self._fd, "".join(lines).encode())
-        self._lines += len(lines)
+        os.write(self._fd, line.encode())
+        self._lines += 1
 
     def _compact(self, live: Iterable[GroupRecord]) -> None:
         """Rewrite the journal with only the live records: a new file, renamed into place."""
@@ -140,7 +120,6 @@ class GroupJournal:
             lines = [f"+ {record.line()}\n" for record in live]
             os.write(fd, "".join(lines).encode())
             os.replace(temp, self._path)
-            self._ended.clear()  # the rewritten file holds only the live records
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -152,6 +131,5 @@ class GroupJournal:
     def close(self) -> None:
         """Close the file (it stays; :func:`~engine._sweep.remove_token` removes it)."""
         if self._fd >= 0:
-            self._flush()
             os.close(self._fd)
             self._fd = -1

@@ -21,8 +21,6 @@ from ._sweep import GroupRecord, records_dir, remove_token, write_token
 __all__ = ["GuardianLink"]
 
 _LOG = "guardian.log"
-#: ``-`` lines held back at most (see ``GuardianLink.run_ended``).
-_ENDED_BATCH = 64
 
 
 def _batch_scheduling(pid: int) -> None:
@@ -54,8 +52,6 @@ class GuardianLink:
     _pipe: int = attrs.field(init=False, default=-1)
     _records: dict[int, GroupRecord] = attrs.field(init=False, factory=dict)
     _journal: GroupJournal | None = attrs.field(init=False, default=None)
-    #: ``-`` lines not yet sent: they go with the next line (see :meth:`run_ended`).
-    _ended: list[str] = attrs.field(init=False, factory=list)
 
     def start(self) -> None:
         """Start the guardian process (it loads in the background; lines wait in the pipe)."""
@@ -104,12 +100,8 @@ class GuardianLink:
     def _send(self, line: str) -> None:
         if self._pipe < 0:
             return
-        text = line + "\n"
-        if self._ended:
-            text = "".join(self._ended) + text
-            self._ended.clear()
         try:
-            os.write(self._pipe, text.encode())
+            os.write(self._pipe, (line + "\n").encode())
         except BrokenPipeError:  # the guardian died: start another one, re-registering every group
             os.close(self._pipe)
             self._pipe = -1
@@ -135,29 +127,14 @@ class GuardianLink:
         self._send(f"+ {record.line()}")
 
     def run_ended(self, run: ManagedRun) -> None:
-        """Drop the run's record and tell the guardian, with the next line sent.
-
-        The ``-`` line is not urgent: a guardian (or a sweep) that still holds the record of a run that
-        ended finds nothing to end (the group's leader, if its pid was reused, has another start time; no
-        live process carries the run's marker), so it waits in memory and goes with the next ``+`` line in
-        one write: one wake of the guardian per run, not two. At most :data:`_ENDED_BATCH` wait.
-        """
+        """Drop the run's record and tell the guardian."""
         record = self._records.pop(run.pid, None)
         if record is not None:
             if self._journal is not None:
                 self._journal.drop(record)
             else:
                 record.remove(self.state_dir)
-            if self._pipe < 0:
-                return  # no guardian to tell (a new one is told only the live records)
-            self._ended.append(f"- {record.pgid} {record.start_time}\n")
-            if len(self._ended) >= _ENDED_BATCH:
-                self._flush_ended()
-
-    def _flush_ended(self) -> None:
-        if self._ended and self._pipe >= 0:
-            last = self._ended.pop()
-            self._send(last.removesuffix("\n"))
+            self._send(f"- {record.pgid} {record.start_time}")
 
     def _reap_guardian(self, *, block: bool) -> bool:
         if self.pid is None:
@@ -177,7 +154,6 @@ class GuardianLink:
         Cancellation: shielded and bounded (2 s, then SIGKILL).
         """
         with trio.CancelScope(shield=True):
-            self._flush_ended()
             if self._journal is not None:
                 self._journal.close()
             if self.token:

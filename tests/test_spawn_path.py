@@ -48,33 +48,6 @@ def test_journal_replays_starts_and_ends_and_skips_a_cut_line(tmp_path: Path) ->
     assert read_journal(path) == [b]
 
 
-def test_journal_writes_an_end_with_the_next_start_in_one_write(tmp_path: Path) -> None:
-    """A ``-`` line waits for the next ``+`` line (one write, one line pair per run); a record whose end
-    was not written yet is one of a run that ended, which the sweep finds nothing of."""
-    journal = GroupJournal(tmp_path, "abc123")
-    path = journal_path(tmp_path, "abc123")
-    a, b = GroupRecord(100, 100, 5000, "abc123:1"), GroupRecord(200, 200, 6000, "abc123:2")
-    journal.add(a)
-    journal.drop(a)
-    assert path.read_text() == f"+ {a.line()}\n"  # the end waits
-    journal.add(b)
-    assert path.read_text() == f"+ {a.line()}\n- 100 5000\n+ {b.line()}\n"
-    assert read_journal(path) == [b]
-    journal.drop(b)
-    journal.close()  # the last end is written at the close
-    assert read_journal(path) == []
-    many = GroupJournal(tmp_path, "def456")
-    records = [
-        GroupRecord(1000 + i, 1000 + i, 100, f"def456:{i}") for i in range(_group_journal._ENDED_BATCH)
-    ]
-    for record in records:
-        many.add(record)
-    for record in records:
-        many.drop(record)  # the batch's last drop writes them all
-    assert read_journal(journal_path(tmp_path, "def456")) == []
-    many.close()
-
-
 def test_journal_compaction_keeps_the_live_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_group_journal, "_COMPACT_LINES", 8)
     journal = GroupJournal(tmp_path, "abc123")
