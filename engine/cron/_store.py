@@ -80,6 +80,7 @@ class SqliteJobStore:
     )
     _conn: sqlite3.Connection | None = attrs.field(init=False, default=None)
     _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
+    _parsed: dict[str, tuple[str, CronJob]] = attrs.field(init=False, factory=dict)
 
     @classmethod
     def in_state_dir(
@@ -172,30 +173,47 @@ class SqliteJobStore:
 
     # -- jobs ---------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _read(conn: sqlite3.Connection, job_id: str) -> tuple[CronJob, sqlite3.Row | tuple[Any, ...]]:
+    def _job(self, job_id: str, data: Any) -> CronJob | None:
+        """The job of a row's ``data`` (``job_or_none``), parsed once per text: a row read again unchanged
+        (the timer looks at every job on each wake) costs a dictionary look-up, not a JSON parse.
+
+        Called in the store's worker thread only (one call at a time)."""
+        seen = self._parsed.get(job_id)
+        if seen is not None and seen[0] == data:
+            return seen[1]
+        job = job_or_none(job_id, data)
+        if job is None:
+            self._parsed.pop(job_id, None)
+        else:
+            self._parsed[job_id] = (data, job)
+        return job
+
+    def _read(self, conn: sqlite3.Connection, job_id: str) -> tuple[CronJob, sqlite3.Row | tuple[Any, ...]]:
         row = conn.execute(
             "SELECT data, pending_fire, watch_state FROM jobs WHERE id = ?", (job_id,)
         ).fetchone()
         if row is None:
+            self._parsed.pop(job_id, None)
             raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
-        job = job_or_none(job_id, row[0])
+        job = self._job(job_id, row[0])
         if job is None:
             raise JobNotFoundError(f"job_id {job_id!r} names a cron job whose record is unreadable")
         return job, row
 
     @staticmethod
-    def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
+    def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> str:
         if job.id != before.id or job.project != before.project or job.owner != before.owner:
             raise ValueError("a job change must keep the job's id and project, and its owner")
-        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(job.to_dict()), job.id))
+        text = json.dumps(job.to_dict())
+        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (text, job.id))
+        return text
 
     async def list_jobs(self) -> list[CronJob]:
         """Every readable job, oldest first; unreadable rows are logged and skipped."""
 
         def run(conn: sqlite3.Connection) -> list[CronJob]:
             rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
-            return [job for job in (job_or_none(r[0], r[1]) for r in rows) if job is not None]
+            return [job for job in (self._job(r[0], r[1]) for r in rows) if job is not None]
 
         return await self._call(run, write=False)
 
@@ -255,6 +273,7 @@ class SqliteJobStore:
             pending = pending_or_none(row[1], job_id)
             event = None if pending is None else self._append(conn, job_id, row[2], pending, acked=acked)
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            self._parsed.pop(job_id, None)
             return job_or_none(job_id, row[0]), event
 
         return await self._call(run, write=True)
@@ -388,7 +407,7 @@ class SqliteJobStore:
             ).fetchall()
             found = []
             for job_id, data, text in rows:
-                job = job_or_none(job_id, data)
+                job = self._job(job_id, data)
                 fire = pending_or_none(text, job_id)
                 if job is not None and fire is not None:
                     found.append((job, fire))
@@ -442,9 +461,7 @@ class SqliteJobStore:
 
         def run(conn: sqlite3.Connection) -> DueClaims:
             rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
-            jobs = [
-                j for j in (job_or_none(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped
-            ]
+            jobs = [j for j in (self._job(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped]
             due = sorted((j for j in jobs if (at := due_at(j)) is not None and at <= now), key=_due_order)
             claims = []
             for job in due[:limit]:
@@ -452,7 +469,9 @@ class SqliteJobStore:
                 if taken is None:
                     continue
                 after, fire = taken
-                self._write(conn, after, job)
+                # Kept parsed: ``after`` is the claim of a job read (and escaped) here, so it is what
+                # reading the text back gives (a rollback leaves other text, which is parsed again).
+                self._parsed[after.id] = (self._write(conn, after, job), after)
                 event = None if fire is None else self._append(conn, job.id, job.project, fire, acked=acked)
                 claims.append(Claim(after, event))
             claimed = {c.job.id: c.job for c in claims}
