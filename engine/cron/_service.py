@@ -128,6 +128,8 @@ class CronService:
     _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _passed_over: frozenset[str] = attrs.field(init=False, factory=frozenset)
+    _generation: int = attrs.field(init=False, default=0)
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
@@ -381,6 +383,7 @@ class CronService:
 
         Cancellation: a handler call under way may be interrupted; the next call sees the whole set again.
         """
+        self._generation += 1
         self._changed.set()
         if self.on_jobs_changed is None and not self._run_scopes:
             await trio.lowlevel.checkpoint()
@@ -508,13 +511,15 @@ class CronService:
         finally:
             self._finished(job.id, done, scope)
 
-    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope) -> None:
+    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope, *, wake: bool = True) -> None:
+        """A run (or delivery) of ``job_id`` ended: forget it, and wake the timer if ``wake``."""
         if self._run_scopes.get(job_id) is scope:
             del self._run_scopes[job_id]
         if self._running.get(job_id) is done:
             del self._running[job_id]
         done.set()
-        self._changed.set()
+        if wake:
+            self._changed.set()
 
     async def _run_command(self, job: CronJob, payload: Command) -> PendingFire | None:
         """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
@@ -577,6 +582,7 @@ class CronService:
 
     def _jobs_changed_elsewhere(self) -> None:
         """Another engine changed the jobs: wake the timer, and reconcile (in the nursery) if asked to."""
+        self._generation += 1
         self._changed.set()
         wanted = self.on_jobs_changed is not None or self._run_scopes
         if self._nursery is not None and wanted and not self._reconcile_pending:
@@ -611,19 +617,21 @@ class CronService:
         """
         assert self._nursery is not None
         self._changed = trio.Event()
-        due = await self.store.claim_due(
-            self._wall(), skip=set(self._running), acked=self.delivery.on_fire is None
-        )
+        skip = frozenset(self._running)
+        self._passed_over = skip  # their end wakes the timer: this look left them out
+        generation = self._generation  # taken before the claim: a change notified later is read again
+        due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
         for claimed in due.claims:
-            self._start_claimed(claimed)
+            self._start_claimed(claimed, generation)
         if due.full:
             return 0.0  # look again at once
         if due.next_due is None:
             return None
         return min(self.recheck_seconds, max(0.0, (due.next_due - due.now).total_seconds()))
 
-    def _start_claimed(self, claimed: Claim) -> None:
-        """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event."""
+    def _start_claimed(self, claimed: Claim, generation: int) -> None:
+        """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event
+        (``generation``: the count of notified job changes when the claim began)."""
         assert self._nursery is not None
         job = claimed.job
         done = self._running[job.id] = trio.Event()
@@ -631,17 +639,25 @@ class CronService:
         if claimed.event is None:
             self._nursery.start_soon(self._run, job, None, done, scope, name=f"cron job {job.id}")
         else:
-            self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope)
+            self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope, generation)
 
     async def _deliver_claimed(
-        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope
+        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope, generation: int
     ) -> None:
+        """Hand a claimed ``SystemEvent``'s event over, then delete the job if it is done.
+
+        The claim finished the job in its transaction, so ``job`` is the job as stored unless a change
+        was made since (``generation`` moved): only then is it read again to decide on its deletion.
+        Its end wakes the timer only if a look left the job out while this ran (the claim's look
+        already counted its next due time).
+        """
         try:
             with self.delivery.holding(event):
                 await self.delivery.hand_over(event)
-            await self._delete_if_done(job.id)
+            if should_delete(job) or generation != self._generation:
+                await self._delete_if_done(job.id)
         finally:
-            self._finished(job.id, done, scope)
+            self._finished(job.id, done, scope, wake=job.id in self._passed_over)
 
     async def _wait_changed(self, seconds: float) -> None:
         """The timer's back-off after a store failure: ``seconds``, or until a job changes."""
