@@ -605,12 +605,13 @@ class CronService:
             if wake is None:
                 await changed.wait()
                 continue
-            with trio.move_on_after(wake):
+            with trio.move_on_at(wake):
                 await changed.wait()
 
     async def _start_due(self) -> float | None:
-        """One look of the timer: claim every due job and start its run or deliver its event; return how
-        long to sleep (``None``: until a change). The wait is counted on the store's clock.
+        """One look of the timer: claim every due job and start its run or deliver its event; return when
+        to look again, on the Trio clock (``None``: at a change). The wait is counted on the store's
+        clock, from when the look began: a claim that took a while does not delay the next due time.
 
         Raises:
             OSError: the store failed (the timer waits, then looks again; a change wakes it early).
@@ -620,14 +621,15 @@ class CronService:
         skip = frozenset(self._running)
         self._passed_over = skip  # their end wakes the timer: this look left them out
         generation = self._generation  # taken before the claim: a change notified later is read again
+        began = trio.current_time()
         due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
         for claimed in due.claims:
             self._start_claimed(claimed, generation)
         if due.full:
-            return 0.0  # look again at once
+            return began  # look again at once
         if due.next_due is None:
             return None
-        return min(self.recheck_seconds, max(0.0, (due.next_due - due.now).total_seconds()))
+        return began + min(self.recheck_seconds, max(0.0, (due.next_due - due.now).total_seconds()))
 
     def _start_claimed(self, claimed: Claim, generation: int) -> None:
         """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event
