@@ -58,6 +58,11 @@ STORE_FILE_NAME = "cron.sqlite3"
 
 _T = TypeVar("_T")
 
+#: The most fire ids one ``IN (...)`` query names (SQLite allows 32766 parameters).
+_IN_CHUNK = 500
+#: Where ``fire_id`` is among ``EVENT_COLUMNS``.
+_FIRE_ID_COLUMN = EVENT_COLUMNS.split(", ").index("fire_id")
+
 
 @attrs.define(eq=False)
 class SqliteJobStore:
@@ -201,12 +206,15 @@ class SqliteJobStore:
         return job, row
 
     @staticmethod
-    def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> str:
+    def _text(job: CronJob, before: CronJob) -> str:
+        """The row text of ``job``, a change of ``before``."""
         if job.id != before.id or job.project != before.project or job.owner != before.owner:
             raise ValueError("a job change must keep the job's id and project, and its owner")
-        text = json.dumps(job.to_dict())
-        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (text, job.id))
-        return text
+        return json.dumps(job.to_dict())
+
+    @classmethod
+    def _write(cls, conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
+        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (cls._text(job, before), job.id))
 
     async def list_jobs(self) -> list[CronJob]:
         """Every readable job, oldest first; unreadable rows are logged and skipped."""
@@ -293,13 +301,38 @@ class SqliteJobStore:
 
     # -- events -------------------------------------------------------------------------------------
 
-    @staticmethod
+    @classmethod
     def _append(
-        conn: sqlite3.Connection, job_id: str, project: str | None, fire: PendingFire, *, acked: bool
+        cls, conn: sqlite3.Connection, job_id: str, project: str | None, fire: PendingFire, *, acked: bool
     ) -> FiredEvent:
         row = conn.execute(
             f"SELECT {EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire.fire_id,)
         ).fetchone()
+        return cls._append_unless_logged(conn, job_id, project, fire, row, acked=acked)
+
+    @staticmethod
+    def _logged(conn: sqlite3.Connection, fire_ids: list[str]) -> dict[str, Any]:
+        """The event rows (``EVENT_COLUMNS``, ``acked``) already logged for ``fire_ids``, by fire id: one
+        query for a claim's whole batch instead of one per fire."""
+        found: dict[str, Any] = {}
+        for start in range(0, len(fire_ids), _IN_CHUNK):
+            chunk = fire_ids[start : start + _IN_CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            query = f"SELECT {EVENT_COLUMNS}, acked FROM events WHERE fire_id IN ({marks})"
+            found.update((row[_FIRE_ID_COLUMN], row) for row in conn.execute(query, chunk))
+        return found
+
+    @staticmethod
+    def _append_unless_logged(
+        conn: sqlite3.Connection,
+        job_id: str,
+        project: str | None,
+        fire: PendingFire,
+        row: Any,
+        *,
+        acked: bool,
+    ) -> FiredEvent:
+        """Append ``fire``, or (``row``: its event as logged already) return that event, acked if asked."""
         if row is not None:
             event = event_or_none(row[:-1])
             if event is None:
@@ -463,16 +496,19 @@ class SqliteJobStore:
             rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
             jobs = [j for j in (self._job(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped]
             due = sorted((j for j in jobs if (at := due_at(j)) is not None and at <= now), key=_due_order)
+            taken = [(job, t) for job in due[:limit] if (t := take_due(job, now)) is not None]
+            texts = [(self._text(after, job), after.id) for job, (after, _fire) in taken]
+            conn.executemany("UPDATE jobs SET data = ? WHERE id = ?", texts)
+            logged = self._logged(conn, [fire.fire_id for _job, (_after, fire) in taken if fire is not None])
             claims = []
-            for job in due[:limit]:
-                taken = take_due(job, now)
-                if taken is None:
-                    continue
-                after, fire = taken
+            for (job, (after, fire)), (text, _id) in zip(taken, texts, strict=True):
                 # Kept parsed: ``after`` is the claim of a job read (and escaped) here, so it is what
                 # reading the text back gives (a rollback leaves other text, which is parsed again).
-                self._parsed[after.id] = (self._write(conn, after, job), after)
-                event = None if fire is None else self._append(conn, job.id, job.project, fire, acked=acked)
+                self._parsed[after.id] = (text, after)
+                event = None
+                if fire is not None:
+                    row = logged.get(fire.fire_id)
+                    event = self._append_unless_logged(conn, job.id, job.project, fire, row, acked=acked)
                 claims.append(Claim(after, event))
             claimed = {c.job.id: c.job for c in claims}
             waiting = [due_at(claimed.get(j.id, j)) for j in jobs]
