@@ -719,18 +719,17 @@ async def test_service_jobs_due_together_each_fire_once_acked_in_few_commits(
     async with cron_service(tmp_path, supervisor, WallClock(), store=store, on_fire=on_fire) as cron:
         for i in range(total):
             await store.insert_job(one_shot(i, due))
-        await cron.notify_jobs_changed()
-        await trio.sleep(1)
         before = store.reads
-        await trio.sleep(59)
+        await cron.notify_jobs_changed()
+        while len(handed) < total or len(store.acks) == 0 or await store.unacked_events():
+            await trio.sleep(1)  # (a store call slower than the autojump threshold moves the clock on)
+        await trio.sleep(60)
         assert sorted(handed) == [f"burst-{i:04d}" for i in range(total)]  # each once
         events = await cron.events()
         assert sorted(e.job_id for e in events) == sorted(handed)
-        assert await store.unacked_events() == []
         assert sorted(c for batch in store.acks for c in batch) == [e.cursor for e in events]
         assert len(store.acks) <= total // 10  # grouped: not one commit per fire
-        # three claims, and a look after the deliveries a full claim left out: not a look per fire
-        assert store.reads - before <= 10
+        assert store.reads - before <= 4  # a look before the due time, then three claims: no look per fire
         assert all(not j.enabled and j.last_status is JobStatus.OK for j in await cron.list())
 
 
@@ -750,14 +749,17 @@ async def test_service_restart_after_the_claim_before_the_ack_delivers_each_fire
         for i in range(total):
             await cron.store.insert_job(one_shot(i, due))
         await cron.notify_jobs_changed()
-        await trio.sleep(40)
-        assert len(held) == total and len(await cron.store.unacked_events()) == total
+        while len(held) < total:
+            await trio.sleep(1)  # (a store call slower than the autojump threshold moves the clock on)
+        assert len(await cron.store.unacked_events()) == total
     got: list[str] = []
 
     async def works(event: FiredEvent) -> None:
         got.append(event.fire_id)
 
     async with cron_service(tmp_path, supervisor, wall, on_fire=works) as cron:
+        while len(got) < total or await cron.store.unacked_events():
+            await trio.sleep(1)
         await trio.sleep(60)
         assert sorted(got) == sorted(held)  # each claimed fire once more, none claimed again
         assert await cron.store.unacked_events() == []

@@ -154,12 +154,22 @@ class Delivery:
         if event is None:
             yield
             return
-        self._observe(event)
-        self._handing.add(event.cursor)
+        self.hold(event)
         try:
             yield
         finally:
-            self._handing.discard(event.cursor)
+            self.release(event)
+
+    def hold(self, event: FiredEvent) -> None:
+        """:meth:`holding` without a block, for an event handed over in another task: observers see it
+        now and redelivery passes keep off it until :meth:`release` (the timer's claims, from the claim
+        on: no pass can take an event between its claim and its hand-over)."""
+        self._observe(event)
+        self._handing.add(event.cursor)
+
+    def release(self, event: FiredEvent) -> None:
+        """End a :meth:`hold`: the event is the redelivery passes' again if it is not acknowledged."""
+        self._handing.discard(event.cursor)
 
     async def hand_over(self, event: FiredEvent) -> bool:
         """Embedded: await ``on_fire(event)`` and acknowledge the event (retrying the store write).

@@ -37,7 +37,7 @@ from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundErr
 from .._input import check_flag, check_int, check_optional_text, check_text
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
-from ._claims import Claim, JobOwnedElsewhereError, floats
+from ._claims import Claim, JobOwnedElsewhereError, due_at, floats
 from ._command import command_log_paths, run_command
 from ._delivery import Delivery, FireHandler, FireObserver
 from ._events import FiredEvent, PendingFire, text_fire
@@ -129,6 +129,7 @@ class CronService:
     _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
     _passed_over: frozenset[str] = attrs.field(init=False, factory=frozenset)
+    _delivering: dict[str, datetime | None] = attrs.field(init=False, factory=dict)
     _generation: int = attrs.field(init=False, default=0)
 
     def __repr__(self) -> str:
@@ -619,17 +620,48 @@ class CronService:
         assert self._nursery is not None
         self._changed = trio.Event()
         skip = frozenset(self._running)
-        self._passed_over = skip  # their end wakes the timer: this look left them out
+        delivering = {job_id: self._delivering[job_id] for job_id in skip if job_id in self._delivering}
+        # Until the claim is back, the end of any of them wakes the timer, but a delivery that keeps no
+        # due time (a spent one-shot): its end changes nothing the timer waits for.
+        self._passed_over = frozenset(j for j in skip if j not in delivering or delivering[j] is not None)
         generation = self._generation  # taken before the claim: a change notified later is read again
         began = trio.current_time()
         due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
+        next_due = self._left_out(skip, delivering, due.now, due.next_due)
         for claimed in due.claims:
             self._start_claimed(claimed, generation)
         if due.full:
             return began  # look again at once
-        if due.next_due is None:
+        if next_due is None:
             return None
-        return began + min(self.recheck_seconds, max(0.0, (due.next_due - due.now).total_seconds()))
+        return began + min(self.recheck_seconds, max(0.0, (next_due - due.now).total_seconds()))
+
+    def _left_out(
+        self,
+        skip: frozenset[str],
+        delivering: dict[str, datetime | None],
+        now: datetime,
+        next_due: datetime | None,
+    ) -> datetime | None:
+        """The look's next due time, counting the jobs it left out (``skip``: running here).
+
+        A ``SystemEvent`` being delivered keeps the due time its claim gave it (``delivering``, as the
+        look began), so that time is counted here and the end of its delivery need not wake the timer.
+        The end of any other left-out job does (a ``Command`` commits its next due time when it ends),
+        as does that of a delivery already due again.
+        """
+        waking = set()
+        for job_id in skip:
+            if job_id not in delivering:
+                waking.add(job_id)
+                continue
+            at = delivering[job_id]
+            if at is not None and at <= now:
+                waking.add(job_id)
+            elif at is not None:
+                next_due = at if next_due is None else min(next_due, at)
+        self._passed_over = frozenset(waking)
+        return next_due
 
     def _start_claimed(self, claimed: Claim, generation: int) -> None:
         """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event
@@ -641,6 +673,8 @@ class CronService:
         if claimed.event is None:
             self._nursery.start_soon(self._run, job, None, done, scope, name=f"cron job {job.id}")
         else:
+            self.delivery.hold(claimed.event)  # from the claim on, released by the delivery's task
+            self._delivering[job.id] = due_at(job)
             self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope, generation)
 
     async def _deliver_claimed(
@@ -650,15 +684,18 @@ class CronService:
 
         The claim finished the job in its transaction, so ``job`` is the job as stored unless a change
         was made since (``generation`` moved): only then is it read again to decide on its deletion.
-        Its end wakes the timer only if a look left the job out while this ran (the claim's look
-        already counted its next due time).
+        Its end wakes the timer only if a look left the job out and could not count its due time
+        (``_left_out``). The event was held since the claim (``_start_claimed``).
         """
         try:
-            with self.delivery.holding(event):
+            try:
                 await self.delivery.hand_over(event)
+            finally:
+                self.delivery.release(event)
             if should_delete(job) or generation != self._generation:
                 await self._delete_if_done(job.id)
         finally:
+            self._delivering.pop(job.id, None)
             self._finished(job.id, done, scope, wake=job.id in self._passed_over)
 
     async def _wait_changed(self, seconds: float) -> None:
