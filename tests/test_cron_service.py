@@ -669,17 +669,20 @@ class BurstStore(CountingStore):
     ``slow_look_seconds`` (a busy disk) after its transaction."""
 
     acks: list[tuple[int, ...]]
+    writes: list[str]
     slow_look_seconds = 0.0
 
     async def ack_events(self, cursors: Iterable[int]) -> None:
         batch = tuple(cursors)
         await super().ack_events(batch)
         self.acks.append(batch)
+        self.writes.append("ack")
 
     async def claim_due(
         self, now: datetime, *, skip: Collection[str] = (), acked: bool, limit: int = CLAIM_BATCH
     ) -> DueClaims:
         due = await super().claim_due(now, skip=skip, acked=acked, limit=limit)
+        self.writes.append(f"claim {len(due.claims)}")
         if not due.claims and self.slow_look_seconds:
             await trio.sleep(self.slow_look_seconds)
         return due
@@ -688,6 +691,7 @@ class BurstStore(CountingStore):
 def burst_store(tmp_path: Path) -> BurstStore:
     store = BurstStore(str(tmp_path / "cron.sqlite3"))
     store.acks = []
+    store.writes = []
     return store
 
 
@@ -729,6 +733,8 @@ async def test_service_jobs_due_together_each_fire_once_acked_in_few_commits(
         assert sorted(e.job_id for e in events) == sorted(handed)
         assert sorted(c for batch in store.acks for c in batch) == [e.cursor for e in events]
         assert len(store.acks) <= total // 10  # grouped: not one commit per fire
+        # the burst's claims go first, the acks after them (deferred while more was due)
+        assert [w for w in store.writes if w != "claim 0"][:3] == [f"claim {CLAIM_BATCH}"] * 2 + ["claim 50"]
         assert store.reads - before <= 4  # a look before the due time, then three claims: no look per fire
         assert all(not j.enabled and j.last_status is JobStatus.OK for j in await cron.list())
 

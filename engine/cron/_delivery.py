@@ -41,6 +41,11 @@ FireHandler = Callable[[FiredEvent], Awaitable[None]]
 FireObserver = Callable[[FiredEvent], None]
 
 
+def _set(event: trio.Event) -> trio.Event:
+    event.set()
+    return event
+
+
 class _UndeliveredError(Exception):
     """Raised by a redelivery pass that left an event unacknowledged (the pass is retried)."""
 
@@ -87,11 +92,22 @@ class Delivery:
     _acked_in_pass: set[int] | None = attrs.field(init=False, default=None)
     _acking: _AckBatch = attrs.field(init=False, factory=_AckBatch)
     _ack_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _acks_open: trio.Event = attrs.field(init=False, factory=lambda: _set(trio.Event()))
 
     def __repr__(self) -> str:
         mode = "standalone" if self.on_fire is None else "embedded"
         waiting = ", redelivery due" if self._failed.is_set() else ""
         return f"<Delivery {mode}: {len(self._handing)} handing over{waiting}>"
+
+    def defer_acks(self, deferred: bool) -> None:
+        """While ``deferred``, acknowledgements wait (each hand-over still returns only once its own is
+        committed); then they are written together. The timer defers them while it claims a burst
+        batch after batch, so that its claims, which come before the next fires, do not queue behind
+        acknowledgement commits on the store's one connection."""
+        if not deferred:
+            self._acks_open.set()
+        elif self._acks_open.is_set():
+            self._acks_open = trio.Event()
 
     def add_observer(self, observer: FireObserver) -> None:
         """Call ``observer(event)`` for every event recorded from now on."""
@@ -225,6 +241,8 @@ class Delivery:
             else:
                 batch.led = True
                 try:
+                    while not self._acks_open.is_set():  # deferred (the timer claims a burst)
+                        await self._acks_open.wait()
                     async with self._ack_lock:  # the batch before is being written; this one grows
                         if self._acking is batch:
                             self._acking = _AckBatch()

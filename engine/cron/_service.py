@@ -606,6 +606,8 @@ class CronService:
             if wake is None:
                 await changed.wait()
                 continue
+            if wake <= trio.current_time():
+                continue  # more is due now: claim it before the fires just started take their turns
             with trio.move_on_at(wake):
                 await changed.wait()
 
@@ -626,7 +628,11 @@ class CronService:
         self._passed_over = frozenset(j for j in skip if j not in delivering or delivering[j] is not None)
         generation = self._generation  # taken before the claim: a change notified later is read again
         began = trio.current_time()
-        due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
+        try:
+            due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
+        finally:
+            self.delivery.defer_acks(False)
+        self.delivery.defer_acks(due.full)  # more is due now: the next claim goes before the acks
         next_due = self._left_out(skip, delivering, due.now, due.next_due)
         for claimed in due.claims:
             self._start_claimed(claimed, generation)
