@@ -193,6 +193,14 @@ class SqliteJobStore:
             self._parsed[job_id] = (data, job)
         return job
 
+    def _all_rows(self, conn: sqlite3.Connection) -> list[Any]:
+        """Every job row (``id, data``), oldest first; the parsed jobs of rows gone (deleted by another
+        connection, a repair) are forgotten."""
+        rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
+        if len(self._parsed) > len(rows):
+            self._parsed = {r[0]: seen for r in rows if (seen := self._parsed.get(r[0])) is not None}
+        return rows
+
     def _read(self, conn: sqlite3.Connection, job_id: str) -> tuple[CronJob, sqlite3.Row | tuple[Any, ...]]:
         row = conn.execute(
             "SELECT data, pending_fire, watch_state FROM jobs WHERE id = ?", (job_id,)
@@ -220,7 +228,7 @@ class SqliteJobStore:
         """Every readable job, oldest first; unreadable rows are logged and skipped."""
 
         def run(conn: sqlite3.Connection) -> list[CronJob]:
-            rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
+            rows = self._all_rows(conn)
             return [job for job in (self._job(r[0], r[1]) for r in rows) if job is not None]
 
         return await self._call(run, write=False)
@@ -493,7 +501,7 @@ class SqliteJobStore:
         skipped = set(skip)
 
         def run(conn: sqlite3.Connection) -> DueClaims:
-            rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
+            rows = self._all_rows(conn)
             jobs = [j for j in (self._job(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped]
             due = sorted((j for j in jobs if (at := due_at(j)) is not None and at <= now), key=_due_order)
             taken = [(job, t) for job in due[:limit] if (t := take_due(job, now)) is not None]
