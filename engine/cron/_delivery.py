@@ -7,10 +7,11 @@ the engine:
 - **standalone** (no ``on_fire``): the event is appended acknowledged; the log is the delivery, exactly
   once.
 - **embedded**: the event is appended unacknowledged, ``on_fire`` is awaited, then the event is
-  acknowledged. If ``on_fire`` raises, the event stays unacknowledged and every unacknowledged event is
-  handed over again, in cursor order, after 1 s, 5 s, 30 s, then every 5 min (the engine's
-  :class:`RetryPolicy`) while the engine runs, and at the next start: at least once, with a stable
-  ``fire_id``.
+  acknowledged; the acknowledgements of fires handed over together are written in one transaction
+  (group commit), each hand-over returning once its own is committed. If ``on_fire`` raises, the event
+  stays unacknowledged and every unacknowledged event is handed over again, in cursor order, after 1 s,
+  5 s, 30 s, then every 5 min (the engine's :class:`RetryPolicy`) while the engine runs, and at the next
+  start: at least once, with a stable ``fire_id``.
 
 Observers (``serve`` logs ``fired`` through one) see every event as it is recorded.
 """
