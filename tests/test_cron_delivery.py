@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from trio.testing import wait_all_tasks_blocked as wait_all_blocked
 
 from engine import FiredEvent, OnExit, SqliteJobStore, Supervisor, SystemEvent
 from engine.cron import open_cron_service
 from engine.cron._delivery import Delivery
 from engine.cron._events import text_fire
 
-from .test_cron_store import exited, job
+from .test_cron_store import FullDiskConnection, exited, job
 
 
 @pytest.fixture
@@ -98,3 +99,133 @@ async def test_removed_job_committed_fire_reaches_the_observers(
         await cron.remove(added.id)
         assert [e.fire_id for e in seen] == [fire.fire_id]
         assert await cron.events() == seen
+
+
+class AckCountingStore(SqliteJobStore):
+    """The real store, keeping each ``ack_events`` transaction; while ``gate`` is set, the first one
+    waits for it (a slow disk under the first ack)."""
+
+    acks: list[tuple[int, ...]]
+    gate: trio.Event | None = None
+
+    async def ack_events(self, cursors: Iterable[int]) -> None:
+        batch = tuple(cursors)
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            await gate.wait()
+        await super().ack_events(batch)
+        self.acks.append(batch)
+
+
+@pytest.fixture
+async def counting_store(tmp_path: Path) -> AsyncIterator[AckCountingStore]:
+    s = AckCountingStore(str(tmp_path / "cron.sqlite3"))
+    s.acks = []
+    await s.open()
+    try:
+        await s.insert_job(job("j"))
+        yield s
+    finally:
+        await s.aclose()
+
+
+async def _record(delivery: Delivery, count: int) -> list[FiredEvent]:
+    return [await delivery.record("j", text_fire("j", f"fire {i}")) for i in range(count)]
+
+
+async def test_delivery_acks_fires_handed_over_together_in_few_commits(
+    counting_store: AckCountingStore,
+) -> None:
+    handed: list[int] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        handed.append(event.cursor)
+
+    delivery = Delivery(counting_store, on_fire=on_fire)
+    events = await _record(delivery, 60)
+    results: list[bool] = []
+
+    async def hand(event: FiredEvent) -> None:
+        results.append(await delivery.hand_over(event))
+
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            nursery.start_soon(hand, event)
+    assert results == [True] * 60 and sorted(handed) == [e.cursor for e in events]
+    assert await counting_store.unacked_events() == []
+    acked = [c for batch in counting_store.acks for c in batch]
+    assert sorted(acked) == [e.cursor for e in events]  # each once
+    assert len(counting_store.acks) <= 3  # the first alone, the rest while it was written
+
+
+async def test_delivery_ack_batch_whose_writer_is_cancelled_is_written_by_another(
+    counting_store: AckCountingStore,
+) -> None:
+    delivery = Delivery(counting_store, on_fire=lambda _event: trio.lowlevel.checkpoint())
+    first, second, third = await _record(delivery, 3)
+    gate = counting_store.gate = trio.Event()
+    results: dict[int, bool] = {}
+
+    async def hand(event: FiredEvent) -> None:
+        results[event.cursor] = await delivery.hand_over(event)
+
+    scope = trio.CancelScope()
+
+    async def hand_cancelled() -> None:
+        with scope:
+            await hand(second)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hand, first)  # writes the first batch, held at the gate
+        await wait_all_blocked()
+        nursery.start_soon(hand_cancelled)  # leads the second batch, waiting for the first to be written
+        await wait_all_blocked()
+        nursery.start_soon(hand, third)  # joins the second batch
+        await wait_all_blocked()
+        scope.cancel()  # the second batch's writer gives up before writing it
+        await wait_all_blocked()
+        assert results == {}
+        gate.set()
+    assert results == {first.cursor: True, third.cursor: True}
+    assert await counting_store.unacked_events() == [second]  # handed over again later: at least once
+    assert [c for batch in counting_store.acks for c in batch if c != second.cursor] == [
+        first.cursor,
+        third.cursor,
+    ]
+
+
+async def test_delivery_group_ack_on_a_failing_disk_is_retried_and_loses_nothing(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    autojump_clock.autojump_threshold = 0.05  # store calls run in a worker thread
+    store = SqliteJobStore(str(tmp_path / "cron.sqlite3"), connection_factory=FullDiskConnection)
+    await store.open()
+    calls: list[int] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        calls.append(event.cursor)
+
+    try:
+        await store.insert_job(job("j"))
+        delivery = Delivery(store, on_fire=on_fire)
+        events = await _record(delivery, 40)
+        results: list[bool] = []
+
+        async def hand(event: FiredEvent) -> None:
+            results.append(await delivery.hand_over(event))
+
+        FullDiskConnection.armed = True
+        try:
+            async with trio.open_nursery() as nursery:
+                for event in events:
+                    nursery.start_soon(hand, event)
+                await trio.sleep(3)  # the ack writes fail, and are retried after 1 s, 5 s
+                assert results == [] and len(await store.unacked_events()) == 40
+                FullDiskConnection.armed = False
+        finally:
+            FullDiskConnection.armed = False
+        assert results == [True] * 40
+        assert sorted(calls) == [e.cursor for e in events]  # on_fire once each: only the ack was retried
+        assert await store.unacked_events() == []
+    finally:
+        await store.aclose()

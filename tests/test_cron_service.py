@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -659,3 +659,153 @@ async def test_service_on_exit_cwd_is_checked_at_add_not_at_enable(
         with pytest.raises(InvalidScheduleError, match="cwd"):
             await cron.update(job.id, schedule=OnExit("echo again", cwd=str(workdir)))
         assert (await cron.update(job.id, name="renamed")).name == "renamed"  # no new schedule: no check
+
+
+# -- many jobs due together: one claim per batch, acks grouped, each fire once ----------------------
+
+
+class BurstStore(CountingStore):
+    """The counting store, keeping each ``ack_events`` transaction; a look that claims nothing takes
+    ``slow_look_seconds`` (a busy disk) after its transaction."""
+
+    acks: list[tuple[int, ...]]
+    writes: list[str]
+    slow_look_seconds = 0.0
+
+    async def ack_events(self, cursors: Iterable[int]) -> None:
+        batch = tuple(cursors)
+        await super().ack_events(batch)
+        self.acks.append(batch)
+        self.writes.append("ack")
+
+    async def claim_due(
+        self, now: datetime, *, skip: Collection[str] = (), acked: bool, limit: int = CLAIM_BATCH
+    ) -> DueClaims:
+        due = await super().claim_due(now, skip=skip, acked=acked, limit=limit)
+        self.writes.append(f"claim {len(due.claims)}")
+        if not due.claims and self.slow_look_seconds:
+            await trio.sleep(self.slow_look_seconds)
+        return due
+
+
+def burst_store(tmp_path: Path) -> BurstStore:
+    store = BurstStore(str(tmp_path / "cron.sqlite3"))
+    store.acks = []
+    store.writes = []
+    return store
+
+
+def one_shot(index: int, at: datetime) -> CronJob:
+    return CronJob(
+        id=f"burst-{index:04d}",
+        name=f"tick {index}",
+        enabled=True,
+        schedule=At(at),
+        payload=SystemEvent(f"tick {index}"),
+        delete_after_run=False,
+        created_at=T0,
+        updated_at=T0,
+        next_run_at=at,
+    )
+
+
+async def test_service_jobs_due_together_each_fire_once_acked_in_few_commits(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    total = 2 * CLAIM_BATCH + 50  # three claims
+    due = T0 + timedelta(seconds=30)
+    store = burst_store(tmp_path)
+    handed: list[str] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        handed.append(event.job_id)
+
+    async with cron_service(tmp_path, supervisor, WallClock(), store=store, on_fire=on_fire) as cron:
+        for i in range(total):
+            await store.insert_job(one_shot(i, due))
+        before = store.reads
+        await cron.notify_jobs_changed()
+        while len(handed) < total or len(store.acks) == 0 or await store.unacked_events():
+            await trio.sleep(1)  # (a store call slower than the autojump threshold moves the clock on)
+        await trio.sleep(60)
+        assert sorted(handed) == [f"burst-{i:04d}" for i in range(total)]  # each once
+        events = await cron.events()
+        assert sorted(e.job_id for e in events) == sorted(handed)
+        assert sorted(c for batch in store.acks for c in batch) == [e.cursor for e in events]
+        assert len(store.acks) <= total // 10  # grouped: not one commit per fire
+        # the burst's claims go first, the acks after them (deferred while more was due)
+        assert [w for w in store.writes if w != "claim 0"][:3] == [f"claim {CLAIM_BATCH}"] * 2 + ["claim 50"]
+        assert store.reads - before <= 4  # a look before the due time, then three claims: no look per fire
+        assert all(not j.enabled and j.last_status is JobStatus.OK for j in await cron.list())
+
+
+async def test_service_restart_after_the_claim_before_the_ack_delivers_each_fire(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    total = CLAIM_BATCH + 20
+    due = T0 + timedelta(seconds=30)
+    wall = WallClock()
+    held: list[str] = []
+
+    async def hangs(event: FiredEvent) -> None:
+        held.append(event.fire_id)
+        await trio.sleep_forever()  # the engine stops before any on_fire returns
+
+    async with cron_service(tmp_path, supervisor, wall, on_fire=hangs) as cron:
+        for i in range(total):
+            await cron.store.insert_job(one_shot(i, due))
+        await cron.notify_jobs_changed()
+        while len(held) < total:
+            await trio.sleep(1)  # (a store call slower than the autojump threshold moves the clock on)
+        assert len(await cron.store.unacked_events()) == total
+    got: list[str] = []
+
+    async def works(event: FiredEvent) -> None:
+        got.append(event.fire_id)
+
+    async with cron_service(tmp_path, supervisor, wall, on_fire=works) as cron:
+        while len(got) < total or await cron.store.unacked_events():
+            await trio.sleep(1)
+        await trio.sleep(60)
+        assert sorted(got) == sorted(held)  # each claimed fire once more, none claimed again
+        assert await cron.store.unacked_events() == []
+        assert len(await cron.events()) == total
+
+
+async def test_service_slow_look_does_not_delay_the_next_due_time(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    wall = WallClock()
+    store = burst_store(tmp_path)
+    fired_at: list[datetime] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        fired_at.append(wall())
+
+    async with cron_service(tmp_path, supervisor, wall, store=store, on_fire=on_fire) as cron:
+        store.slow_look_seconds = 5.0  # each look that finds nothing due takes 5 s to come back
+        await cron.add(At(T0 + timedelta(seconds=20)), SystemEvent("on time"))
+        await trio.sleep(30)
+    assert len(fired_at) == 1
+    assert fired_at[0] - (T0 + timedelta(seconds=20)) < timedelta(seconds=1)  # not 5 s late
+
+
+async def test_service_change_during_on_fire_is_seen_after_it(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    """A job changed while its fire is handed over is read again before deciding on its deletion."""
+    cron_ref: list[CronService] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        await cron_ref[0].update(event.job_id, delete_after_run=True)
+
+    async with cron_service(tmp_path, supervisor, WallClock(), on_fire=on_fire) as cron:
+        cron_ref.append(cron)
+        job = await cron.add(At(T0 + timedelta(seconds=10)), SystemEvent("once"))
+        kept = await cron.add(At(T0 + timedelta(seconds=10)), SystemEvent("kept"), name="kept")
+        await trio.sleep(20)
+        with pytest.raises(JobNotFoundError):
+            await cron.get(job.id)
+        with pytest.raises(JobNotFoundError):
+            await cron.get(kept.id)  # its handler changed it too
+        assert len(await cron.events()) == 2

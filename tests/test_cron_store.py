@@ -224,6 +224,31 @@ async def test_store_unreadable_row_is_skipped(
     assert removed is None and pending is None
 
 
+async def test_store_reads_a_row_changed_behind_it_afresh(
+    tmp_path: Path, sqlite_store: JobStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store keeps each job parsed by its row's text: a row rewritten elsewhere (the file edited,
+    another connection) is parsed again, never served from what was read before."""
+    store = sqlite_store
+    await store.insert_job(job("a"))
+    await store.insert_job(job("b"))
+    assert [j.name for j in await store.list_jobs()] == ["job a", "job b"]  # both parsed and kept
+    due = await store.claim_due(T0 + timedelta(seconds=61), acked=True)
+    assert [c.job.id for c in due.claims] == ["a", "b"]
+    assert await store.list_jobs() == [c.job for c in due.claims]  # the claim's jobs are what is stored
+    conn = sqlite3.connect(tmp_path / "cron.sqlite3")
+    renamed = attrs.evolve(due.claims[0].job, name="renamed \udcff")
+    conn.execute("UPDATE jobs SET data = ? WHERE id = 'a'", (json.dumps(renamed.to_dict()),))
+    conn.execute("UPDATE jobs SET data = 'not json' WHERE id = 'b'")
+    conn.commit()
+    conn.close()
+    assert [j.name for j in await store.list_jobs()] == ["renamed \\udcff"]  # read again, escaped
+    assert (await store.get_job("a")).name == "renamed \\udcff"
+    with pytest.raises(JobNotFoundError, match="unreadable"):
+        await store.get_job("b")
+    assert "not JSON" in caplog.text
+
+
 async def test_store_update_is_one_transaction(store: JobStore) -> None:
     await store.insert_job(job())
 

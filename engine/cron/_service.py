@@ -12,6 +12,11 @@ by the due time, so any engine of a fleet may fire it and exactly one event exis
 first; a committed fire is then recorded in the event log. The service's :class:`Delivery` hands the
 events over (``_delivery``; :meth:`CronService.fire_pending`).
 
+Many jobs due together (a burst) cost a claim transaction per ``CLAIM_BATCH`` jobs, each batch's fires
+handed over as soon as it is committed, and their acknowledgements written together once the burst is
+claimed (``Delivery.defer_acks``); the end of a claimed fire's delivery reads nothing from the store
+unless the job changed meanwhile, and does not wake the timer (``_left_out``).
+
 On a fleet store the store decides (``JobStore.owns``) which jobs are this engine's own: only those are
 run here when their payload is a ``Command``, armed by the exit watchers, or reset at start-up.
 """
@@ -37,7 +42,7 @@ from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundErr
 from .._input import check_flag, check_int, check_optional_text, check_text
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
-from ._claims import Claim, JobOwnedElsewhereError, floats
+from ._claims import Claim, JobOwnedElsewhereError, due_at, floats
 from ._command import command_log_paths, run_command
 from ._delivery import Delivery, FireHandler, FireObserver
 from ._events import FiredEvent, PendingFire, text_fire
@@ -128,6 +133,9 @@ class CronService:
     _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
     _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
+    _passed_over: frozenset[str] = attrs.field(init=False, factory=frozenset)
+    _delivering: dict[str, datetime | None] = attrs.field(init=False, factory=dict)
+    _generation: int = attrs.field(init=False, default=0)
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
@@ -381,6 +389,7 @@ class CronService:
 
         Cancellation: a handler call under way may be interrupted; the next call sees the whole set again.
         """
+        self._generation += 1
         self._changed.set()
         if self.on_jobs_changed is None and not self._run_scopes:
             await trio.lowlevel.checkpoint()
@@ -508,13 +517,15 @@ class CronService:
         finally:
             self._finished(job.id, done, scope)
 
-    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope) -> None:
+    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope, *, wake: bool = True) -> None:
+        """A run (or delivery) of ``job_id`` ended: forget it, and wake the timer if ``wake``."""
         if self._run_scopes.get(job_id) is scope:
             del self._run_scopes[job_id]
         if self._running.get(job_id) is done:
             del self._running[job_id]
         done.set()
-        self._changed.set()
+        if wake:
+            self._changed.set()
 
     async def _run_command(self, job: CronJob, payload: Command) -> PendingFire | None:
         """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
@@ -577,6 +588,7 @@ class CronService:
 
     def _jobs_changed_elsewhere(self) -> None:
         """Another engine changed the jobs: wake the timer, and reconcile (in the nursery) if asked to."""
+        self._generation += 1
         self._changed.set()
         wanted = self.on_jobs_changed is not None or self._run_scopes
         if self._nursery is not None and wanted and not self._reconcile_pending:
@@ -599,31 +611,72 @@ class CronService:
             if wake is None:
                 await changed.wait()
                 continue
-            with trio.move_on_after(wake):
+            if wake <= trio.current_time():
+                continue  # more is due now: claim it before the fires just started take their turns
+            with trio.move_on_at(wake):
                 await changed.wait()
 
     async def _start_due(self) -> float | None:
-        """One look of the timer: claim every due job and start its run or deliver its event; return how
-        long to sleep (``None``: until a change). The wait is counted on the store's clock.
+        """One look of the timer: claim every due job and start its run or deliver its event; return when
+        to look again, on the Trio clock (``None``: at a change). The wait is counted on the store's
+        clock, from when the look began: a claim that took a while does not delay the next due time.
 
         Raises:
             OSError: the store failed (the timer waits, then looks again; a change wakes it early).
         """
         assert self._nursery is not None
         self._changed = trio.Event()
-        due = await self.store.claim_due(
-            self._wall(), skip=set(self._running), acked=self.delivery.on_fire is None
-        )
+        skip = frozenset(self._running)
+        delivering = {job_id: self._delivering[job_id] for job_id in skip if job_id in self._delivering}
+        # Until the claim is back, the end of any of them wakes the timer, but a delivery that keeps no
+        # due time (a spent one-shot): its end changes nothing the timer waits for.
+        self._passed_over = frozenset(j for j in skip if j not in delivering or delivering[j] is not None)
+        generation = self._generation  # taken before the claim: a change notified later is read again
+        began = trio.current_time()
+        try:
+            due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
+        finally:
+            self.delivery.defer_acks(False)
+        self.delivery.defer_acks(due.full)  # more is due now: the next claim goes before the acks
+        next_due = self._left_out(skip, delivering, due.now, due.next_due)
         for claimed in due.claims:
-            self._start_claimed(claimed)
+            self._start_claimed(claimed, generation)
         if due.full:
-            return 0.0  # look again at once
-        if due.next_due is None:
+            return began  # look again at once
+        if next_due is None:
             return None
-        return min(self.recheck_seconds, max(0.0, (due.next_due - due.now).total_seconds()))
+        return began + min(self.recheck_seconds, max(0.0, (next_due - due.now).total_seconds()))
 
-    def _start_claimed(self, claimed: Claim) -> None:
-        """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event."""
+    def _left_out(
+        self,
+        skip: frozenset[str],
+        delivering: dict[str, datetime | None],
+        now: datetime,
+        next_due: datetime | None,
+    ) -> datetime | None:
+        """The look's next due time, counting the jobs it left out (``skip``: running here).
+
+        A ``SystemEvent`` being delivered keeps the due time its claim gave it (``delivering``, as the
+        look began), so that time is counted here and the end of its delivery need not wake the timer.
+        The end of any other left-out job does (a ``Command`` commits its next due time when it ends),
+        as does that of a delivery already due again.
+        """
+        waking = set()
+        for job_id in skip:
+            if job_id not in delivering:
+                waking.add(job_id)
+                continue
+            at = delivering[job_id]
+            if at is not None and at <= now:
+                waking.add(job_id)
+            elif at is not None:
+                next_due = at if next_due is None else min(next_due, at)
+        self._passed_over = frozenset(waking)
+        return next_due
+
+    def _start_claimed(self, claimed: Claim, generation: int) -> None:
+        """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event
+        (``generation``: the count of notified job changes when the claim began)."""
         assert self._nursery is not None
         job = claimed.job
         done = self._running[job.id] = trio.Event()
@@ -631,17 +684,30 @@ class CronService:
         if claimed.event is None:
             self._nursery.start_soon(self._run, job, None, done, scope, name=f"cron job {job.id}")
         else:
-            self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope)
+            self.delivery.hold(claimed.event)  # from the claim on, released by the delivery's task
+            self._delivering[job.id] = due_at(job)
+            self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope, generation)
 
     async def _deliver_claimed(
-        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope
+        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope, generation: int
     ) -> None:
+        """Hand a claimed ``SystemEvent``'s event over, then delete the job if it is done.
+
+        The claim finished the job in its transaction, so ``job`` is the job as stored unless a change
+        was made since (``generation`` moved): only then is it read again to decide on its deletion.
+        Its end wakes the timer only if a look left the job out and could not count its due time
+        (``_left_out``). The event was held since the claim (``_start_claimed``).
+        """
         try:
-            with self.delivery.holding(event):
+            try:
                 await self.delivery.hand_over(event)
-            await self._delete_if_done(job.id)
+            finally:
+                self.delivery.release(event)
+            if should_delete(job) or generation != self._generation:
+                await self._delete_if_done(job.id)
         finally:
-            self._finished(job.id, done, scope)
+            self._delivering.pop(job.id, None)
+            self._finished(job.id, done, scope, wake=job.id in self._passed_over)
 
     async def _wait_changed(self, seconds: float) -> None:
         """The timer's back-off after a store failure: ``seconds``, or until a job changes."""

@@ -58,6 +58,11 @@ STORE_FILE_NAME = "cron.sqlite3"
 
 _T = TypeVar("_T")
 
+#: The most fire ids one ``IN (...)`` query names (SQLite allows 32766 parameters).
+_IN_CHUNK = 500
+#: Where ``fire_id`` is among ``EVENT_COLUMNS``.
+_FIRE_ID_COLUMN = EVENT_COLUMNS.split(", ").index("fire_id")
+
 
 @attrs.define(eq=False)
 class SqliteJobStore:
@@ -80,6 +85,7 @@ class SqliteJobStore:
     )
     _conn: sqlite3.Connection | None = attrs.field(init=False, default=None)
     _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
+    _parsed: dict[str, tuple[str, CronJob]] = attrs.field(init=False, factory=dict)
 
     @classmethod
     def in_state_dir(
@@ -172,30 +178,58 @@ class SqliteJobStore:
 
     # -- jobs ---------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _read(conn: sqlite3.Connection, job_id: str) -> tuple[CronJob, sqlite3.Row | tuple[Any, ...]]:
+    def _job(self, job_id: str, data: Any) -> CronJob | None:
+        """The job of a row's ``data`` (``job_or_none``), parsed once per text: a row read again unchanged
+        (the timer looks at every job on each wake) costs a dictionary look-up, not a JSON parse.
+
+        Called in the store's worker thread only (one call at a time)."""
+        seen = self._parsed.get(job_id)
+        if seen is not None and seen[0] == data:
+            return seen[1]
+        job = job_or_none(job_id, data)
+        if job is None:
+            self._parsed.pop(job_id, None)
+        else:
+            self._parsed[job_id] = (data, job)
+        return job
+
+    def _all_rows(self, conn: sqlite3.Connection) -> list[Any]:
+        """Every job row (``id, data``), oldest first; the parsed jobs of rows gone (deleted by another
+        connection, a repair) are forgotten."""
+        rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
+        if len(self._parsed) > len(rows):
+            self._parsed = {r[0]: seen for r in rows if (seen := self._parsed.get(r[0])) is not None}
+        return rows
+
+    def _read(self, conn: sqlite3.Connection, job_id: str) -> tuple[CronJob, sqlite3.Row | tuple[Any, ...]]:
         row = conn.execute(
             "SELECT data, pending_fire, watch_state FROM jobs WHERE id = ?", (job_id,)
         ).fetchone()
         if row is None:
+            self._parsed.pop(job_id, None)
             raise JobNotFoundError(f"job_id {job_id!r} names no cron job; list the jobs to see their ids")
-        job = job_or_none(job_id, row[0])
+        job = self._job(job_id, row[0])
         if job is None:
             raise JobNotFoundError(f"job_id {job_id!r} names a cron job whose record is unreadable")
         return job, row
 
     @staticmethod
-    def _write(conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
+    def _text(job: CronJob, before: CronJob) -> str:
+        """The row text of ``job``, a change of ``before``."""
         if job.id != before.id or job.project != before.project or job.owner != before.owner:
             raise ValueError("a job change must keep the job's id and project, and its owner")
-        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (json.dumps(job.to_dict()), job.id))
+        return json.dumps(job.to_dict())
+
+    @classmethod
+    def _write(cls, conn: sqlite3.Connection, job: CronJob, before: CronJob) -> None:
+        conn.execute("UPDATE jobs SET data = ? WHERE id = ?", (cls._text(job, before), job.id))
 
     async def list_jobs(self) -> list[CronJob]:
         """Every readable job, oldest first; unreadable rows are logged and skipped."""
 
         def run(conn: sqlite3.Connection) -> list[CronJob]:
-            rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
-            return [job for job in (job_or_none(r[0], r[1]) for r in rows) if job is not None]
+            rows = self._all_rows(conn)
+            return [job for job in (self._job(r[0], r[1]) for r in rows) if job is not None]
 
         return await self._call(run, write=False)
 
@@ -255,6 +289,7 @@ class SqliteJobStore:
             pending = pending_or_none(row[1], job_id)
             event = None if pending is None else self._append(conn, job_id, row[2], pending, acked=acked)
             conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            self._parsed.pop(job_id, None)
             return job_or_none(job_id, row[0]), event
 
         return await self._call(run, write=True)
@@ -274,13 +309,38 @@ class SqliteJobStore:
 
     # -- events -------------------------------------------------------------------------------------
 
-    @staticmethod
+    @classmethod
     def _append(
-        conn: sqlite3.Connection, job_id: str, project: str | None, fire: PendingFire, *, acked: bool
+        cls, conn: sqlite3.Connection, job_id: str, project: str | None, fire: PendingFire, *, acked: bool
     ) -> FiredEvent:
         row = conn.execute(
             f"SELECT {EVENT_COLUMNS}, acked FROM events WHERE fire_id = ?", (fire.fire_id,)
         ).fetchone()
+        return cls._append_unless_logged(conn, job_id, project, fire, row, acked=acked)
+
+    @staticmethod
+    def _logged(conn: sqlite3.Connection, fire_ids: list[str]) -> dict[str, Any]:
+        """The event rows (``EVENT_COLUMNS``, ``acked``) already logged for ``fire_ids``, by fire id: one
+        query for a claim's whole batch instead of one per fire."""
+        found: dict[str, Any] = {}
+        for start in range(0, len(fire_ids), _IN_CHUNK):
+            chunk = fire_ids[start : start + _IN_CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            query = f"SELECT {EVENT_COLUMNS}, acked FROM events WHERE fire_id IN ({marks})"
+            found.update((row[_FIRE_ID_COLUMN], row) for row in conn.execute(query, chunk))
+        return found
+
+    @staticmethod
+    def _append_unless_logged(
+        conn: sqlite3.Connection,
+        job_id: str,
+        project: str | None,
+        fire: PendingFire,
+        row: Any,
+        *,
+        acked: bool,
+    ) -> FiredEvent:
+        """Append ``fire``, or (``row``: its event as logged already) return that event, acked if asked."""
         if row is not None:
             event = event_or_none(row[:-1])
             if event is None:
@@ -388,7 +448,7 @@ class SqliteJobStore:
             ).fetchall()
             found = []
             for job_id, data, text in rows:
-                job = job_or_none(job_id, data)
+                job = self._job(job_id, data)
                 fire = pending_or_none(text, job_id)
                 if job is not None and fire is not None:
                     found.append((job, fire))
@@ -441,19 +501,22 @@ class SqliteJobStore:
         skipped = set(skip)
 
         def run(conn: sqlite3.Connection) -> DueClaims:
-            rows = conn.execute("SELECT id, data FROM jobs ORDER BY seq").fetchall()
-            jobs = [
-                j for j in (job_or_none(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped
-            ]
+            rows = self._all_rows(conn)
+            jobs = [j for j in (self._job(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped]
             due = sorted((j for j in jobs if (at := due_at(j)) is not None and at <= now), key=_due_order)
+            taken = [(job, t) for job in due[:limit] if (t := take_due(job, now)) is not None]
+            texts = [(self._text(after, job), after.id) for job, (after, _fire) in taken]
+            conn.executemany("UPDATE jobs SET data = ? WHERE id = ?", texts)
+            logged = self._logged(conn, [fire.fire_id for _job, (_after, fire) in taken if fire is not None])
             claims = []
-            for job in due[:limit]:
-                taken = take_due(job, now)
-                if taken is None:
-                    continue
-                after, fire = taken
-                self._write(conn, after, job)
-                event = None if fire is None else self._append(conn, job.id, job.project, fire, acked=acked)
+            for (job, (after, fire)), (text, _id) in zip(taken, texts, strict=True):
+                # Kept parsed: ``after`` is the claim of a job read (and escaped) here, so it is what
+                # reading the text back gives (a rollback leaves other text, which is parsed again).
+                self._parsed[after.id] = (text, after)
+                event = None
+                if fire is not None:
+                    row = logged.get(fire.fire_id)
+                    event = self._append_unless_logged(conn, job.id, job.project, fire, row, acked=acked)
                 claims.append(Claim(after, event))
             claimed = {c.job.id: c.job for c in claims}
             waiting = [due_at(claimed.get(j.id, j)) for j in jobs]
