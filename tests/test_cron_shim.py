@@ -288,3 +288,10 @@ async def test_an_on_exit_job_fires_what_either_shim_recorded(
     (event,) = events
     assert (event.exit_code, event.signal) == (exit_code, number), event
     assert event.stderr_tail == ""
+
+
+def test_a_command_that_cannot_run_is_recorded_as_exit_127(kind: str, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-program")
+    code, _, err, record = run_shim(kind, tmp_path / "exit.json", missing, "arg")
+    assert code == 127 and f"cannot run {missing!r}" in err
+    assert record["pid"] is None and record["exit_code"] == 127

@@ -6,8 +6,9 @@
 # (they reach the command through the group). The record's blocks are reserved before the command starts
 # (4 KiB of spaces, overwritten in place: JSON allows trailing blanks), so a disk filled meanwhile cannot
 # lose it. Not a shell: a shell's `wait` says 130 both for `exit 130` and for a death by SIGINT.
-use strict;  # (no other module before the command starts: each costs milliseconds; the exit path loads
-             # IO::Handle and Time::HiRes)
+# No module but strict before the command starts (each costs milliseconds): the exit path loads IO::Handle
+# (fsync) and Time::HiRes (ended_at).
+use strict;
 
 sub untaint { my ($value) = $_[0] =~ /\A(.*)\z/s; return $value }
 
@@ -64,21 +65,28 @@ sub end_as {  # the same signal (re-raised on itself), or the same exit code
     exit $status >> 8;
 }
 
+# A pipe closed on exec (perl sets FD_CLOEXEC above fd 2): the child writes to it only if exec failed.
+pipe(my $exec_failed, my $tell) or $problem //= "$!";
 my $pid = fork();
-if (!defined $pid) {
-    say_err("cannot run '$command[0]': $!");
+if (defined $pid && $pid == 0) {
+    close $reserved if defined $reserved;
+    close $exec_failed if defined $exec_failed;
+    $SIG{$_} = 'DEFAULT' for @passed_on, qw(PIPE XFSZ);
+    exec { $command[0] } @command;
+    print STDERR "cannot run '$command[0]': $!\n";
+    syswrite($tell, 'x') if defined $tell;
+    require POSIX;
+    POSIX::_exit(127);
+}
+close $tell if defined $tell;
+if (!defined $pid || (defined $exec_failed && sysread($exec_failed, my $byte, 1))) {
+    say_err("cannot run '$command[0]': $!") if !defined $pid;
+    waitpid($pid, 0) if defined $pid;
     require Time::HiRes;
     write_record(sprintf('{"pid": null, "exit_code": 127, "ended_at": %.6f}', Time::HiRes::time()));
     exit 127;
 }
-if ($pid == 0) {
-    close $reserved if defined $reserved;
-    $SIG{$_} = 'DEFAULT' for @passed_on, qw(PIPE XFSZ);
-    exec { $command[0] } @command;
-    print STDERR "cannot run '$command[0]': $!\n";
-    require POSIX;
-    POSIX::_exit(127);
-}
+close $exec_failed if defined $exec_failed;
 my $status;
 while (1) {
     my $done = waitpid($pid, 0);
