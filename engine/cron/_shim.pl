@@ -7,8 +7,10 @@
 # (4 KiB of spaces, overwritten in place: JSON allows trailing blanks), so a disk filled meanwhile cannot
 # lose it. Not a shell: a shell's `wait` says 130 both for `exit 130` and for a death by SIGINT.
 # No module but strict before the command starts (each costs milliseconds): the exit path loads IO::Handle
-# (fsync) and Time::HiRes (ended_at).
+# (fsync; in perl-base) and Time::HiRes (ended_at; not in perl-base: whole seconds without it).
 use strict;
+
+sub now { my $now = eval { require Time::HiRes; Time::HiRes::time() }; return defined $now ? $now : time() }
 
 sub untaint { my ($value) = $_[0] =~ /\A(.*)\z/s; return $value }
 
@@ -75,28 +77,23 @@ if (defined $pid && $pid == 0) {
     exec { $command[0] } @command;
     print STDERR "cannot run '$command[0]': $!\n";
     syswrite($tell, 'x') if defined $tell;
-    require POSIX;
-    POSIX::_exit(127);
+    eval { require POSIX; POSIX::_exit(127) };
+    exit 127;
 }
 close $tell if defined $tell;
 if (!defined $pid || (defined $exec_failed && sysread($exec_failed, my $byte, 1))) {
     say_err("cannot run '$command[0]': $!") if !defined $pid;
     waitpid($pid, 0) if defined $pid;
-    require Time::HiRes;
-    write_record(sprintf('{"pid": null, "exit_code": 127, "ended_at": %.6f}', Time::HiRes::time()));
+    write_record(sprintf('{"pid": null, "exit_code": 127, "ended_at": %.6f}', now()));
     exit 127;
 }
 close $exec_failed if defined $exec_failed;
-my $status;
-while (1) {
-    my $done = waitpid($pid, 0);
-    if ($done == $pid) { $status = $?; last }
-    if ($done == -1 && !$!{EINTR}) { $status = 127 << 8; last }
-}
-require Time::HiRes;
+# (No EINTR to retry: the shim catches no signal. And no `%!` anywhere: it loads Errno, and Config, at
+# compile time, which costs milliseconds before the command starts.)
+my $status = waitpid($pid, 0) == $pid ? $? : 127 << 8;
 my $record = ($status & 127)
-    ? sprintf('{"pid": %d, "signal": %d, "ended_at": %.6f}', $pid, $status & 127, Time::HiRes::time())
-    : sprintf('{"pid": %d, "exit_code": %d, "ended_at": %.6f}', $pid, $status >> 8, Time::HiRes::time());
+    ? sprintf('{"pid": %d, "signal": %d, "ended_at": %.6f}', $pid, $status & 127, now())
+    : sprintf('{"pid": %d, "exit_code": %d, "ended_at": %.6f}', $pid, $status >> 8, now());
 my $failure = write_record($record);
 if (defined $failure) {
     unlink $tmp;
