@@ -30,7 +30,7 @@ from .children import mark, pgrep_env
 
 #: The two shims' argv prefixes: Perl (the default) and Python (the fallback).
 SHIMS = {
-    "pl": (_shell.find_perl() or "perl", "-T", _shell.SHIM_PL),
+    "pl": (_shell.find_perl() or "perl", "-t", _shell.SHIM_PL),
     "py": (sys.executable, "-I", "-S", _shell.SHIM_PY),
 }
 
@@ -278,7 +278,7 @@ def test_a_reserved_record_reads_back_with_its_padding(kind: str, tmp_path: Path
 async def test_an_on_exit_job_fires_what_either_shim_recorded(
     kind: str, tmp_path: Path, command: str, exit_code: int | None, number: int | None
 ) -> None:
-    assert _shell.shim_argv("x", ("y",))[1] == ("-T" if kind == "pl" else "-I")  # the shim the engine runs
+    assert _shell.shim_argv("x", ("y",))[1] == ("-t" if kind == "pl" else "-I")  # the shim the engine runs
     config = EngineConfig(state_dir=str(tmp_path / "state"), exit_watch_shell=("bash", "-c", "--"))
     async with open_engine(config) as engine:
         await engine.cron.add(OnExit(command=command, cwd=str(tmp_path)), SystemEvent("finished"))
@@ -295,3 +295,26 @@ def test_a_command_that_cannot_run_is_recorded_as_exit_127(kind: str, tmp_path: 
     code, _, err, record = run_shim(kind, tmp_path / "exit.json", missing, "arg")
     assert code == 127 and f"cannot run {missing!r}" in err
     assert record["pid"] is None and record["exit_code"] == 127
+
+
+def test_the_shim_ignores_the_interpreters_startup_variables_and_a_path_taint_mode_dislikes(
+    kind: str, tmp_path: Path
+) -> None:
+    environ = {
+        **os.environ,
+        "PATH": f".:relative/bin:/tmp:{os.environ['PATH']}",  # relative and world-writable folders
+        "PERL5OPT": "-MNoSuchModuleOfGadget",
+        "PERL5LIB": str(tmp_path),
+        "PYTHONSTARTUP": str(tmp_path / "nothing.py"),
+    }
+    proc = subprocess.run(
+        [*SHIMS[kind], str(tmp_path / "exit.json"), "--", "sh", "-c", "echo ran; exit 4"],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=10,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (4, "ran\n", "")
+    record = _shim.read_exit_file(str(tmp_path / "exit.json"))
+    assert record is not None and record["exit_code"] == 4

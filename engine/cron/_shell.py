@@ -84,12 +84,12 @@ def find_perl() -> str | None:
 def shim_argv(exit_file: str, argv: tuple[str, ...]) -> tuple[str, ...]:
     """The argv that runs ``argv`` under the exit-recording shim, which records its end in ``exit_file``.
 
-    The Perl shim (``_shim.pl`` under ``perl -T``: no ``PERL5OPT``, no ``PERL5LIB``) when a perl is found
+    The Perl shim (``_shim.pl`` under ``perl -t``: no ``PERL5OPT``, no ``PERL5LIB``) when a perl is found
     and the script is there; else the Python shim (``_shim.py`` under ``python -I -S``). Both take
     ``EXIT_FILE -- ARGV...``, write the same record and end the same way. Not a shell: a shell's ``wait``
     gives 130 both for ``exit 130`` and for a death by SIGINT, and the record must say which.
     """
     perl = find_perl()
     if perl is not None and os.path.isfile(SHIM_PL):
-        return (perl, "-T", SHIM_PL, exit_file, "--", *argv)
+        return (perl, "-t", SHIM_PL, exit_file, "--", *argv)
     return (sys.executable, "-I", "-S", SHIM_PY, exit_file, "--", *argv)

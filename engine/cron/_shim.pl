@@ -1,16 +1,20 @@
 # The exit-recording shim in Perl (engine/cron/_shell.py's shim_argv says when it is used; _shim.py is the
-# same shim in Python, the fallback). Run as `perl -T _shim.pl EXIT_FILE -- COMMAND [ARGS...]` (-T: no
-# PERL5OPT, no PERL5LIB) as the leader of the command's process group. It runs COMMAND with default signal
-# dispositions, waits for it, writes {"pid", "exit_code" | "signal", "ended_at"} to EXIT_FILE (temp file,
-# fsync, rename), then ends the way the command did. It ignores SIGINT, SIGTERM, SIGQUIT and SIGHUP itself
-# (they reach the command through the group). The record's blocks are reserved before the command starts
-# (4 KiB of spaces, overwritten in place: JSON allows trailing blanks), so a disk filled meanwhile cannot
-# lose it. Not a shell: a shell's `wait` says 130 both for `exit 130` and for a death by SIGINT.
+# same shim in Python, the fallback). Run as `perl -t _shim.pl EXIT_FILE -- COMMAND [ARGS...]` (-t: no
+# PERL5OPT, no PERL5LIB; unlike -T, a PATH that taint mode calls insecure is only a warning, silenced) as
+# the leader of the command's process group. It runs COMMAND with default signal dispositions, waits for
+# it, writes {"pid", "exit_code" | "signal", "ended_at"} to EXIT_FILE (temp file, fsync, rename), then
+# ends the way the command did. It ignores SIGINT, SIGTERM, SIGQUIT and SIGHUP itself (they reach the
+# command through the group). The record's blocks are reserved before the command starts (4 KiB of
+# spaces, overwritten in place: JSON allows trailing blanks), so a disk filled meanwhile cannot lose it.
+# Not a shell: a shell's `wait` says 130 both for `exit 130` and for a death by SIGINT.
 # No module but strict before the command starts (each costs milliseconds): the exit path loads IO::Handle
 # (fsync; in perl-base) and Time::HiRes (ended_at; not in perl-base: whole seconds without it).
 use strict;
 
 sub now { my $now = eval { require Time::HiRes; Time::HiRes::time() }; return defined $now ? $now : time() }
+
+# The shim speaks only through its own messages (print STDERR): no perl warning reaches the watch log.
+$SIG{__WARN__} = sub { };
 
 sub untaint { my ($value) = $_[0] =~ /\A(.*)\z/s; return $value }
 
@@ -28,7 +32,12 @@ my $problem;
 my $reserved;
 if (open(my $fh, '+>', $tmp)) {
     my $written = syswrite($fh, ' ' x $reserve_bytes);
-    if (defined $written && $written == $reserve_bytes) { $reserved = $fh } else { $problem = "$!"; close $fh }
+    if (defined $written && $written == $reserve_bytes) {
+        $reserved = $fh;
+    } else {
+        $problem = "$!";
+        close $fh;
+    }
 } else {
     $problem = "$!";
 }
