@@ -1,8 +1,10 @@
-"""The exit-recording shim on a full disk (``engine/cron/_shim.py``): the command's exit code is its own.
+"""The exit-recording shim (``engine/cron/_shim.pl``, and ``_shim.py``, the fallback when no perl is
+found): how the command ended, recorded and passed on the same way by both; on a full disk, the command's
+exit code is its own.
 
 Tried: with the state dir full, an on-exit command that exited 0 was reported as exit 120 (the shim's
 own failure). The full disk is a small tmpfs the test mounts (as root; skipped with the reason where
-``mount`` is not allowed).
+``mount`` is not allowed). Every shim test runs both shims.
 """
 
 from __future__ import annotations
@@ -22,11 +24,25 @@ import pytest
 import trio
 
 from engine import EngineConfig, OnExit, SystemEvent, open_engine
-from engine.cron import _shim
+from engine.cron import _shell, _shim
 
 from .children import mark, pgrep_env
 
-SHIM = _shim.__file__
+#: The two shims' argv prefixes: Perl (the default) and Python (the fallback).
+SHIMS = {
+    "pl": (_shell.find_perl() or "perl", "-t", _shell.SHIM_PL),
+    "py": (sys.executable, "-I", "-S", _shell.SHIM_PY),
+}
+
+
+@pytest.fixture(params=sorted(SHIMS))
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which shim the test runs: ``pl`` or ``py``; an engine in this test uses the same one (``py``: as
+    when no perl is found)."""
+    name: str = request.param
+    if name == "py":
+        monkeypatch.setattr(_shell, "find_perl", lambda: None)
+    return name
 
 
 def fill(folder: Path) -> Path:
@@ -63,10 +79,11 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def shim(exit_file: Path, *command: str) -> subprocess.Popen[str]:
-    """The shim running ``command``, in a session of its own (so a failing test ends its whole group)."""
+def shim(kind: str, exit_file: Path, *command: str) -> subprocess.Popen[str]:
+    """The ``kind`` shim running ``command``, in a session of its own (so a failing test ends its whole
+    group)."""
     return subprocess.Popen(
-        [sys.executable, "-I", "-S", SHIM, str(exit_file), "--", *command],
+        [*SHIMS[kind], str(exit_file), "--", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -81,10 +98,12 @@ def end_group(proc: subprocess.Popen[str]) -> None:
 
 
 def test_shim_records_the_exit_in_reserved_space_when_the_disk_fills_meanwhile(
-    small_disk: Path, tmp_path: Path
+    kind: str, small_disk: Path, tmp_path: Path
 ) -> None:
     go = tmp_path / "go"
-    proc = shim(small_disk / "exit.json", "sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; exit 3")
+    proc = shim(
+        kind, small_disk / "exit.json", "sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; exit 3"
+    )
     try:
         deadline = time.monotonic() + 10
         while not any(name.startswith("exit.json.tmp.") for name in os.listdir(small_disk)):
@@ -100,10 +119,10 @@ def test_shim_records_the_exit_in_reserved_space_when_the_disk_fills_meanwhile(
     assert record["exit_code"] == 3
 
 
-def test_shim_ends_with_the_commands_status_when_nothing_can_be_recorded(small_disk: Path) -> None:
+def test_shim_ends_with_the_commands_status_when_nothing_can_be_recorded(kind: str, small_disk: Path) -> None:
     fill(small_disk)
     for code in (0, 7):
-        proc = shim(small_disk / "exit.json", "sh", "-c", f"exit {code}")
+        proc = shim(kind, small_disk / "exit.json", "sh", "-c", f"exit {code}")
         try:
             _, err = proc.communicate(timeout=10)
         finally:
@@ -114,7 +133,7 @@ def test_shim_ends_with_the_commands_status_when_nothing_can_be_recorded(small_d
 
 
 async def test_on_exit_job_on_a_full_state_dir_fires_with_the_commands_own_exit_code(
-    small_disk: Path, tmp_path: Path
+    kind: str, small_disk: Path, tmp_path: Path
 ) -> None:
     go = tmp_path / "go"
     marker = mark("340.91")
@@ -145,3 +164,157 @@ async def test_on_exit_job_on_a_full_state_dir_fires_with_the_commands_own_exit_
         (event,) = events
         assert event.exit_code == 0 and event.signal is None, event
         assert event.job_id == job.id
+
+
+def run_shim(kind: str, exit_file: Path, *command: str) -> tuple[int, str, str, dict[str, object]]:
+    """Run ``command`` under the ``kind`` shim to its end: the shim's return code, stdout, stderr, record."""
+    proc = shim(kind, exit_file, *command)
+    try:
+        out, err = proc.communicate(timeout=10)
+    finally:
+        end_group(proc)
+    record = _shim.read_exit_file(str(exit_file))
+    assert record is not None, err
+    return proc.returncode, out, err, record
+
+
+@pytest.mark.parametrize(
+    ("script", "returncode", "outcome"),
+    [
+        ("exit 0", 0, ("exit_code", 0)),
+        ("exit 3", 3, ("exit_code", 3)),
+        ("exit 130", 130, ("exit_code", 130)),  # not SIGINT, although a shell's $? says 130 for both
+        ("exit 143", 143, ("exit_code", 143)),
+        ("kill -INT $$", -2, ("signal", 2)),
+        ("kill -TERM $$", -15, ("signal", 15)),
+        ("kill -SEGV $$", -11, ("signal", 11)),
+        ("kill -KILL $$", -9, ("signal", 9)),
+        ("kill -USR1 $$", -10, ("signal", 10)),
+    ],
+)
+def test_shim_records_how_the_command_ended_and_ends_the_same_way(
+    kind: str, tmp_path: Path, script: str, returncode: int, outcome: tuple[str, int]
+) -> None:
+    exit_file = tmp_path / "exit.json"
+    before = time.time()
+    code, _, err, record = run_shim(kind, exit_file, "sh", "-c", script)
+    assert code == returncode and err == ""
+    key, value = outcome
+    assert record[key] == value and ({"exit_code", "signal"} - {key}).isdisjoint(record)
+    assert isinstance(record["pid"], int) and record["pid"] > 0
+    ended_at = record["ended_at"]
+    assert isinstance(ended_at, float) and before <= ended_at <= time.time()
+    assert [p.name for p in tmp_path.iterdir()] == ["exit.json"]  # no temp file left
+
+
+@pytest.mark.parametrize("name", ["INT", "TERM", "QUIT", "HUP"])
+def test_shim_outlives_a_signal_to_the_group_and_records_it(kind: str, tmp_path: Path, name: str) -> None:
+    number = int(getattr(signal, f"SIG{name}"))
+    ready = tmp_path / "ready"
+    exit_file = tmp_path / "exit.json"
+    proc = shim(kind, exit_file, "sh", "-c", f"touch {ready}; while :; do sleep 0.02; done")
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the command did not start"
+            time.sleep(0.01)
+        os.killpg(proc.pid, number)  # the whole group: the shim and its command
+        _, err = proc.communicate(timeout=10)
+    finally:
+        end_group(proc)
+    assert proc.returncode == -number, err
+    record = _shim.read_exit_file(str(exit_file))
+    assert record is not None and record["signal"] == number and "exit_code" not in record
+
+
+def test_the_command_runs_with_default_signal_dispositions(kind: str, tmp_path: Path) -> None:
+    _, out, _, _ = run_shim(kind, tmp_path / "exit.json", "grep", "-E", "^Sig(Ign|Blk):", "/proc/self/status")
+    masks = {line.split(":")[0]: int(line.split()[1], 16) for line in out.splitlines()}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
+        bit = 1 << (int(sig) - 1)
+        assert not masks["SigIgn"] & bit and not masks["SigBlk"] & bit, (sig, masks)
+
+
+def test_the_command_gets_its_argv_stdin_and_environment_as_given(kind: str, tmp_path: Path) -> None:
+    args = ["a b", "", "$HOME", "it's", '"q"', "-n", "l1\nl2", "*", "\\", "--"]
+    env_script = "import os, sys; print(repr((sys.argv[1:], sys.stdin.read(), os.environ.get('SHLVL'), "
+    env_script += "os.environ.get('GADGET_SHIM_PROBE'), os.environ.get('BASH_ENV'))))"
+    environ = {**os.environ, "SHLVL": "4", "GADGET_SHIM_PROBE": "x y", "BASH_ENV": str(tmp_path / "env.sh")}
+    (tmp_path / "env.sh").write_text(f"touch {tmp_path}/bash_env_ran\n")
+    proc = subprocess.run(
+        [
+            *SHIMS[kind],
+            str(tmp_path / "exit.json"),
+            "--",
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            env_script,
+            *args,
+        ],
+        input="from stdin\n",
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=10,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == repr((args, "from stdin\n", "4", "x y", str(tmp_path / "env.sh"))) + "\n"
+    assert not (tmp_path / "bash_env_ran").exists()  # no shell of ours reads BASH_ENV (the command may)
+
+
+def test_a_reserved_record_reads_back_with_its_padding(kind: str, tmp_path: Path) -> None:
+    exit_file = tmp_path / "exit.json"
+    _, _, _, record = run_shim(kind, exit_file, "true")
+    assert record["exit_code"] == 0
+    assert exit_file.read_bytes().lstrip().startswith(b"{")
+
+
+@pytest.mark.parametrize(
+    ("command", "exit_code", "number"), [("exit 130", 130, None), ("kill -TERM $$", None, 15)]
+)
+async def test_an_on_exit_job_fires_what_either_shim_recorded(
+    kind: str, tmp_path: Path, command: str, exit_code: int | None, number: int | None
+) -> None:
+    assert _shell.shim_argv("x", ("y",))[1] == ("-t" if kind == "pl" else "-I")  # the shim the engine runs
+    config = EngineConfig(state_dir=str(tmp_path / "state"), exit_watch_shell=("bash", "-c", "--"))
+    async with open_engine(config) as engine:
+        await engine.cron.add(OnExit(command=command, cwd=str(tmp_path)), SystemEvent("finished"))
+        with trio.fail_after(15):
+            while not (events := await engine.cron.events()):
+                await trio.sleep(0.05)
+    (event,) = events
+    assert (event.exit_code, event.signal) == (exit_code, number), event
+    assert event.stderr_tail == ""
+
+
+def test_a_command_that_cannot_run_is_recorded_as_exit_127(kind: str, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-program")
+    code, _, err, record = run_shim(kind, tmp_path / "exit.json", missing, "arg")
+    assert code == 127 and f"cannot run {missing!r}" in err
+    assert record["pid"] is None and record["exit_code"] == 127
+
+
+def test_the_shim_ignores_the_interpreters_startup_variables_and_a_path_taint_mode_dislikes(
+    kind: str, tmp_path: Path
+) -> None:
+    environ = {
+        **os.environ,
+        "PATH": f".:relative/bin:/tmp:{os.environ['PATH']}",  # relative and world-writable folders
+        "PERL5OPT": "-MNoSuchModuleOfGadget",
+        "PERL5LIB": str(tmp_path),
+        "PYTHONSTARTUP": str(tmp_path / "nothing.py"),
+    }
+    proc = subprocess.run(
+        [*SHIMS[kind], str(tmp_path / "exit.json"), "--", "sh", "-c", "echo ran; exit 4"],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=10,
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (4, "ran\n", "")
+    record = _shim.read_exit_file(str(tmp_path / "exit.json"))
+    assert record is not None and record["exit_code"] == 4

@@ -1,11 +1,11 @@
 """On-exit watchers: run a job's command, and fire the job once when it exits (docs/design.md, invariant 5).
 
 Each enabled :class:`OnExit` job gets a slot with an arm token (``_arming``) and a watcher task in the
-engine's nursery. The task runs the command under our exit-recording shim (``_shim``), in scope
-``cron-exit:<job_id>`` with replace-existing, output to ``<state_dir>/watch-logs/``. When the command
-exits, the job is disabled and its pending fire written in one transaction (**persist**), and only then
-fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task that
-lost its slot never persists and never fires.
+engine's nursery. The task runs the command under our exit-recording shim (``_shim.pl``, else
+``_shim.py``; see ``_shell.shim_argv``), in scope ``cron-exit:<job_id>`` with replace-existing, output
+to ``<state_dir>/watch-logs/``. When the command exits, the job is disabled and its pending fire written
+in one transaction (**persist**), and only then fired (**fire**). A failed persist keeps the result and
+retries the persist, never the command; a task that lost its slot never persists and never fires.
 
 Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). An
 engine that stops, by a crash or gracefully (:meth:`CronExitWatchers.detach_all`), leaves the command
@@ -23,7 +23,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
@@ -46,7 +45,7 @@ from ._job import CronJob, JobStatus, SystemEvent
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
-from ._shell import watch_argv
+from ._shell import shim_argv, watch_argv
 from ._shim import read_exit_file
 from ._watch_state import WatchState
 
@@ -61,7 +60,6 @@ WatchHook = Callable[[str], Awaitable[None]]
 #: after the persist committed; and right before the fire is delivered.
 HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "before_fire")
 
-_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim.py")
 _LOGS = "watch-logs"
 
 _T = TypeVar("_T")
@@ -317,7 +315,7 @@ class CronExitWatchers:
         cwd = schedule.cwd or os.getcwd()
         argv, env = watch_argv(self.shell, schedule.command, cwd, paths.started)
         spec = SpawnSpec(
-            argv=(sys.executable, "-I", "-S", _SHIM, paths.exit_file, "--", *argv),
+            argv=shim_argv(paths.exit_file, argv),
             cwd=cwd,
             env=env,
             stdout=paths.stdout,

@@ -1,11 +1,19 @@
-"""The shell an on-exit command runs in, and the argv of a watched command."""
+"""The shell an on-exit command runs in, the argv of a watched command, and the shim that records its exit."""
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import sys
 
-__all__ = ["resolve_exit_watch_shell", "watch_argv"]
+__all__ = ["resolve_exit_watch_shell", "shim_argv", "watch_argv"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: The exit-recording shim in Perl (its command starts ~2-5 ms after the spawn) and the same shim in Python
+#: (~10 ms or more), the fallback where no perl is found.
+SHIM_PL = os.path.join(_HERE, "_shim.pl")
+SHIM_PY = os.path.join(_HERE, "_shim.py")
 
 #: The POSIX default: a login shell, so the agent's PATH and tools are there; ``--`` so that a command
 #: starting with ``-`` is a command, not a bash option.
@@ -60,3 +68,28 @@ def watch_argv(
         env = {CWD_VAR: cwd, COMMAND_VAR: command, STARTED_VAR: started_file}
         return (*shell, _BASH_WRAPPER), env
     return (*shell, command), {}
+
+
+@functools.cache
+def _perl_at(path: str | None) -> str | None:
+    found = shutil.which("perl", path=path)
+    return os.path.realpath(found) if found is not None else None
+
+
+def find_perl() -> str | None:
+    """The perl the shim runs in (looked up in ``PATH``, once per ``PATH`` value), or ``None``."""
+    return _perl_at(os.environ.get("PATH"))
+
+
+def shim_argv(exit_file: str, argv: tuple[str, ...]) -> tuple[str, ...]:
+    """The argv that runs ``argv`` under the exit-recording shim, which records its end in ``exit_file``.
+
+    The Perl shim (``_shim.pl`` under ``perl -t``: no ``PERL5OPT``, no ``PERL5LIB``) when a perl is found
+    and the script is there; else the Python shim (``_shim.py`` under ``python -I -S``). Both take
+    ``EXIT_FILE -- ARGV...``, write the same record and end the same way. Not a shell: a shell's ``wait``
+    gives 130 both for ``exit 130`` and for a death by SIGINT, and the record must say which.
+    """
+    perl = find_perl()
+    if perl is not None and os.path.isfile(SHIM_PL):
+        return (perl, "-t", SHIM_PL, exit_file, "--", *argv)
+    return (sys.executable, "-I", "-S", SHIM_PY, exit_file, "--", *argv)

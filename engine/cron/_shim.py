@@ -11,6 +11,10 @@ The record's disk blocks are reserved before the command starts (:class:`Reserve
 (or anything) fills meanwhile cannot lose it; and the shim's own exit status is always the command's, so
 when a record still cannot be written the engine falls back on the right status, and the shim reports the
 recording failure separately, on stderr (the watch log, when it has room).
+
+``_shim.pl`` is the same shim in Perl, run instead of this one where a perl is found (it starts several
+times sooner); this one is the fallback. Both take the same arguments, write the same record and end the
+same way (``tests/test_cron_shim.py`` runs every test on both). :func:`read_exit_file` reads both.
 """
 
 from __future__ import annotations
