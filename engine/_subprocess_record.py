@@ -63,6 +63,8 @@ class SubProcess:
     _stopping: bool = attrs.field(init=False, default=False)
     _capped_final: bool = attrs.field(init=False, default=False)
     _removed: bool = attrs.field(init=False, default=False)
+    #: Set once a kill of the record began: its logs are deleted when that kill ends.
+    _killing: bool = attrs.field(init=False, default=False)
     #: ``new_only`` readers: the offset each has read up to, by ``(stream, reader)``.
     _cursors: dict[tuple[str, str], int] = attrs.field(init=False, factory=dict)
     _cursor_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)

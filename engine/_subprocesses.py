@@ -508,6 +508,7 @@ class SubProcessService:
             SubProcessNotFoundError: ``sp`` was already killed or is not managed here.
         """
         self._require(sp)
+        sp._killing = True
         try:
             return await self._stop(sp)
         finally:
@@ -596,10 +597,15 @@ class SubProcessService:
             ``True`` when this call stopped a live process.
 
         Raises:
-            SubProcessNotFoundError: ``sp`` was killed or is not managed here.
+            SubProcessNotFoundError: ``sp`` was killed or is not managed here, or a kill of it began
+                before this halt ended (its logs are deleted: nothing is kept).
         """
         self._require(sp)
         stopped = await self._stop(sp)
+        if sp._killing:  # a concurrent kill ended it, or will delete its logs at once: not kept
+            raise SubProcessNotFoundError(
+                f"pid {sp.pid} was killed while it was being halted; its logs are deleted"
+            )
         if stopped:
             with trio.CancelScope(shield=True):
                 await self._cap([sp])

@@ -279,6 +279,39 @@ async def test_halt_pid_keeps_logs_and_record_then_second_halt_is_noop(tmp_path:
         assert not any(os.path.exists(p) for p in log_paths(sp))
 
 
+async def test_halt_meeting_a_kill_says_the_logs_are_deleted(tmp_path: Path) -> None:
+    """A halt that a kill overtakes does not answer as if the logs were kept (found by a new user)."""
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path, grace_seconds=0.5) as engine:
+        service = engine.service
+        code = f"trap '' INT; echo up; sleep {mark('312.7')}"
+        for first in ("halt", "kill"):
+            sp = await service.create(project, "bash", ["-c", code])
+            await wait_for_text(sp.stdout_path, "up")
+            outcome: dict[str, object] = {}
+
+            async def halt(sp: SubProcess = sp, outcome: dict[str, object] = outcome) -> None:
+                try:
+                    outcome["halt"] = await service.halt_subprocess(sp)
+                except SubProcessNotFoundError as exc:
+                    outcome["halt"] = exc
+
+            async def kill(sp: SubProcess = sp, outcome: dict[str, object] = outcome) -> None:
+                outcome["kill"] = await service.kill_subprocess(sp)
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(halt if first == "halt" else kill)
+                    await trio.sleep(0.1)  # the first is in its grace period
+                    nursery.start_soon(kill if first == "halt" else halt)
+            assert isinstance(outcome["halt"], SubProcessNotFoundError), outcome
+            assert "its logs are deleted" in str(outcome["halt"])
+            assert outcome["kill"] is (first == "kill")
+            assert sp not in service.ps()
+            assert not any(os.path.exists(p) for p in log_paths(sp))
+    assert not pgrep(rf"sleep 312\.7{SESSION}")
+
+
 async def test_create_moves_kept_logs_aside_when_pid_names_collide(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
