@@ -433,12 +433,23 @@ async def test_service_command_payload_reports_exit_and_output(
         assert after.next_run_at is not None and after.last_run_at is not None
         assert after.next_run_at >= after.last_run_at + timedelta(seconds=30)  # back-off
 
-        missing = await cron.add(Every(3600), Command(("/no/such/program",)))
+        # A program that is not there is refused when the job is added (as create refuses it at once) ...
+        for argv0 in ("/no/such/program", "no-such-program-on-path"):
+            with pytest.raises(InvalidScheduleError, match="argv\\[0\\]"):
+                await cron.add(Every(3600), Command((argv0,)))
+            with pytest.raises(InvalidScheduleError, match="argv\\[0\\]"):
+                await cron.update(job.id, payload=Command((argv0,)))
+        # ... and one removed after the add makes its run's event say so.
+        program = tmp_path / "program"
+        program.write_text("#!/bin/sh\nexit 0\n")
+        program.chmod(0o755)
+        missing = await cron.add(Every(3600), Command((str(program),)))
+        program.unlink()
         with trio.fail_after(10):
             await cron.run_now(missing.id)
         last = (await cron.events())[-1]
         assert last.reason == "spawn_failed" and last.exit_code is None
-        assert "/no/such/program" in last.text
+        assert str(program) in last.text
         await cron.remove(job.id)
         assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
 

@@ -8,12 +8,37 @@ import shlex
 
 import trio
 
-from .._errors import SpawnError
+from .._errors import InvalidScheduleError, SpawnError
+from .._input import show
+from .._spawn import resolve_executable
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
 
-__all__ = ["command_log_paths", "run_command"]
+__all__ = ["check_command_can_start", "command_log_paths", "run_command"]
+
+
+def check_command_can_start(payload: object) -> None:
+    """Check that a :class:`Command` payload's program is there now, found as its runs will look for it
+    (``argv[0]`` in the engine's ``PATH``, or a path from the job's ``cwd``), as ``create`` finds out at
+    once; other payloads pass. ``CronService`` calls this when a job is added or its payload replaced, not
+    when it is loaded or fired (a program removed later makes that run's event say so).
+
+    Raises:
+        InvalidScheduleError: naming ``argv[0]`` and the fix.
+    """
+    if not isinstance(payload, Command):
+        return
+    program = payload.argv[0]
+    cwd = payload.cwd if payload.cwd is not None else os.getcwd()
+    try:
+        path = resolve_executable(program, cwd, os.environ.get("PATH"))
+    except SpawnError:
+        raise InvalidScheduleError(
+            f"payload argv[0] {show(program)} is not in the engine's PATH; give a path or install it"
+        ) from None
+    if not os.path.exists(path):
+        raise InvalidScheduleError(f"payload argv[0] {show(program)}: there is no file {show(path)}")
 
 
 def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:

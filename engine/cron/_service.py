@@ -43,7 +43,7 @@ from .._input import check_flag, check_int, check_optional_text, check_text
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
 from ._claims import Claim, JobOwnedElsewhereError, due_at, floats
-from ._command import command_log_paths, run_command
+from ._command import check_command_can_start, command_log_paths, run_command
 from ._delivery import Delivery, FireHandler, FireObserver
 from ._events import FiredEvent, PendingFire, text_fire
 from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
@@ -180,6 +180,7 @@ class CronService:
         validate_schedule(schedule)
         check_on_exit_cwd(schedule)
         validate_payload(payload)
+        check_command_can_start(payload)
         if name is not None:
             check_text(name, "name")
         check_flag(enabled, "enabled")
@@ -237,6 +238,7 @@ class CronService:
                 check_on_exit_cwd(value)
             elif key == "payload":
                 validate_payload(value)
+                check_command_can_start(value)
             elif key == "name":
                 check_text(value, "name")
             else:
