@@ -189,13 +189,25 @@ class Leaf:
             return False
         return any(line == f"0::{self.rel}" for line in text.splitlines())
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, *, pinned: dict[int, int] | None = None) -> None:
         """Send ``sig`` to every process in the leaf.
 
         Each pid is pinned with a pidfd and checked to be in the leaf before the signal goes through the
         pidfd, so a pid that exited and was reused outside the leaf meanwhile is never signalled.
+
+        Args:
+            sig: the signal.
+            pinned: ``{pid: pidfd}`` of processes already pinned that are this leaf's while they are in
+                it (the run's leader, not reaped): the signal goes through that pidfd with no check.
         """
         for pid in self.procs():
+            fd = pinned.get(pid) if pinned else None
+            if fd is not None:
+                try:
+                    signal.pidfd_send_signal(fd, sig)
+                except ProcessLookupError:
+                    pass
+                continue
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:

@@ -462,13 +462,22 @@ class SubProcessService:
         return True
 
     def _remove(self, sp: SubProcess) -> None:
-        if sp._removed:
-            return
-        sp._removed = True
-        if sp._stdin is not None:
-            sp._stdin.close("the process was killed")
-        sp._logs.delete()
-        self._records.remove(sp)
+        self._remove_many([sp])
+
+    def _remove_many(self, records: list[SubProcess]) -> None:
+        """Forget ``records`` (killed): close their stdin, delete their logs, drop them from the list in
+        one pass (``kill_all`` of 1000 would otherwise search the list 1000 times)."""
+        removed: set[int] = set()
+        for sp in records:
+            if sp._removed:
+                continue
+            sp._removed = True
+            removed.add(id(sp))
+            if sp._stdin is not None:
+                sp._stdin.close("the process was killed")
+            sp._logs.delete()
+        if removed:
+            self._records[:] = [sp for sp in self._records if id(sp) not in removed]
 
     async def kill_subprocess(self, sp: SubProcess) -> bool:
         """End ``sp`` by escalation, delete both its log files and forget it.
@@ -504,14 +513,20 @@ class SubProcessService:
         return await self.kill_subprocess(self.lookup(pid))
 
     async def _kill_many(self, records: list[SubProcess]) -> bool:
-        async with trio.open_nursery() as nursery:
-            for sp in records:
-                nursery.start_soon(self._kill_quietly, sp)
-        return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
+        """:meth:`kill_subprocess` of every record (concurrently: the supervisor escalates the trees that
+        start together as one batch), then every record forgotten at once and every log deleted.
 
-    async def _kill_quietly(self, sp: SubProcess) -> None:
-        if not sp._removed:
-            await self.kill_subprocess(sp)
+        Cancellation: as :meth:`kill_subprocess`, for each of them.
+        """
+        live = [sp for sp in records if not sp._removed]
+        self._supervisor.begin_cancel(sp._run for sp in live if not sp.ended)  # SIGINT to all, in one loop
+        try:
+            async with trio.open_nursery() as nursery:
+                for sp in live:
+                    nursery.start_soon(self._stop, sp)
+        finally:
+            self._remove_many([sp for sp in records if sp.exit is not None])
+        return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
 
     async def kill_project(self, project_id: str) -> None:
         """Kill every subprocess of one project (concurrently), live or kept, and delete their logs.
