@@ -590,6 +590,7 @@ class Supervisor:
                 await tree.wait_leader()
                 run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
                 run._leader_done.set()
+                await tree.quiet_read()  # one read of the engine's children for the leaders that exited now
                 if tree.leftovers():
                     # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
                     # is gone or the grace period has passed, and is then ended by the escalation.

@@ -395,12 +395,15 @@ class ProcessTree:
             await self._wait_leader_or_force()
         else:
             await trio.sleep(step_seconds)
-        await self._quiet_read()
+        await self.quiet_read()
 
-    async def _quiet_read(self) -> None:
+    async def quiet_read(self) -> None:
         """When nothing known of the tree is alive, set :attr:`quiet_at` and wait for a read of the
         engine's children made since, shared with the trees that got there in the same pass: the fresh
-        look that then decides the tree is gone uses it (see :meth:`_adopted`)."""
+        look that then decides the tree is gone (see :meth:`_adopted`), or :meth:`leftovers`, uses it.
+
+        Cancellation: safe; the read is made all the same.
+        """
         if self.mark_quiet():
             assert self.quiet_at is not None
             await children_read_since(self.quiet_at)
@@ -429,7 +432,11 @@ class ProcessTree:
         except PermissionError:
             pass
         strays = False
-        for pid in engine_children() - self.known_leaders:
+        # A read since quiet_at (quiet_read: one for the trees whose leaders exited together) is as good
+        # as a fresh one, as for the look that decides the tree is gone (see _adopted).
+        quiet = self.quiet_at
+        children = engine_children(read_since=quiet) if quiet is not None else engine_children()
+        for pid in self._not_leaders(children):
             info = read_proc(pid)
             if info is None or not self._ours(info):
                 continue
