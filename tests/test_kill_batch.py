@@ -76,12 +76,12 @@ async def test_each_tree_of_a_batch_gets_its_whole_grace(tmp_path: Path, contain
     came and keeps noting the time until SIGKILL ends it."""
     n = 30
     marker = mark("332.1")
-    code = (
-        "import signal,time,sys\n"
-        "f=open(sys.argv[1],'a',buffering=1)\n"
-        "signal.signal(signal.SIGINT, lambda s,fr: f.write(f'int {time.monotonic()}\\n'))\n"
-        "f.write('ready\\n')\n"
-        "while True:\n    f.write(f't {time.monotonic()}\\n'); time.sleep(0.005)\n"
+    code = (  # os.write: a handler writing through the file object the loop uses may hit a reentrant call
+        "import os,signal,time,sys\n"
+        "fd=os.open(sys.argv[1],os.O_WRONLY|os.O_CREAT|os.O_APPEND)\n"
+        "signal.signal(signal.SIGINT, lambda s,fr: os.write(fd, f'int {time.monotonic()}\\n'.encode()))\n"
+        "os.write(fd, b'ready\\n')\n"
+        "while True:\n    os.write(fd, f't {time.monotonic()}\\n'.encode()); time.sleep(0.005)\n"
     )
     files = [tmp_path / f"child-{i}.txt" for i in range(n)]
     try:
