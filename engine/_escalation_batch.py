@@ -80,7 +80,7 @@ class _Member:
 @attrs.define(eq=False)
 class _Batch:
     members: list[_Member] = attrs.field(factory=list)
-    _epoll: select.epoll = attrs.field(factory=select.epoll)
+    _epoll_made: select.epoll | None = None
     _by_fd: dict[int, _Member] = attrs.field(factory=dict)
     _deadlines: list[tuple[float, int, _Member]] = attrs.field(factory=list)
     _seq: int = 0
@@ -89,6 +89,12 @@ class _Batch:
     _started: bool = False
 
     # ---- the wait set ------------------------------------------------------------------------------
+
+    @property
+    def _epoll(self) -> select.epoll:
+        if self._epoll_made is None:
+            self._epoll_made = select.epoll()
+        return self._epoll_made
 
     def _watch(self, member: _Member) -> None:
         fd = member.target.pidfd
@@ -258,8 +264,9 @@ class _Batch:
     def _close(self) -> None:
         for member in self.members:
             member.target.notify_force(None)
-        trio.lowlevel.notify_closing(self._epoll.fileno())
-        self._epoll.close()
+        if self._epoll_made is not None:
+            trio.lowlevel.notify_closing(self._epoll_made.fileno())
+            self._epoll_made.close()
 
 
 async def drive_in_batch(
@@ -288,6 +295,9 @@ async def drive_in_batch(
         finally:
             if _FORMING.get() is batch:
                 _FORMING.set(None)
+        if len(batch.members) == 1:  # alone in its pass: the one-tree wait costs less than a batch's
+            target.notify_force(None)
+            return first.phase, me.deadline
     else:
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
