@@ -23,6 +23,7 @@ __all__ = [
     "ProcInfo",
     "children_of",
     "children_read_at",
+    "children_read_size",
     "engine_children",
     "is_alive",
     "is_child_subreaper",
@@ -213,6 +214,11 @@ def engine_children(*, max_age_seconds: float = 0.0, read_since: float | None = 
     found = frozenset(p.pid for p in scan_processes() if p.ppid == me) if pids is None else frozenset(pids)
     _recent_children = (now, found)
     return found
+
+
+def children_read_size() -> int:
+    """How many pids the list :func:`engine_children` keeps holds (0 before any read)."""
+    return len(_recent_children[1])
 
 
 def children_read_at() -> float:

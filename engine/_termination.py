@@ -31,6 +31,7 @@ from ._procfs import (
     children_map,
     children_of,
     children_read_at,
+    children_read_size,
     engine_children,
     read_marker,
     read_proc,
@@ -43,6 +44,9 @@ __all__ = ["LeaderTarget", "ProcessTree", "children_read_since", "drive_escalati
 #: off to the design's ceiling of 20 ms.
 _FIRST_STEP_SECONDS = 0.0005
 _MAX_STEP_SECONDS = 0.02
+#: From this many children of the engine on, a read of their list is shared with the tasks of the same
+#: scheduler pass (:func:`children_read_since`); a shorter list is read at once (the spawn-to-exit path).
+_SHARE_READS_FROM = 64
 #: How old a list of the engine's children the looks that only aim signals may use.
 _SHARED_CHILDREN_SECONDS = 0.002
 #: The last list of the engine's children less the run leaders: ``(list, leaders, difference)``.
@@ -73,13 +77,17 @@ async def children_read_since(since: float) -> None:
     """Wait until the list of the engine's children that ``engine_children`` keeps was read at ``since``
     (``time.monotonic``) or later. The tasks that ask in one pass of the scheduler share one read, made
     at the next pass: with 1000 trees settling at once (``kill_all``) that is one read of a list of 1000
-    children instead of 1000 (about 0.5 ms each).
+    children instead of 1000 (about 0.5 ms each). While the list is short (under 64 pids), and no read
+    is due, it is read at once: a pass of the scheduler would cost more (a child's own exit).
 
     Cancellation: safe; the read that is due is made all the same, for the other tasks waiting on it.
     """
     if children_read_at() >= since:
         return
     due = _DUE_READ.get()
+    if due is None and children_read_size() < _SHARE_READS_FROM:
+        engine_children()  # a short list: reading it now costs less than a pass of the scheduler
+        return
     if due is not None:  # asked for before this call and made after it: after ``since``
         await due.wait()
         return
