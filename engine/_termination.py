@@ -324,6 +324,10 @@ class ProcessTree:
             info = read_proc(pid) if infos is None else infos[pid]
             if info is None or not self._ours(info):
                 continue
+            if infos is not None:  # a shared stat line: read afresh before the pid counts as this tree's
+                info = read_proc(pid)  # (it may have died and been reused since)
+                if info is None or not self._ours(info):
+                    continue
             if info.zombie:
                 self._reap_orphan_zombie(info)
             elif info.pgid == self.pid or read_marker(pid) == self.marker:
