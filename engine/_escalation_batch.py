@@ -6,7 +6,7 @@ waits for all of them at once: on one private epoll instance that holds every li
 ``epoll_ctl`` per tree instead of a Trio wait, a cancel scope and a task wake-up), until the earliest
 deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over.
 
-Three things make a batch of 1000 cost little more than 1000 ``killpg`` and reaps:
+Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.kill``) and reaps:
 
 - the first step of every member (a look, SIGINT, SIGCONT) is taken in one loop before the runs' tasks
   even wake up (``Supervisor.begin_cancel``, in ``kill_all``), and the first waits are aligned on the
@@ -22,7 +22,8 @@ Three things make a batch of 1000 cost little more than 1000 ``killpg`` and reap
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
 as before (``_termination.drive_escalation`` with the target's ``wait_change``). When the driver's own
-escalation is over, the driver role passes to a member still waiting.
+escalation is over, the driver role passes to a member still waiting. An escalation alone in its pass
+(``kill_pid``, one ``cancel``) makes no batch: it waits on its own leader's pidfd through Trio.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ class _Member:
 
     target: LeaderTarget
     steps: Steps
-    #: the wait the steps asked for, or ``None`` before the first step
-    request: WaitGone | None = None
-    deadline: float = 0.0
+    #: the wait the steps asked for last
+    request: WaitGone
+    deadline: float
     #: the pidfd registered in the batch's epoll, or -1
     fd: int = -1
     result: Escalation | None = None
@@ -168,7 +169,7 @@ class _Batch:
         what its steps asked for). The first steps were taken in one loop (``kill_all``), or as the
         members' tasks woke up: this is how long that took, at most."""
         for phase in Phase:
-            members = [m for m in self.members if m.request is not None and m.request.phase is phase]
+            members = [m for m in self.members if m.request.phase is phase]
             if members:
                 top = max(m.deadline for m in members)
                 for member in members:
@@ -201,7 +202,6 @@ class _Batch:
         now = trio.current_time()
         for member in todo:
             request = member.request
-            assert request is not None
             if member.target.gone():
                 gone = True
             elif (request.phase is Phase.GRACE and member.target.force) or now >= member.deadline:
@@ -218,7 +218,6 @@ class _Batch:
                 asked.append(member)
         end = trio.current_time()
         for member in asked:
-            assert member.request is not None
             member.deadline = end + member.request.seconds
             if member.fd < 0:  # no leader to wait on (it exited before): the tree is waited on alone
                 member.alone = True
@@ -312,5 +311,4 @@ async def drive_in_batch(
         raise me.error
     if me.result is not None:
         return me.result
-    assert me.request is not None
     return me.request.phase, me.deadline
