@@ -73,9 +73,23 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
+#: One ``read`` of a cgroup or ``/proc`` file; a shorter answer is the whole file (they are ``seq_file``s).
+_READ_BYTES = 65536
+
+
 def _read(path: str) -> str:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    # os.open/os.read rather than open(): no text wrapper per file (kill_all reads a few per leaf).
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, _READ_BYTES)
+        while len(data) % _READ_BYTES == 0 and data:
+            chunk = os.read(fd, _READ_BYTES)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace")
 
 
 @attrs.frozen
@@ -160,12 +174,12 @@ class Leaf:
     @property
     def events_path(self) -> str:
         """Its ``cgroup.events`` file (``populated 0|1``); inotify reports a change as ``IN_MODIFY``."""
-        return os.path.join(self.path, "cgroup.events")
+        return f"{self.path}/cgroup.events"
 
     def procs(self) -> list[int]:
         """The pids in the leaf now (zombies have left it); ``[]`` once it is removed."""
         try:
-            return [int(p) for p in _read(os.path.join(self.path, "cgroup.procs")).split()]
+            return [int(p) for p in _read(f"{self.path}/cgroup.procs").split()]
         except FileNotFoundError:
             return []
 
@@ -189,13 +203,25 @@ class Leaf:
             return False
         return any(line == f"0::{self.rel}" for line in text.splitlines())
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, *, pinned: dict[int, int] | None = None) -> None:
         """Send ``sig`` to every process in the leaf.
 
         Each pid is pinned with a pidfd and checked to be in the leaf before the signal goes through the
         pidfd, so a pid that exited and was reused outside the leaf meanwhile is never signalled.
+
+        Args:
+            sig: the signal.
+            pinned: ``{pid: pidfd}`` of processes already pinned that are this leaf's while they are in
+                it (the run's leader, not reaped): the signal goes through that pidfd with no check.
         """
         for pid in self.procs():
+            fd = pinned.get(pid) if pinned else None
+            if fd is not None:
+                try:
+                    signal.pidfd_send_signal(fd, sig)
+                except ProcessLookupError:
+                    pass
+                continue
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:
@@ -211,7 +237,7 @@ class Leaf:
     def kill(self) -> None:
         """SIGKILL every process in the leaf at once (``cgroup.kill``), forks in flight included."""
         try:
-            fd = os.open(os.path.join(self.path, "cgroup.kill"), os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(f"{self.path}/cgroup.kill", os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return
         try:

@@ -185,11 +185,12 @@ def escalate(
         if not target.remaining():
             return Escalation(escalated=False, survivors=())
     target.kill()
-    if not (yield from _settle(target, Phase.KILL, now() + kill_wait_seconds, now, target.kill)):
-        # Something outlived the kill wait. The look that aimed SIGKILL may have been shared: a fresh
-        # one now finds what it missed, which is killed and, if it outlives that, reported too.
-        target.snapshot(fresh=True)
-        target.kill()
+    if (yield from _settle(target, Phase.KILL, now() + kill_wait_seconds, now, target.kill)):
+        return Escalation(escalated=True, survivors=())  # the settling look found nothing left
+    # Something outlived the kill wait. The look that aimed SIGKILL may have been shared: a fresh one
+    # now finds what it missed, which is killed and, if it outlives that, reported too.
+    target.snapshot(fresh=True)
+    target.kill()
     return Escalation(escalated=True, survivors=tuple(target.remaining()))
 
 

@@ -42,8 +42,9 @@ class LeafTree(ProcessTree):
         """Nothing to look for: every descendant is in the leaf."""
 
     def send(self, sig: int) -> None:
-        """Send ``sig`` to every process in the leaf (each pinned by a pidfd first)."""
-        self.leaf.signal(sig)
+        """Send ``sig`` to every process in the leaf (each pinned by a pidfd first: the leader's, while it
+        is not reaped, is the run's own)."""
+        self.leaf.signal(sig, pinned={self.pid: self.pidfd} if self.pidfd >= 0 else None)
 
     def kill(self) -> None:
         """SIGKILL the whole leaf at once through ``cgroup.kill`` (forks in flight included)."""
@@ -55,25 +56,33 @@ class LeafTree(ProcessTree):
         self.watcher.poke(self.leaf)
 
     def _empty(self) -> bool:
-        """Whether the leaf holds no live process; the first time it is seen so, :attr:`quiet_at` is set
-        (an empty leaf stays empty: nothing can fork into it)."""
+        """Whether the leaf holds no live process; the first time it is seen so, :attr:`quiet_at` is set,
+        and the leaf is not read again: an empty leaf stays empty (nothing can fork into it, and the
+        engine moves no process into a leaf but at its run's spawn)."""
+        if self.quiet_at is not None:
+            return True
         if self.leaf.populated():
             return False
-        if self.quiet_at is None:
-            self.quiet_at = time.monotonic()
+        self.quiet_at = time.monotonic()
         return True
+
+    def mark_quiet(self) -> bool:
+        """Whether the leader is reaped and the leaf holds no live process; :attr:`quiet_at` is set then
+        (a read of the engine's children made since serves the reaping of its zombies)."""
+        return self.poll_leader() and self._empty()
 
     def _reap_leaf_zombies(self) -> None:
         # A read made since the leaf was seen empty (shared by the leaves that emptied together, see
         # wait_change), else a fresh one: a process re-parented to the engine by then counts.
-        adopted = engine_children(read_since=self.quiet_at) - self.known_leaders
+        adopted = self._not_leaders(engine_children(read_since=self.quiet_at))
         for pid in adopted:
-            if self.leaf.holds(pid):
-                try:  # look first (WNOWAIT): reap only a zombie, by its own pid, never waitpid(-1)
-                    if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                        os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
+            try:  # look first (WNOWAIT): reap only a zombie of this leaf, by its own pid, never waitpid(-1)
+                if os.waitid(
+                    os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT
+                ) is not None and self.leaf.holds(pid):
+                    os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
     def gone(self) -> bool:
         """Whether the leader is reaped, the leaf holds no live process, and its zombies are reaped."""
@@ -87,7 +96,7 @@ class LeafTree(ProcessTree):
 
     def remaining(self) -> list[int]:
         """The pids in the leaf now, the leader's while it is not reaped (zombies reaped on the way)."""
-        alive = set(self.leaf.procs())
+        alive = set() if self.quiet_at is not None else set(self.leaf.procs())
         if not self.poll_leader():
             alive.add(self.pid)
         if not alive:
@@ -109,5 +118,5 @@ class LeafTree(ProcessTree):
             await self._wait_leader_or_force()
         else:
             await self.watcher.wait_changed(self.leaf, self._seen)
-        if self.poll_leader() and self._empty():  # its zombies are reaped from a read shared with others
+        if self.mark_quiet():  # its zombies are reaped from a read shared with others
             await children_read_since(self.quiet_at or 0.0)

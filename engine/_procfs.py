@@ -7,6 +7,7 @@ ours (design section 8: "a reaped pid is free for reuse").
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -22,6 +23,7 @@ __all__ = [
     "ProcInfo",
     "children_of",
     "children_read_at",
+    "children_read_size",
     "engine_children",
     "is_alive",
     "is_child_subreaper",
@@ -29,6 +31,7 @@ __all__ = [
     "read_proc",
     "scan_processes",
     "set_child_subreaper",
+    "sharing_children_reads",
 ]
 
 #: The environment variable of the guardian process (its value: the state dir); it is the engine's.
@@ -166,6 +169,22 @@ def children_of(pid: int) -> list[int] | None:
 
 
 _recent_children: tuple[float, frozenset[int]] = (-1.0, frozenset())
+#: While set (:func:`sharing_children_reads`), a look that accepts an old list accepts one read since then.
+_shared_since: float | None = None
+
+
+@contextlib.contextmanager
+def sharing_children_reads() -> Iterator[None]:
+    """Within the block, every :func:`engine_children` call that accepts a list read a moment ago
+    (``max_age_seconds``) accepts one read since the block began, however long the block takes: one
+    pass over many escalations (a batch, ``_escalation_batch``) then reads the list once.
+    """
+    global _shared_since
+    before, _shared_since = _shared_since, time.monotonic()
+    try:
+        yield
+    finally:
+        _shared_since = before
 
 
 def engine_children(*, max_age_seconds: float = 0.0, read_since: float | None = None) -> frozenset[int]:
@@ -184,7 +203,9 @@ def engine_children(*, max_age_seconds: float = 0.0, read_since: float | None = 
     global _recent_children
     read_at, cached = _recent_children
     now = time.monotonic()
-    if max_age_seconds > 0 and now - read_at <= max_age_seconds:
+    if max_age_seconds > 0 and (
+        now - read_at <= max_age_seconds or (_shared_since is not None and read_at >= _shared_since)
+    ):
         return cached
     if read_since is not None and read_at >= read_since:
         return cached
@@ -193,6 +214,11 @@ def engine_children(*, max_age_seconds: float = 0.0, read_since: float | None = 
     found = frozenset(p.pid for p in scan_processes() if p.ppid == me) if pids is None else frozenset(pids)
     _recent_children = (now, found)
     return found
+
+
+def children_read_size() -> int:
+    """How many pids the list :func:`engine_children` keeps holds (0 before any read)."""
+    return len(_recent_children[1])
 
 
 def children_read_at() -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import gc
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -481,13 +482,22 @@ class SubProcessService:
         return True
 
     def _remove(self, sp: SubProcess) -> None:
-        if sp._removed:
-            return
-        sp._removed = True
-        if sp._stdin is not None:
-            sp._stdin.close("the process was killed")
-        sp._logs.delete()
-        self._records.remove(sp)
+        self._remove_many([sp])
+
+    def _remove_many(self, records: list[SubProcess]) -> None:
+        """Forget ``records`` (killed): close their stdin, delete their logs, drop them from the list in
+        one pass (``kill_all`` of 1000 would otherwise search the list 1000 times)."""
+        removed: set[int] = set()
+        for sp in records:
+            if sp._removed:
+                continue
+            sp._removed = True
+            removed.add(id(sp))
+            if sp._stdin is not None:
+                sp._stdin.close("the process was killed")
+            sp._logs.delete()
+        if removed:
+            self._records[:] = [sp for sp in self._records if id(sp) not in removed]
         if not self._records:  # no record left: the folders kept open (and their spare files) go too
             self._folders.close()
 
@@ -526,14 +536,21 @@ class SubProcessService:
         return await self.kill_subprocess(self.lookup(pid))
 
     async def _kill_many(self, records: list[SubProcess]) -> bool:
-        async with trio.open_nursery() as nursery:
-            for sp in records:
-                nursery.start_soon(self._kill_quietly, sp)
-        return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
+        """:meth:`kill_subprocess` of every record (concurrently: the supervisor escalates the trees that
+        start together as one batch), then every record forgotten at once and every log deleted.
 
-    async def _kill_quietly(self, sp: SubProcess) -> None:
-        if not sp._removed:
-            await self.kill_subprocess(sp)
+        Cancellation: as :meth:`kill_subprocess`, for each of them.
+        """
+        live = [sp for sp in records if not sp._removed]
+        with _gc_deferred(len(live) >= _DEFER_GC_FROM):
+            self._supervisor.begin_cancel(sp._run for sp in live if not sp.ended)  # SIGINT to all at once
+            try:
+                async with trio.open_nursery() as nursery:
+                    for sp in live:
+                        nursery.start_soon(self._stop, sp)
+            finally:
+                self._remove_many([sp for sp in records if sp.exit is not None])
+        return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
 
     async def kill_project(self, project_id: str) -> None:
         """Kill every subprocess of one project (concurrently), live or kept, and delete their logs.
@@ -872,6 +889,36 @@ class SubProcessService:
             if sp._stdin is not None:
                 sp._stdin.close("the engine stopped")
         self._nursery.cancel_scope.cancel()  # the cap, and the records' tasks: nothing more restarts
+
+
+#: Ending this many records at once, the cyclic garbage collector waits until they are ended.
+_DEFER_GC_FROM = 100
+_gc_deferrals = 0
+
+
+@contextlib.contextmanager
+def _gc_deferred(defer: bool) -> Iterator[None]:
+    """No cyclic garbage collection inside the block (reference counting goes on freeing as usual): ending
+    1000 records allocates enough for a full collection of the engine's heap to fall inside the kill
+    (40-80 ms measured with 1000 records), where it delays every SIGKILL and reap; it runs after instead.
+    Nested blocks (two kills at once) turn it back on when the last one ends, and only if it was on."""
+    global _gc_deferrals
+    if not defer:
+        yield
+        return
+    if _gc_deferrals == 0:
+        _gc_state.append(gc.isenabled())
+        gc.disable()
+    _gc_deferrals += 1
+    try:
+        yield
+    finally:
+        _gc_deferrals -= 1
+        if _gc_deferrals == 0 and _gc_state.pop():
+            gc.enable()
+
+
+_gc_state: list[bool] = []
 
 
 def _command_name(pid: int) -> str:

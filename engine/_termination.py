@@ -16,7 +16,7 @@ import errno
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from typing import Protocol
 
@@ -24,12 +24,14 @@ import attrs
 import trio
 
 from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance, escalate
+from ._escalation_batch import drive_in_batch
 from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
     ProcInfo,
     children_map,
     children_of,
     children_read_at,
+    children_read_size,
     engine_children,
     read_marker,
     read_proc,
@@ -42,23 +44,50 @@ __all__ = ["LeaderTarget", "ProcessTree", "children_read_since", "drive_escalati
 #: off to the design's ceiling of 20 ms.
 _FIRST_STEP_SECONDS = 0.0005
 _MAX_STEP_SECONDS = 0.02
+#: From this many children of the engine on, a read of their list is shared with the tasks of the same
+#: scheduler pass (:func:`children_read_since`); a shorter list is read at once (the spawn-to-exit path).
+_SHARE_READS_FROM = 64
 #: How old a list of the engine's children the looks that only aim signals may use.
 _SHARED_CHILDREN_SECONDS = 0.002
+#: The last list of the engine's children less the run leaders: ``(list, leaders, difference)``.
+_not_leaders_memo: tuple[frozenset[int], AbstractSet[int], frozenset[int]] = (
+    frozenset(),
+    frozenset(),
+    frozenset(),
+)
+#: The stat lines of the last such list's pids, read once (:func:`_shared_infos`).
+_infos_memo: tuple[frozenset[int], dict[int, ProcInfo | None]] = (frozenset(), {})
 #: The read of the engine's children that tasks wait for (:func:`children_read_since`), if one is due.
 _DUE_READ: trio.lowlevel.RunVar[trio.Event | None] = trio.lowlevel.RunVar("_DUE_READ", default=None)
+
+
+def _shared_infos(adopted: frozenset[int]) -> dict[int, ProcInfo | None]:
+    """The ``/proc/<pid>/stat`` of each pid of ``adopted`` (a list :meth:`ProcessTree._not_leaders` keeps),
+    read once for every look that shares that list and only aims signals (1000 trees in a ``kill_all``
+    look at the same adopted orphans)."""
+    global _infos_memo
+    kept, infos = _infos_memo
+    if kept is not adopted:
+        infos = {pid: read_proc(pid) for pid in adopted}
+        _infos_memo = (adopted, infos)
+    return infos
 
 
 async def children_read_since(since: float) -> None:
     """Wait until the list of the engine's children that ``engine_children`` keeps was read at ``since``
     (``time.monotonic``) or later. The tasks that ask in one pass of the scheduler share one read, made
     at the next pass: with 1000 trees settling at once (``kill_all``) that is one read of a list of 1000
-    children instead of 1000 (about 0.5 ms each).
+    children instead of 1000 (about 0.5 ms each). While the list is short (under 64 pids), and no read
+    is due, it is read at once: a pass of the scheduler would cost more (a child's own exit).
 
     Cancellation: safe; the read that is due is made all the same, for the other tasks waiting on it.
     """
     if children_read_at() >= since:
         return
     due = _DUE_READ.get()
+    if due is None and children_read_size() < _SHARE_READS_FROM:
+        engine_children()  # a short list: reading it now costs less than a pass of the scheduler
+        return
     if due is not None:  # asked for before this call and made after it: after ``since``
         await due.wait()
         return
@@ -82,22 +111,57 @@ class LeaderTarget(EscalationTarget, Protocol):
     @property
     def force(self) -> bool: ...
 
+    @property
+    def pidfd(self) -> int:
+        """The leader's pidfd, or -1 once the leader is reaped (it turns readable when the leader exits)."""
+        ...
+
+    def notify_force(self, wake: Callable[[], None] | None) -> None:
+        """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
+
+    def mark_quiet(self) -> bool:
+        """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the
+        instant is noted, and a read of the engine's children made after it serves the look that decides
+        the target is gone (one read for the targets that went quiet together)."""
+        ...
+
     async def wait_change(self, step_seconds: float) -> None:
         """Wait until the target may have changed: its leader exited, a member left, or force was asked;
         at most ``step_seconds`` where the target has no way to be told (a process group is polled)."""
 
 
-async def drive_escalation(target: LeaderTarget, steps: Steps) -> Escalation:
+async def drive_escalation(
+    target: LeaderTarget, steps: Steps, first: WaitGone | Escalation, at: float
+) -> Escalation:
     """Run the escalation ``steps`` on ``target`` under Trio.
 
-    Each wait polls :meth:`~EscalationTarget.gone`, sleeping on the leader's pidfd (so a leader's exit
-    is seen at once) in steps that start at 0.5 ms and double up to 20 ms; a grace wait ends early when
-    :attr:`LeaderTarget.force` is set.
+    The escalations that start in one scheduler pass are driven together while their leaders live
+    (``_escalation_batch``: one task, one epoll of pidfds, aligned deadlines). An escalation whose
+    leader is reaped while the rest of its tree lives goes on alone: each wait polls
+    :meth:`~EscalationTarget.gone`, woken by the target (:meth:`LeaderTarget.wait_change`) in steps that
+    start at 0.5 ms and double up to 20 ms; a grace wait ends early when :attr:`LeaderTarget.force` is
+    set.
+
+    Args:
+        target: what the steps act on.
+        steps: the escalation, its first step taken.
+        first: what that step answered (a wait, or the end already).
+        at: when it was taken (``trio.current_time``): the first wait is measured from then.
 
     Cancellation: callers run this inside a shielded cancel scope; it is bounded by the waits the steps
     request.
     """
-    answer = advance(steps, None)
+    if isinstance(first, Escalation):
+        await trio.lowlevel.checkpoint()
+        return first
+    handed = await drive_in_batch(target, steps, first, at)
+    if isinstance(handed, Escalation):
+        return handed
+    phase, deadline = handed
+    gone = False
+    with trio.move_on_at(deadline):
+        gone = await _wait_gone(target, honour_force=phase is Phase.GRACE)
+    answer = advance(steps, gone)
     while isinstance(answer, WaitGone):
         gone = False
         with trio.move_on_after(answer.seconds):
@@ -160,6 +224,9 @@ class ProcessTree:
     force: bool = False
     quiet_at: float | None = attrs.field(init=False, default=None)
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
+    _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
+    #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
+    _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
 
     # ---- the leader ------------------------------------------------------------------------------
 
@@ -222,13 +289,24 @@ class ProcessTree:
         of the tree was alive when it was read, and nothing can fork from nothing since.
         """
         if not fresh:
-            return engine_children(max_age_seconds=_SHARED_CHILDREN_SECONDS) - self.known_leaders
+            return self._not_leaders(engine_children(max_age_seconds=_SHARED_CHILDREN_SECONDS))
         if self.quiet_at is not None:
             before = children_read_at()
-            shared = engine_children(read_since=self.quiet_at) - self.known_leaders
+            shared = self._not_leaders(engine_children(read_since=self.quiet_at))
             if children_read_at() != before or not any(self._may_be_ours(pid) for pid in shared):
                 return shared  # read just now, or nothing in it could be of this tree
-        return engine_children() - self.known_leaders
+        return self._not_leaders(engine_children())
+
+    def _not_leaders(self, children: frozenset[int]) -> frozenset[int]:
+        """``children`` less the run leaders, computed once per list read (``kill_all``: 1000 trees share
+        a list of 1000). A leader forgotten since the first computation stays left out: it was a leader,
+        not an orphan, when the list was read."""
+        global _not_leaders_memo
+        kept, known, result = _not_leaders_memo
+        if kept is not children or known is not self.known_leaders:
+            result = children - self.known_leaders
+            _not_leaders_memo = (children, self.known_leaders, result)
+        return result
 
     def _may_be_ours(self, pid: int) -> bool:
         info = read_proc(pid)
@@ -240,10 +318,16 @@ class ProcessTree:
             info = read_proc(pid)
             if info is not None and info.start_time == start:
                 roots.append(pid)
-        for pid in self._adopted(fresh=fresh):
-            info = read_proc(pid)
+        adopted = self._adopted(fresh=fresh)
+        infos = None if fresh else _shared_infos(adopted)
+        for pid in adopted:
+            info = read_proc(pid) if infos is None else infos[pid]
             if info is None or not self._ours(info):
                 continue
+            if infos is not None:  # a shared stat line: read afresh before the pid counts as this tree's
+                info = read_proc(pid)  # (it may have died and been reused since)
+                if info is None or not self._ours(info):
+                    continue
             if info.zombie:
                 self._reap_orphan_zombie(info)
             elif info.pgid == self.pid or read_marker(pid) == self.marker:
@@ -298,6 +382,12 @@ class ProcessTree:
         self.force = True
         if self._wake is not None:
             self._wake.cancel()
+        if self._poke is not None:
+            self._poke()
+
+    def notify_force(self, wake: Callable[[], None] | None) -> None:
+        """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
+        self._poke = wake
 
     async def _wait_leader_or_force(self) -> None:
         """Wait for the leader's exit (its pidfd) or :meth:`request_force`, with no time step: while the
@@ -317,17 +407,28 @@ class ProcessTree:
             await self._wait_leader_or_force()
         else:
             await trio.sleep(step_seconds)
-        await self._quiet_read()
+        await self.quiet_read()
 
-    async def _quiet_read(self) -> None:
+    async def quiet_read(self) -> None:
         """When nothing known of the tree is alive, set :attr:`quiet_at` and wait for a read of the
         engine's children made since, shared with the trees that got there in the same pass: the fresh
-        look that then decides the tree is gone uses it (see :meth:`_adopted`)."""
+        look that then decides the tree is gone (see :meth:`_adopted`), or :meth:`leftovers`, uses it.
+
+        Cancellation: safe; the read is made all the same.
+        """
+        if self.mark_quiet():
+            assert self.quiet_at is not None
+            await children_read_since(self.quiet_at)
+
+    def mark_quiet(self) -> bool:
+        """Whether nothing known of the tree is alive (leader reaped, group empty, every tracked process
+        gone); if so, :attr:`quiet_at` is set (kept if it was) and a read of the engine's children made
+        since serves the fresh look (see :meth:`_adopted`). Always ``False`` without the subreaper."""
         if not self.subreaper or not self.poll_leader() or self.remaining():
-            return
+            return False
         if self.quiet_at is None:
             self.quiet_at = time.monotonic()
-        await children_read_since(self.quiet_at)
+        return True
 
     def leftovers(self) -> bool:
         """After the leader exited: whether anything of the tree may be left.
@@ -343,7 +444,11 @@ class ProcessTree:
         except PermissionError:
             pass
         strays = False
-        for pid in engine_children() - self.known_leaders:
+        # A read since quiet_at (quiet_read: one for the trees whose leaders exited together) is as good
+        # as a fresh one, as for the look that decides the tree is gone (see _adopted).
+        quiet = self.quiet_at
+        children = engine_children(read_since=quiet) if quiet is not None else engine_children()
+        for pid in self._not_leaders(children):
             info = read_proc(pid)
             if info is None or not self._ours(info):
                 continue
@@ -438,6 +543,26 @@ class ProcessTree:
             return False
         return not self.remaining()
 
+    def begin(self, *, grace_seconds: float, kill_wait_seconds: float) -> None:
+        """Take the escalation's first step now (the look, SIGINT and SIGCONT; SIGKILL with force), in the
+        caller's task; :meth:`terminate` goes on from there, its waits measured from now. Once only.
+
+        ``kill_all`` signals every tree in one loop this way before the runs' tasks wake up to end them,
+        so that their waking (and everything else a run's end costs before its escalation) overlaps the
+        grace period instead of delaying SIGINT.
+        """
+        if self._begun is not None:
+            return
+        steps = escalate(
+            self,
+            grace_seconds=grace_seconds,
+            kill_wait_seconds=kill_wait_seconds,
+            force=self.force,
+            now=trio.current_time,
+        )
+        first = advance(steps, None)
+        self._begun = (steps, first, trio.current_time())
+
     async def terminate(
         self, *, grace_seconds: float, kill_wait_seconds: float
     ) -> tuple[bool, tuple[int, ...]]:
@@ -452,14 +577,9 @@ class ProcessTree:
         Returns:
             ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end.
         """
-        steps = escalate(
-            self,
-            grace_seconds=grace_seconds,
-            kill_wait_seconds=kill_wait_seconds,
-            force=self.force,
-            now=trio.current_time,
-        )
-        escalated, survivors = await drive_escalation(self, steps)
+        self.begin(grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)
+        assert self._begun is not None
+        escalated, survivors = await drive_escalation(self, *self._begun)
         if self.status is None:
             await self.wait_leader()  # the final reap after SIGKILL
         return escalated, tuple(pid for pid in survivors if pid != self.pid)

@@ -1,0 +1,314 @@
+"""Driving many escalations at once from one task: the escalations that start in one scheduler pass
+(``kill_all``, ``cancel_scope``, a supervisor's exit) form a *batch*.
+
+One task of the batch, the *driver*, advances every member's steps (``_escalation``) in tight loops, and
+waits for all of them at once: on one private epoll instance that holds every live leader's pidfd (one
+``epoll_ctl`` per tree instead of a Trio wait, a cancel scope and a task wake-up), until the earliest
+deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over.
+
+Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.kill``) and reaps:
+
+- the first step of every member (a look, SIGINT, SIGCONT) is taken in one loop before the runs' tasks
+  even wake up (``Supervisor.begin_cancel``, in ``kill_all``), and the first waits are aligned on the
+  latest of their deadlines (never shorter than asked), so the members' grace periods end at one instant
+  and one pass of the driver aims SIGKILL at all of them; each later wait is measured from the end of
+  the pass that asked for it;
+- a wait ends late by at most :data:`COALESCE_SECONDS`, so deadlines a few microseconds apart expire
+  in one pass;
+- the members whose leaders exited together are settled together: each notes that nothing it knew of
+  is alive (:meth:`~._termination.LeaderTarget.mark_quiet`), then one read of the engine's children
+  list serves all of their final looks (see ``_termination.children_read_since``).
+
+A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
+not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
+as before (``_termination.drive_escalation`` with the target's ``wait_change``). When the driver's own
+escalation is over, the driver role passes to a member still waiting. An escalation alone in its pass
+(``kill_pid``, one ``cancel``) makes no batch: it waits on its own leader's pidfd through Trio.
+"""
+
+from __future__ import annotations
+
+import heapq
+import select
+from typing import TYPE_CHECKING, Final
+
+import attrs
+import trio
+
+from ._escalation import Escalation, Phase, Steps, WaitGone, advance
+from ._procfs import engine_children, sharing_children_reads
+
+if TYPE_CHECKING:
+    from ._termination import LeaderTarget
+
+__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
+
+#: A wait of the batch ends up to this much after its deadline, never before it: deadlines a few
+#: microseconds apart then expire in one pass of the driver.
+COALESCE_SECONDS: Final = 0.001
+#: The members' first waits are made to end together when their deadlines are this close (see
+#: :meth:`_Batch._align`).
+ALIGN_SECONDS: Final = 0.25
+
+#: The batch that escalations starting in this scheduler pass join, if one is forming.
+_FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
+
+
+@attrs.define(eq=False)
+class _Member:
+    """One escalation of a batch."""
+
+    target: LeaderTarget
+    steps: Steps
+    #: the wait the steps asked for last
+    request: WaitGone
+    deadline: float
+    #: the pidfd registered in the batch's epoll, or -1
+    fd: int = -1
+    result: Escalation | None = None
+    error: BaseException | None = None
+    #: handed back to its own task (its leader is reaped, the rest of its tree not gone)
+    alone: bool = False
+    #: this member's task is to drive the batch
+    drives: bool = False
+    turn: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def over(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@attrs.define(eq=False)
+class _Batch:
+    members: list[_Member] = attrs.field(factory=list)
+    _epoll_made: select.epoll | None = None
+    _by_fd: dict[int, _Member] = attrs.field(factory=dict)
+    _deadlines: list[tuple[float, int, _Member]] = attrs.field(factory=list)
+    _seq: int = 0
+    _due: list[_Member] = attrs.field(factory=list)
+    _wake: trio.CancelScope | None = None
+    _started: bool = False
+
+    # ---- the wait set ------------------------------------------------------------------------------
+
+    @property
+    def _epoll(self) -> select.epoll:
+        if self._epoll_made is None:
+            self._epoll_made = select.epoll()
+        return self._epoll_made
+
+    def _watch(self, member: _Member) -> None:
+        fd = member.target.pidfd
+        if fd >= 0 and member.fd < 0:
+            self._epoll.register(fd, select.EPOLLIN)
+            member.fd = fd
+            self._by_fd[fd] = member
+
+    def _unwatch(self, member: _Member) -> None:
+        """Take the member's pidfd out of the epoll while it is still open (a closed one left it
+        already, and its number may have been reused by another member's)."""
+        fd, member.fd = member.fd, -1
+        if fd < 0:
+            return
+        if self._by_fd.get(fd) is member:
+            del self._by_fd[fd]
+        if member.target.pidfd == fd:
+            try:
+                self._epoll.unregister(fd)
+            except OSError:
+                pass
+
+    def _poke(self, member: _Member) -> None:
+        """Force was requested for ``member``: the driver looks at it now."""
+        self._due.append(member)
+        if self._wake is not None:
+            self._wake.cancel()
+
+    # ---- one pass ----------------------------------------------------------------------------------
+
+    def _ready(self) -> list[_Member]:
+        """The members the driver must look at now: leaders exited, deadlines passed, forced."""
+        due, self._due = self._due, []
+        if self._by_fd:
+            for fd, _events in self._epoll.poll(0):
+                member = self._by_fd.get(fd)
+                if member is not None and member.fd == fd:
+                    self._unwatch(member)  # level-triggered: an exited leader stays readable
+                    due.append(member)
+        now = trio.current_time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, member = heapq.heappop(self._deadlines)
+            due.append(member)
+        return due
+
+    def _step(self, member: _Member, gone: bool) -> bool:
+        """Advance ``member``; ``True`` when it asked for a new wait (its deadline to be set)."""
+        try:
+            answer = advance(member.steps, gone)
+        except BaseException as exc:  # never leave the other members waiting on a driver that died
+            member.error = exc
+            self._unwatch(member)
+            member.turn.set()
+            return False
+        if isinstance(answer, Escalation):
+            member.result = answer
+            self._unwatch(member)
+            member.turn.set()
+            return False
+        member.request = answer
+        self._watch(member)
+        return True
+
+    def _schedule(self, member: _Member) -> None:
+        self._seq += 1
+        heapq.heappush(self._deadlines, (member.deadline, self._seq, member))
+
+    def _align(self) -> None:
+        """Make the first waits of the members end together: in each phase, a deadline up to
+        :data:`ALIGN_SECONDS` before the latest one is moved to it (never earlier: each wait is at least
+        what its steps asked for). The first steps were taken in one loop (``kill_all``), or as the
+        members' tasks woke up: this is how long that took, at most."""
+        for phase in Phase:
+            members = [m for m in self.members if m.request.phase is phase]
+            if members:
+                top = max(m.deadline for m in members)
+                for member in members:
+                    if top - member.deadline <= ALIGN_SECONDS:
+                        member.deadline = top
+        for member in self.members:
+            self._schedule(member)
+
+    def _pass(self) -> None:
+        """Answer every member whose wait is over, and set the deadlines of the waits they ask for next,
+        all measured from the end of the pass."""
+        if not self._started:
+            self._started = True
+            self._align()
+            due = list(self.members)
+        else:
+            due = self._ready()
+        todo: list[_Member] = []
+        seen: set[int] = set()
+        for member in due:
+            if not (member.over or member.alone or id(member) in seen):
+                seen.add(id(member))
+                todo.append(member)
+        # Settle together: mark those with nothing known alive, then one read of the engine's children
+        # made after every mark serves their final looks.
+        marked = [m for m in todo if m.target.mark_quiet()]
+        if marked:
+            engine_children()
+        asked: list[_Member] = []
+        now = trio.current_time()
+        for member in todo:
+            request = member.request
+            if member.target.gone():
+                gone = True
+            elif (request.phase is Phase.GRACE and member.target.force) or now >= member.deadline:
+                gone = False
+            elif member.target.pidfd < 0:  # the leader is reaped, the rest of the tree is not gone
+                member.alone = True
+                self._unwatch(member)
+                member.turn.set()
+                continue
+            else:
+                self._watch(member)  # not yet: keep waiting
+                continue
+            if self._step(member, gone):
+                asked.append(member)
+        end = trio.current_time()
+        for member in asked:
+            member.deadline = end + member.request.seconds
+            if member.fd < 0:  # no leader to wait on (it exited before): the tree is waited on alone
+                member.alone = True
+                member.turn.set()
+                continue
+            self._schedule(member)
+
+    async def _wait(self) -> None:
+        """Until the earliest deadline (plus :data:`COALESCE_SECONDS`), a leader's exit, or a poke."""
+        while self._deadlines and (self._deadlines[0][2].over or self._deadlines[0][2].alone):
+            heapq.heappop(self._deadlines)
+        at = self._deadlines[0][0] + COALESCE_SECONDS if self._deadlines else float("inf")
+        if self._due:
+            at = -float("inf")
+        with trio.move_on_at(at) as self._wake:
+            await trio.lowlevel.wait_readable(self._epoll.fileno())
+        self._wake = None
+
+    def _waiting(self) -> list[_Member]:
+        return [m for m in self.members if not m.over and not m.alone]
+
+    async def drive(self, me: _Member) -> None:
+        """Drive the batch until ``me`` is over or handed back; then pass the role on.
+
+        Cancellation: callers run this inside a shielded cancel scope.
+        """
+        try:
+            while True:
+                with sharing_children_reads():
+                    self._pass()
+                if me.over or me.alone:
+                    return
+                await self._wait()
+        finally:
+            me.drives = False
+            rest = self._waiting()
+            if rest:
+                rest[0].drives = True
+                rest[0].turn.set()
+            else:
+                self._close()
+
+    def _close(self) -> None:
+        for member in self.members:
+            member.target.notify_force(None)
+        if self._epoll_made is not None:
+            trio.lowlevel.notify_closing(self._epoll_made.fileno())
+            self._epoll_made.close()
+
+
+async def drive_in_batch(
+    target: LeaderTarget, steps: Steps, first: WaitGone, at: float
+) -> Escalation | tuple[Phase, float]:
+    """Run ``steps`` on ``target`` in the batch of this scheduler pass (see the module), from the wait
+    ``first`` that their first step, taken at ``at`` (Trio clock), asked for.
+
+    Cancellation: callers run this inside a shielded cancel scope.
+
+    Returns:
+        The escalation's end; or, when it was handed back in the middle of a wait, that wait's phase
+        and deadline (on the Trio clock): the caller finishes the wait and the steps alone (see
+        :func:`~._termination.drive_escalation`).
+    """
+    batch = _FORMING.get()
+    me = _Member(target=target, steps=steps, request=first, deadline=at + first.seconds)
+    if batch is None:
+        batch = _Batch()
+        _FORMING.set(batch)
+        me.drives = True
+        batch.members.append(me)
+        target.notify_force(lambda: batch._poke(me))
+        try:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # the escalations of this pass join
+        finally:
+            if _FORMING.get() is batch:
+                _FORMING.set(None)
+        if len(batch.members) == 1:  # alone in its pass: the one-tree wait costs less than a batch's
+            target.notify_force(None)
+            return first.phase, me.deadline
+    else:
+        batch.members.append(me)
+        target.notify_force(lambda: batch._poke(me))
+    while not (me.over or me.alone):
+        if me.drives:
+            await batch.drive(me)
+        else:
+            await me.turn.wait()
+            me.turn = trio.Event()
+    target.notify_force(None)
+    if me.error is not None:
+        raise me.error
+    if me.result is not None:
+        return me.result
+    return me.request.phase, me.deadline

@@ -1,0 +1,231 @@
+"""Escalations that start together are driven as one batch (``engine._escalation_batch``): ``kill_all``
+signals every tree in one loop, their grace periods end together, and one pass aims SIGKILL at all of
+them. What must not change: every member of every tree dead and reaped when the call returns, in both
+containment modes; each tree's whole grace period; force cutting a grace short; logs removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from pathlib import Path
+
+import trio
+
+from engine import RunState, SpawnSpec, open_supervisor
+from engine._subprocesses import _gc_deferred
+
+from .children import SESSION, kill_leftovers, mark, pgrep, proc_exists, py, wait_until
+from .service_support import engine_at, log_dir, log_paths, make_project
+
+GRACE = 0.4
+
+
+def _kinds(tag: str) -> dict[str, tuple[str, ...]]:
+    """Trees of several shapes, each with a marker of its own under ``tag``."""
+    return {
+        # exits at once on SIGINT (the batch's driver is often this one's task: the role passes on)
+        "cooperative": ("sleep", mark(f"{tag}1")),
+        # ignores SIGINT, and so does its grandchild (bash starts `&` jobs with SIGINT ignored)
+        "ignoring": ("bash", "-c", f"trap '' INT; sleep {mark(f'{tag}2')} & sleep {mark(f'{tag}2')}; wait"),
+        # exits during the grace period, a while after SIGINT
+        "slow exit": ("bash", "-c", f"trap 'sleep 0.1; exit 3' INT; sleep {mark(f'{tag}3')} & wait"),
+        # leaves its grandchild in the background, outside the group, and exits during the grace
+        "escapee": (
+            "bash",
+            "-c",
+            f"trap 'exit 0' INT; setsid bash -c \"trap '' INT; exec sleep {mark(f'{tag}4')}\" & "
+            f"sleep {mark(f'{tag}5')} & wait",
+        ),
+    }
+
+
+async def test_kill_all_of_many_mixed_trees_leaves_nothing(tmp_path: Path, containment: str) -> None:
+    """40 trees of four shapes, grandchildren included: all gone and reaped when kill_all returns, every
+    log removed, within the grace plus the kill wait's first steps."""
+    tag = "331."
+    pattern = rf"sleep 331\.[0-9]{SESSION}"
+    project = make_project(tmp_path)
+    try:
+        async with engine_at(
+            tmp_path, grace_seconds=GRACE, containment=containment, max_processes_per_project=100
+        ) as engine:
+            service = engine.service
+            records = []
+            for _ in range(10):
+                for argv in _kinds(tag).values():
+                    records.append(await service.create(project, argv[0], list(argv[1:])))
+            await wait_until(lambda: len(pgrep(pattern)) >= 50)
+            pids = [sp.pid for sp in records] + pgrep(pattern)
+            t0 = time.monotonic()
+            assert await service.kill_all() is True
+            elapsed = time.monotonic() - t0
+            assert not pgrep(pattern)
+            assert not [pid for pid in pids if proc_exists(pid)]  # not even a zombie
+            assert service.ps() == []
+            assert os.listdir(log_dir(project)) == [".gitignore"]
+            assert not [path for sp in records for path in log_paths(sp) if os.path.exists(path)]
+            assert elapsed < GRACE + 2.0, elapsed
+            ignoring = [sp for sp in records if sp.exit is not None and sp.exit.escalated]
+            assert len(ignoring) >= 10  # at least the SIGINT-ignoring ones needed SIGKILL
+    finally:
+        kill_leftovers(pattern)
+
+
+async def test_each_tree_of_a_batch_gets_its_whole_grace(tmp_path: Path, containment: str) -> None:
+    """Aligned deadlines move a grace period's end later, never earlier: each child notes when SIGINT
+    came and keeps noting the time until SIGKILL ends it."""
+    n = 30
+    marker = mark("332.1")
+    code = (  # os.write: a handler writing through the file object the loop uses may hit a reentrant call
+        "import os,signal,time,sys\n"
+        "fd=os.open(sys.argv[1],os.O_WRONLY|os.O_CREAT|os.O_APPEND)\n"
+        "signal.signal(signal.SIGINT, lambda s,fr: os.write(fd, f'int {time.monotonic()}\\n'.encode()))\n"
+        "os.write(fd, b'ready\\n')\n"
+        "while True:\n    os.write(fd, f't {time.monotonic()}\\n'.encode()); time.sleep(0.005)\n"
+    )
+    files = [tmp_path / f"child-{i}.txt" for i in range(n)]
+    try:
+        async with open_supervisor(
+            grace_seconds=GRACE, kill_wait_seconds=2.0, containment=containment
+        ) as sup:
+            runs = [
+                await sup.spawn(SpawnSpec(argv=(*py(code), str(path), marker), scope_key="batch"))
+                for path in files
+            ]
+            await wait_until(lambda: all(p.exists() and "ready" in p.read_text() for p in files))
+            exits = await sup.cancel_scope("batch")
+            assert all(e.escalated for e in exits)
+            assert all(run.state is RunState.EXITED and not proc_exists(run.pid) for run in runs)
+        for path in files:
+            lines = path.read_text().split("\n")
+            sigint = min(float(line.split()[1]) for line in lines if line.startswith("int "))
+            last = max(float(line.split()[1]) for line in lines if line.startswith("t "))
+            assert last - sigint >= GRACE - 0.05, (path.name, last - sigint)
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_force_cuts_one_member_s_grace_short_and_the_rest_keep_theirs(
+    tmp_path: Path, containment: str
+) -> None:
+    """A force request wakes the batch's driver for that member only: it is killed at once, while the
+    others of the batch wait out their grace (30 s here) until they are forced too."""
+    marker = mark("333.1")
+    try:
+        async with open_supervisor(grace_seconds=30.0, kill_wait_seconds=2.0, containment=containment) as sup:
+            runs = [
+                await sup.spawn(
+                    SpawnSpec(argv=("bash", "-c", f"trap '' INT; exec sleep {marker}"), scope_key="f")
+                )
+                for _ in range(5)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 5)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sup.cancel_scope, "f")
+                await trio.sleep(0.3)  # every escalation is in its grace period
+                t0 = time.monotonic()
+                first = await sup.cancel(runs[2], force=True)
+                assert time.monotonic() - t0 < 2.0
+                assert first.escalated and first.signal == 9
+                assert all(run.exit is None for i, run in enumerate(runs) if i != 2)  # still in their grace
+                assert len(pgrep(rf"^sleep {marker}")) == 4
+                t0 = time.monotonic()
+                for run in runs:
+                    await sup.cancel(run, force=True)
+                assert time.monotonic() - t0 < 2.0
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [run.pid for run in runs if proc_exists(run.pid)]
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_a_leader_that_exits_in_the_grace_leaves_its_tree_to_its_own_task(
+    tmp_path: Path, containment: str
+) -> None:
+    """The batch waits on leaders' pidfds; a leader that exits while a grandchild ignoring SIGINT lives on
+    hands its tree back to its own task, which kills the grandchild at the end of the grace."""
+    marker = mark("334.1")
+    try:
+        async with open_supervisor(
+            grace_seconds=GRACE, kill_wait_seconds=2.0, containment=containment
+        ) as sup:
+            runs = [
+                await sup.spawn(
+                    SpawnSpec(
+                        argv=("bash", "-c", f"trap 'exit 0' INT; (trap '' INT; exec sleep {marker}) & wait"),
+                        scope_key="h",
+                    )
+                )
+                for _ in range(4)
+            ]
+            runs.append(await sup.spawn(SpawnSpec(argv=("sleep", marker), scope_key="h")))
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 5)
+            t0 = time.monotonic()
+            exits = await sup.cancel_scope("h")
+            elapsed = time.monotonic() - t0
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [run.pid for run in runs if proc_exists(run.pid)]
+            assert [e.escalated for e in exits] == [True] * 4 + [False]
+            assert GRACE - 0.05 <= elapsed < GRACE + 2.0, elapsed
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_kill_all_of_a_hundred_and_more_defers_gc_and_leaves_nothing(
+    tmp_path: Path, containment: str
+) -> None:
+    """From 100 records on, the cyclic collector waits until the records are ended; its state is back
+    when kill_all returns, and nothing of the 120 trees is left."""
+    pattern = rf"sleep 335\.[12]{SESSION}"
+    project = make_project(tmp_path)
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        async with engine_at(
+            tmp_path, containment=containment, max_processes=200, max_processes_per_project=200
+        ) as engine:
+            service = engine.service
+            records = [
+                await service.create(project, "sleep", [mark("335.1")])
+                if i % 2
+                else await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {mark('335.2')}"])
+                for i in range(120)
+            ]
+            await wait_until(lambda: len(pgrep(pattern)) == 120)
+            assert await service.kill_all() is True
+            assert gc.isenabled()
+            assert not pgrep(pattern)
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+            assert os.listdir(log_dir(project)) == [".gitignore"]
+    finally:
+        if not was:
+            gc.disable()
+        kill_leftovers(pattern)
+
+
+def test_gc_deferral_nests_and_restores_what_was_there() -> None:
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with contextlib.ExitStack() as first:
+            first.enter_context(_gc_deferred(True))
+            assert not gc.isenabled()
+            with contextlib.ExitStack() as second:
+                second.enter_context(_gc_deferred(True))
+                first.close()  # the first kill ends before the second: still deferred
+                assert not gc.isenabled()
+            assert gc.isenabled()  # the last one ended: back on
+        with _gc_deferred(False):  # a small kill does not touch it
+            assert gc.isenabled()
+        gc.disable()
+        with _gc_deferred(True):
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a host that had it off keeps it off
+    finally:
+        if was:
+            gc.enable()
+        else:
+            gc.disable()
