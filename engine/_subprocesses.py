@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import gc
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
@@ -542,14 +541,13 @@ class SubProcessService:
         Cancellation: as :meth:`kill_subprocess`, for each of them.
         """
         live = [sp for sp in records if not sp._removed]
-        with _gc_deferred(len(live) >= _DEFER_GC_FROM):
-            self._supervisor.begin_cancel(sp._run for sp in live if not sp.ended)  # SIGINT to all at once
-            try:
-                async with trio.open_nursery() as nursery:
-                    for sp in live:
-                        nursery.start_soon(self._stop, sp)
-            finally:
-                self._remove_many([sp for sp in records if sp.exit is not None])
+        self._supervisor.begin_cancel(sp._run for sp in live if not sp.ended)  # SIGINT to all, in one loop
+        try:
+            async with trio.open_nursery() as nursery:
+                for sp in live:
+                    nursery.start_soon(self._stop, sp)
+        finally:
+            self._remove_many([sp for sp in records if sp.exit is not None])
         return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
 
     async def kill_project(self, project_id: str) -> None:
@@ -889,36 +887,6 @@ class SubProcessService:
             if sp._stdin is not None:
                 sp._stdin.close("the engine stopped")
         self._nursery.cancel_scope.cancel()  # the cap, and the records' tasks: nothing more restarts
-
-
-#: Ending this many records at once, the cyclic garbage collector waits until they are ended.
-_DEFER_GC_FROM = 100
-_gc_deferrals = 0
-
-
-@contextlib.contextmanager
-def _gc_deferred(defer: bool) -> Iterator[None]:
-    """No cyclic garbage collection inside the block (reference counting goes on freeing as usual): ending
-    1000 records allocates enough for a full collection of the engine's heap to fall inside the kill
-    (40-80 ms measured with 1000 records), where it delays every SIGKILL and reap; it runs after instead.
-    Nested blocks (two kills at once) turn it back on when the last one ends, and only if it was on."""
-    global _gc_deferrals
-    if not defer:
-        yield
-        return
-    if _gc_deferrals == 0:
-        _gc_state.append(gc.isenabled())
-        gc.disable()
-    _gc_deferrals += 1
-    try:
-        yield
-    finally:
-        _gc_deferrals -= 1
-        if _gc_deferrals == 0 and _gc_state.pop():
-            gc.enable()
-
-
-_gc_state: list[bool] = []
 
 
 def _command_name(pid: int) -> str:
