@@ -31,6 +31,8 @@ from typing import Final, final
 
 import attrs
 
+from ._procfs import read_kernel_file
+
 __all__ = [
     "PARENT_RECORD",
     "WATCH_PREFIX",
@@ -78,18 +80,7 @@ _READ_BYTES = 65536
 
 
 def _read(path: str) -> str:
-    # os.open/os.read rather than open(): no text wrapper per file (kill_all reads a few per leaf).
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, _READ_BYTES)
-        while len(data) % _READ_BYTES == 0 and data:
-            chunk = os.read(fd, _READ_BYTES)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    return data.decode("utf-8", "replace")
+    return read_kernel_file(path, _READ_BYTES).decode("utf-8", "replace")
 
 
 @attrs.frozen
