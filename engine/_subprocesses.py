@@ -541,6 +541,8 @@ class SubProcessService:
         Cancellation: as :meth:`kill_subprocess`, for each of them.
         """
         live = [sp for sp in records if not sp._removed]
+        for sp in live:
+            sp._killing = True  # a halt meanwhile must not answer that the logs are kept
         self._supervisor.begin_cancel(sp._run for sp in live if not sp.ended)  # SIGINT to all, in one loop
         try:
             async with trio.open_nursery() as nursery:

@@ -285,7 +285,7 @@ async def test_halt_meeting_a_kill_says_the_logs_are_deleted(tmp_path: Path) -> 
     async with engine_at(tmp_path, grace_seconds=0.5) as engine:
         service = engine.service
         code = f"trap '' INT; echo up; sleep {mark('312.7')}"
-        for first in ("halt", "kill"):
+        for first in ("halt", "kill", "kill_all"):
             sp = await service.create(project, "bash", ["-c", code])
             await wait_for_text(sp.stdout_path, "up")
             outcome: dict[str, object] = {}
@@ -299,14 +299,17 @@ async def test_halt_meeting_a_kill_says_the_logs_are_deleted(tmp_path: Path) -> 
             async def kill(sp: SubProcess = sp, outcome: dict[str, object] = outcome) -> None:
                 outcome["kill"] = await service.kill_subprocess(sp)
 
+            async def kill_all(outcome: dict[str, object] = outcome) -> None:
+                outcome["kill"] = await service.kill_all()  # True: verified, every tree ended
+
             with trio.fail_after(20):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(halt if first == "halt" else kill)
+                    nursery.start_soon({"halt": halt, "kill": kill, "kill_all": kill_all}[first])
                     await trio.sleep(0.1)  # the first is in its grace period
                     nursery.start_soon(kill if first == "halt" else halt)
             assert isinstance(outcome["halt"], SubProcessNotFoundError), outcome
             assert "its logs are deleted" in str(outcome["halt"])
-            assert outcome["kill"] is (first == "kill")
+            assert outcome["kill"] is (first != "halt")
             assert sp not in service.ps()
             assert not any(os.path.exists(p) for p in log_paths(sp))
     assert not pgrep(rf"sleep 312\.7{SESSION}")
