@@ -434,7 +434,9 @@ async def test_service_command_payload_reports_exit_and_output(
         assert after.next_run_at >= after.last_run_at + timedelta(seconds=30)  # back-off
 
         # A program that is not there is refused when the job is added (as create refuses it at once) ...
-        for argv0 in ("/no/such/program", "no-such-program-on-path"):
+        not_executable = tmp_path / "not-executable"
+        not_executable.write_text("exit 0\n")
+        for argv0 in ("/no/such/program", "no-such-program-on-path", str(tmp_path), str(not_executable)):
             with pytest.raises(InvalidScheduleError, match="argv\\[0\\]"):
                 await cron.add(Every(3600), Command((argv0,)))
             with pytest.raises(InvalidScheduleError, match="argv\\[0\\]"):

@@ -19,10 +19,12 @@ __all__ = ["check_command_can_start", "command_log_paths", "run_command"]
 
 
 def check_command_can_start(payload: object) -> None:
-    """Check that a :class:`Command` payload's program is there now, found as its runs will look for it
-    (``argv[0]`` in the engine's ``PATH``, or a path from the job's ``cwd``), as ``create`` finds out at
-    once; other payloads pass. ``CronService`` calls this when a job is added or its payload replaced, not
-    when it is loaded or fired (a program removed later makes that run's event say so).
+    """Check that a :class:`Command` payload's program is there now and can be run (an executable file,
+    not a directory), found as its runs will look for it (``argv[0]`` in the engine's ``PATH``, or a path
+    from the job's ``cwd``), as ``create`` finds out at once; other payloads pass. A script whose ``#!``
+    interpreter is missing is found out at its first run. ``CronService`` calls this when a job is added
+    or its payload replaced, not when it is loaded or fired (a program removed later makes that run's
+    event say so).
 
     Raises:
         InvalidScheduleError: naming ``argv[0]`` and the fix.
@@ -39,6 +41,13 @@ def check_command_can_start(payload: object) -> None:
         ) from None
     if not os.path.exists(path):
         raise InvalidScheduleError(f"payload argv[0] {show(program)}: there is no file {show(path)}")
+    if os.path.isdir(path):
+        raise InvalidScheduleError(f"payload argv[0] {show(program)}: {show(path)} is a directory")
+    if not os.access(path, os.X_OK):
+        raise InvalidScheduleError(
+            f"payload argv[0] {show(program)}: {show(path)} is not executable; chmod +x it or run it "
+            "through its interpreter"
+        )
 
 
 def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
