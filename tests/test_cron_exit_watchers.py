@@ -339,13 +339,19 @@ async def test_exit_watcher_command_ending_between_engines_fires_once(tmp_path: 
 
 
 async def test_exit_watcher_cancel_all_ends_commands_and_fires_cancelled(tmp_path: Path) -> None:
-    marker, adopted_marker = mark("337.2"), mark("337.3")
+    marker, adopted_marker, stubborn_marker = mark("337.2"), mark("337.3"), mark("337.4")
     missing = tmp_path / "later"
     missing.mkdir()
     try:
         async with engine_with(tmp_path / "s") as engine:
             earlier = await engine.cron.add(OnExit(command=f"sleep {adopted_marker}"), SystemEvent("a"))
+            # adopted too, and deaf to SIGINT: the escalation's SIGKILL ends its shim as well (found by a
+            # new user: it was reported lost, and did not fire)
+            stubborn = await engine.cron.add(
+                OnExit(command=f"trap '' INT; sleep {stubborn_marker}"), SystemEvent("d")
+            )
             await wait_until(lambda: engine.watchers.watched_pid(earlier.id) is not None)
+            await wait_until(lambda: engine.watchers.watched_pid(stubborn.id) is not None)
         async with engine_with(tmp_path / "s") as engine:  # adopts `earlier`, starts `job`
             job = await engine.cron.add(
                 OnExit(command=f"echo started; trap 'exit 7' INT; sleep {marker} & wait"), SystemEvent("b")
@@ -360,11 +366,12 @@ async def test_exit_watcher_cancel_all_ends_commands_and_fires_cancelled(tmp_pat
             assert engine.watchers.active_job_ids() == []
             events = {e.job_id: e for e in await engine.cron.events()}
             jobs = {j.id: j for j in await engine.cron.list()}
-        assert not pgrep(rf"^sleep ({marker}|{adopted_marker})$")
-        assert set(events) == {earlier.id, job.id, waiting.id}
+        assert not pgrep(rf"^sleep ({marker}|{adopted_marker}|{stubborn_marker})$")
+        assert set(events) == {earlier.id, job.id, waiting.id, stubborn.id}
         assert {e.reason for e in events.values()} == {"cancelled"}
         assert events[job.id].exit_code == 7 and events[job.id].stdout_tail == "started\n"
         assert events[earlier.id].signal == 2  # adopted: ended by the same escalation
+        assert events[stubborn.id].signal == 9
         assert (events[waiting.id].exit_code, events[waiting.id].signal) == (None, None)
         assert "did not run to an exit (reason: cancelled)" in events[waiting.id].text
         assert not any(j.enabled for j in jobs.values())
@@ -372,9 +379,9 @@ async def test_exit_watcher_cancel_all_ends_commands_and_fires_cancelled(tmp_pat
         async with engine_with(tmp_path / "s") as engine:  # nothing re-runs, nothing fires again
             await trio.sleep(0.3)
             assert engine.watchers.active_job_ids() == []
-            assert len(await engine.cron.events()) == 3
+            assert len(await engine.cron.events()) == 4
     finally:
-        kill_leftovers(rf"^sleep ({marker}|{adopted_marker})$")
+        kill_leftovers(rf"^sleep ({marker}|{adopted_marker}|{stubborn_marker})$")
 
 
 async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
+from signal import SIGKILL
 from typing import TypeVar, final
 
 import attrs
@@ -422,6 +423,14 @@ class CronExitWatchers:
         watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)
         record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
+        if record is None and watch.ending:
+            # Ended on purpose: the escalation's SIGKILL reached the shim too (it outlives every other
+            # signal of the group), so nothing was recorded; fire as a command this engine started does.
+            logger.warning(
+                "on-exit job %s: the adopted command was ended by SIGKILL with its shim; nothing recorded",
+                watch.job_id,
+            )
+            record = {"exit_code": None, "signal": int(SIGKILL)}
         if record is None:
             await self._report_lost(watch.job_id, "the adopted command ended without recording its exit")
         elif watch.ending:
