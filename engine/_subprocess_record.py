@@ -150,6 +150,17 @@ class SubProcess:
         assert exit is not None
         return exit
 
+    async def wait_drained(self) -> RunExit:
+        """:meth:`wait_finished`, then until the rest of the last process's tree is gone too (what a
+        leader that exited on its own left running is ended after the grace period at most), so that its
+        logs hold everything it will ever write; return the leader's exit.
+
+        Cancellation: safe; nothing changes.
+        """
+        exit = await self.wait_finished()
+        await self._run.wait()
+        return exit
+
     def _last_change(self) -> datetime:
         moments = [self._changed_at]
         if self._run.exit is not None:

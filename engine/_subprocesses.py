@@ -364,8 +364,9 @@ class SubProcessService:
         await sp._stdin.write(payload, eof=eof)
 
     async def wait(self, pid: int) -> SubProcessSummary:
-        """Wait until the record ``pid`` names has exited for good (after its last restart) and return
-        its summary; at once when it already has.
+        """Wait until the record ``pid`` names has exited for good (after its last restart) and what its
+        leader left running is gone too (``SubProcess.wait_drained``: the logs are then complete), and
+        return its summary; at once when it already has.
 
         Callers bound the wait with ``trio.move_on_after``.
 
@@ -375,7 +376,7 @@ class SubProcessService:
             SubProcessNotFoundError: no managed subprocess has this pid.
         """
         sp = self.lookup(pid)
-        await sp.wait_finished()
+        await sp.wait_drained()
         return self.summarize(sp)
 
     # ---- looking ---------------------------------------------------------------------------------

@@ -261,7 +261,8 @@ class ToolExtensions:
         return "\n".join(lines)
 
     async def wait(self, params: Mapping[str, object], sp: SubProcess) -> str:
-        """``wait``: until the process exited for good, at most ``timeout`` seconds."""
+        """``wait``: until the process exited for good and its leftovers are gone (its logs complete),
+        at most ``timeout`` seconds."""
         seconds = read_seconds(params.get("timeout", WAIT_DEFAULT_SECONDS), "timeout")
         if seconds > MAX_WAIT_SECONDS:
             raise InvalidArgumentError(
@@ -269,7 +270,7 @@ class ToolExtensions:
                 "call wait again to wait longer"
             )
         with trio.move_on_after(seconds):
-            await sp.wait_finished()
+            await sp.wait_drained()
         summary = self.service.summarize(sp)
         lines = ["SUBPROCESS WAIT", f"pid: {sp.pid}", f"status: {summary.status}"]
         if not sp.finished:

@@ -421,6 +421,20 @@ def test_cli_log_tail_zero_prints_nothing_and_follows_what_comes_next(served: Se
     served.cli("kill", str(pid))
 
 
+def test_cli_wait_and_follow_include_what_the_leaders_leftovers_write(served: Served, project: Path) -> None:
+    """A leader that exits on its own leaves a background job writing: ``wait`` returns, and ``log -f``
+    ends, once that is gone too (found by a new user: both stopped at the leader's exit)."""
+    script = "(sleep 0.3; echo late) & echo early"
+    follow_pid = _create(served, project, "sh", "-c", script)
+    followed = served.cli("log", str(follow_pid), "-f", timeout=20)
+    assert (followed.returncode, followed.stdout) == (0, "early\nlate\n"), followed.stderr
+    wait_pid = _create(served, project, "sh", "-c", script)
+    waited = served.cli("wait", str(wait_pid), timeout=20)
+    assert waited.returncode == 0, waited.stderr
+    assert served.cli("log", str(wait_pid)).stdout == "early\nlate\n"
+    served.cli_parallel(("kill", str(follow_pid)), ("kill", str(wait_pid)))
+
+
 def test_cli_list_project_shows_that_projects_only(served: Served, tmp_path: Path) -> None:
     mine, other = tmp_path / "mine", tmp_path / "other"
     mine.mkdir()

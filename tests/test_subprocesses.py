@@ -304,7 +304,12 @@ async def test_halt_meeting_a_kill_says_the_logs_are_deleted(tmp_path: Path) -> 
 
             with trio.fail_after(20):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon({"halt": halt, "kill": kill, "kill_all": kill_all}[first])
+                    starts: dict[str, Callable[[], Awaitable[None]]] = {
+                        "halt": halt,
+                        "kill": kill,
+                        "kill_all": kill_all,
+                    }
+                    nursery.start_soon(starts[first])
                     await trio.sleep(0.1)  # the first is in its grace period
                     nursery.start_soon(kill if first == "halt" else halt)
             assert isinstance(outcome["halt"], SubProcessNotFoundError), outcome

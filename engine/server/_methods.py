@@ -322,7 +322,7 @@ class Methods:
         service = self.engine.service
         sp = service.lookup(pid)
         with trio.move_on_after(timeout_seconds):
-            await sp.wait_finished()
+            await sp.wait_drained()
         return {**service.summarize(sp).to_dict(), "finished": sp.finished}
 
     @_method("subprocess.list", project=_may(read_project))
@@ -410,7 +410,8 @@ class Methods:
     ) -> object:
         service = self.engine.service
         sp = service.lookup(pid)
-        running = sp.running  # before the read: "not running" and a drained read mean the end
+        # before the read: "not running" and a drained read mean the end (the tree gone, no restart due)
+        running = not (sp.finished and sp.ended)
         piece = await service.read_log(
             pid,
             stream,
