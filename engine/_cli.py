@@ -97,10 +97,14 @@ def _seconds_up_to(maximum: float, *, above_zero: bool = False) -> Callable[[str
     """An argparse type: a number of seconds from 0 (or above 0) to ``maximum``, as the engine takes it."""
 
     def read(text: str) -> float:
-        seconds = _finite_seconds(text)
+        floor = "more than 0" if above_zero else "from 0"
+        refused = argparse.ArgumentTypeError(f"expected {floor} to {maximum:g} seconds, got {show(text)}")
+        try:
+            seconds = _finite_seconds(text)
+        except argparse.ArgumentTypeError:
+            raise refused from None  # one wording for every value refused (-1, nan, inf, 0, 1e9)
         if seconds > maximum or (above_zero and seconds == 0):
-            floor = "more than 0" if above_zero else "from 0"
-            raise argparse.ArgumentTypeError(f"expected {floor} to {maximum:g} seconds, got {show(text)}")
+            raise refused
         return seconds
 
     return read

@@ -79,12 +79,18 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
         assert b"Traceback" not in err
 
 
-def test_cli_ready_port_out_of_range_is_said_in_one_wording(tmp_path: Path) -> None:
+def test_cli_out_of_range_port_and_seconds_are_said_in_one_wording(tmp_path: Path) -> None:
     state = ("--state-dir", str(tmp_path))
     for port in ("0", "99999", "x"):
         out = cli("create", *state, "--project", ".", "--ready-port", port, "--", "true")
         assert out.returncode == 2
         assert out.stderr.splitlines()[-1].endswith(f"expected a TCP port from 1 to 65535, got '{port}'")
+    for seconds in ("0", "-1", "nan", "inf", "1e9"):  # one wording for a bounded duration too
+        out = cli(
+            "create", *state, "--project", ".", "--ready-log", "x", f"--ready-timeout={seconds}", "--", "true"
+        )
+        assert out.returncode == 2
+        assert out.stderr.splitlines()[-1].endswith(f"expected more than 0 to 300 seconds, got '{seconds}'")
 
 
 def test_cli_bad_patterns_are_said_with_the_option_before_asking_the_engine(tmp_path: Path) -> None:
