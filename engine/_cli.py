@@ -176,6 +176,20 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
         default="auto",
         help=f"{prefix}a cgroup v2 leaf per run, or the process group (default: auto, cgroup where writable)",
     )
+    p.add_argument(
+        "--max-processes-per-project",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help=f"{prefix}live subprocesses one project may have (default 32)",
+    )
+    p.add_argument(
+        "--max-processes",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help=f"{prefix}live subprocesses in the whole engine (default 256)",
+    )
 
 
 def _server_options(p: argparse.ArgumentParser) -> None:

@@ -68,6 +68,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             grace_seconds=args.grace_seconds,
             exit_watch_shell=shlex.split(args.exit_watch_shell) if args.exit_watch_shell else None,
             containment=args.containment,
+            max_processes_per_project=args.max_processes_per_project,
+            max_processes=args.max_processes,
             repair_store=getattr(args, "repair", False),
             max_connections=getattr(args, "max_connections", 128),
             connection_idle_seconds=getattr(args, "idle_seconds", 60.0),

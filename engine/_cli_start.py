@@ -109,6 +109,8 @@ def _serve_argv(state_dir: str, args: argparse.Namespace) -> list[str]:
     if args.exit_watch_shell:
         argv += ["--exit-watch-shell", args.exit_watch_shell]
     argv += ["--containment", args.containment]
+    argv += ["--max-processes-per-project", str(args.max_processes_per_project)]
+    argv += ["--max-processes", str(args.max_processes)]
     argv += ["--max-connections", str(args.max_connections), "--idle-seconds", repr(args.idle_seconds)]
     argv += ["--max-request-bytes", str(args.max_request_bytes)]
     if args.repair:

@@ -510,6 +510,26 @@ def test_cli_messages_hint_at_the_fix_in_the_clis_words(served: Served, project:
         assert "invalid params" not in out.stderr and "Traceback" not in out.stderr
 
 
+def test_cli_serve_takes_the_process_limits(tmp_path: Path, project: Path) -> None:
+    """A standalone engine's limits are options of serve and start, as pm2 users would look for them."""
+    engine = start_serve(tmp_path / "state", "--max-processes-per-project", "2", "--max-processes", "3")
+    try:
+        marker = mark("338.1")
+        pids = [_create(engine, project, "sleep", marker) for _ in range(2)]
+        third = engine.cli("create", "--project", str(project), "--", "sleep", marker)
+        assert third.returncode == 1
+        assert "max_processes_per_project reached" in third.stderr and "(limit 2)" in third.stderr
+        other = tmp_path / "other"
+        other.mkdir()
+        pids.append(_create(engine, other, "sleep", marker))
+        fourth = engine.cli("create", "--project", str(other), "--", "sleep", marker)
+        assert fourth.returncode == 1 and "max_processes reached" in fourth.stderr
+        engine.cli_parallel(*(("kill", str(pid)) for pid in pids))
+        assert not pgrep(marker)
+    finally:
+        engine.stop()
+
+
 @pytest.mark.parametrize("how", ["stop", "sigkill"])
 def test_cli_followers_end_with_the_engine(tmp_path: Path, project: Path, how: str) -> None:
     engine = start_serve(tmp_path / "state")
