@@ -25,7 +25,13 @@ from collections.abc import Mapping, Sequence
 from . import _libc
 from ._errors import SpawnError
 
-__all__ = ["Environment", "engine_environment", "resolve_executable", "spawn_process"]
+__all__ = [
+    "Environment",
+    "describe_exec_failure",
+    "engine_environment",
+    "resolve_executable",
+    "spawn_process",
+]
 
 # glibc's flag values (<spawn.h>); musl uses the same numbers.
 _POSIX_SPAWN_SETSIGDEF = 0x04
@@ -85,8 +91,9 @@ def resolve_executable(command: str, cwd: str, path_var: str | None) -> str:
     )
 
 
-def _describe_exec_failure(err: int, command: str, path: str) -> SpawnError:
-    """Turn the ``exec`` error number into a message that names the file and the cause."""
+def describe_exec_failure(err: int, command: str, path: str) -> SpawnError:
+    """Turn an ``exec`` error number into a message that names the file and the cause (also for a
+    program checked before it is run, as ``cron`` does for a ``Command`` job)."""
     if err == errno_mod.EACCES:
         if os.path.isdir(path):
             reason = "is a directory"
@@ -242,5 +249,5 @@ def spawn_process(
     finally:
         libc.posix_spawn_file_actions_destroy(fa)
     if rc != 0:
-        raise _describe_exec_failure(rc, argv[0], path)
+        raise describe_exec_failure(rc, argv[0], path)
     return pid.value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import shlex
@@ -9,8 +10,7 @@ import shlex
 import trio
 
 from .._errors import InvalidScheduleError, SpawnError
-from .._input import show
-from .._spawn import resolve_executable
+from .._spawn import describe_exec_failure, resolve_executable
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
@@ -35,19 +35,15 @@ def check_command_can_start(payload: object) -> None:
     cwd = payload.cwd if payload.cwd is not None else os.getcwd()
     try:
         path = resolve_executable(program, cwd, os.environ.get("PATH"))
-    except SpawnError:
-        raise InvalidScheduleError(
-            f"payload argv[0] {show(program)} is not in the engine's PATH; give a path or install it"
-        ) from None
+    except SpawnError as exc:  # not in the engine's PATH
+        raise InvalidScheduleError(f"payload argv[0]: {exc}") from None
     if not os.path.exists(path):
-        raise InvalidScheduleError(f"payload argv[0] {show(program)}: there is no file {show(path)}")
-    if os.path.isdir(path):
-        raise InvalidScheduleError(f"payload argv[0] {show(program)}: {show(path)} is a directory")
-    if not os.access(path, os.X_OK):
-        raise InvalidScheduleError(
-            f"payload argv[0] {show(program)}: {show(path)} is not executable; chmod +x it or run it "
-            "through its interpreter"
-        )
+        err = errno.ENOENT
+    elif os.path.isdir(path) or not os.access(path, os.X_OK):
+        err = errno.EACCES
+    else:
+        return
+    raise InvalidScheduleError(f"payload argv[0]: {describe_exec_failure(err, program, path)}")
 
 
 def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
