@@ -15,9 +15,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import At, Cron, CronJob, Every, InvalidScheduleError, OnExit, SystemEvent, compute_next_run_at
-from engine.cron._claims import claimed_and_finished
 from engine.cron._job import JobStatus
-from engine.cron._plan import BACKOFF_SECONDS, claim, finish, is_due, next_wake, should_delete
+from engine.cron._plan import (
+    BACKOFF_SECONDS,
+    claim,
+    claim_and_finish,
+    finish,
+    is_due,
+    next_wake,
+    should_delete,
+)
 from engine.cron._schedule import (
     MAX_EVERY_SECONDS,
     MIN_EVERY_SECONDS,
@@ -413,8 +420,9 @@ def test_decisions_never_early_never_twice(
 def test_claim_of_a_system_event_is_its_claim_then_its_end(
     schedule: Every | Cron | At, deltas: list[int], start: datetime, fail: list[bool]
 ) -> None:
-    """The timer's one-step claim of a ``SystemEvent`` (``_claims``) is ``finish(claim(...))`` exactly,
-    whatever state the job is in (failures before, the clock stepped back)."""
+    """The timer's one-step claim of a ``SystemEvent`` (``_plan.claim_and_finish``) is
+    ``finish(claim(...))`` exactly, whatever state the job is in (failures before, the clock stepped
+    back)."""
     if isinstance(schedule, At):
         schedule = At(start + (schedule.at - T0))
     job = make_job(schedule, start)
@@ -423,10 +431,10 @@ def test_claim_of_a_system_event_is_its_claim_then_its_end(
         now += timedelta(seconds=delta)
         if is_due(job, now):
             two_steps = finish(claim(job, now), now, error=None)
-            assert claimed_and_finished(job, now) == two_steps
+            assert claim_and_finish(job, now) == two_steps
             job = claim(job, now)
             job = finish(job, now, error="boom" if i < len(fail) and fail[i] else None)
     later = attrs.evolve(job, last_run_at=now + timedelta(hours=1))  # a last run after the clock
-    assert claimed_and_finished(later, now) == finish(claim(later, now), now, error=None)
+    assert claim_and_finish(later, now) == finish(claim(later, now), now, error=None)
     watched = attrs.evolve(job, schedule=OnExit("true", cwd="/"), next_run_at=now, consecutive_errors=2)
-    assert claimed_and_finished(watched, now) == finish(claim(watched, now), now, error=None)
+    assert claim_and_finish(watched, now) == finish(claim(watched, now), now, error=None)

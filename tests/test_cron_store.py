@@ -29,6 +29,7 @@ from engine import (
 from engine.cron._events import exit_fire, text_fire
 from engine.cron._job import JobStatus
 from engine.cron._pg_store import PostgresJobStore
+from engine.cron._store import SQLITE_CLAIM_BATCH
 from engine.cron._watch_state import WatchState
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
@@ -247,6 +248,26 @@ async def test_store_reads_a_row_changed_behind_it_afresh(
     with pytest.raises(JobNotFoundError, match="unreadable"):
         await store.get_job("b")
     assert "not JSON" in caplog.text
+
+
+async def test_sqlite_claims_a_burst_in_batches_of_its_own_size(sqlite_store: JobStore) -> None:
+    """A burst larger than ``SQLITE_CLAIM_BATCH`` is claimed oldest first, a full batch then the rest;
+    no due time is claimed twice, and each fire is logged once."""
+    store = sqlite_store
+    total = SQLITE_CLAIM_BATCH + 3
+    for i in range(total):
+        await store.insert_job(job(f"j{i:05d}", next_run_at=T0 + timedelta(seconds=60, microseconds=i)))
+    now = T0 + timedelta(seconds=61)
+    first = await store.claim_due(now, acked=True)
+    assert first.full and len(first.claims) == SQLITE_CLAIM_BATCH
+    assert [c.job.id for c in first.claims] == [f"j{i:05d}" for i in range(SQLITE_CLAIM_BATCH)]
+    rest = await store.claim_due(now, acked=True)
+    assert not rest.full and [c.job.id for c in rest.claims] == [
+        f"j{i:05d}" for i in range(SQLITE_CLAIM_BATCH, total)
+    ]
+    assert (await store.claim_due(now, acked=True)).claims == []
+    events = await store.events()
+    assert len(events) == total == len({e.fire_id for e in events})
 
 
 async def test_store_update_is_one_transaction(store: JobStore) -> None:

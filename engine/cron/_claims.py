@@ -26,16 +26,15 @@ import attrs
 
 from .._errors import EngineError
 from ._events import FiredEvent, PendingFire, text_fire
-from ._job import CronJob, JobStatus, SystemEvent
-from ._plan import claim, is_due
-from ._schedule import At, OnExit, next_run_after
+from ._job import CronJob, SystemEvent
+from ._plan import claim, claim_and_finish, is_due
+from ._schedule import OnExit
 
 __all__ = [
     "CLAIM_BATCH",
     "Claim",
     "DueClaims",
     "JobOwnedElsewhereError",
-    "claimed_and_finished",
     "due_at",
     "due_fire_id",
     "floats",
@@ -116,31 +115,4 @@ def take_due(job: CronJob, now: datetime) -> tuple[CronJob, PendingFire | None] 
     if not isinstance(job.payload, SystemEvent):
         return claim(job, now), None
     fire = text_fire(job.name, job.payload.text, fire_id=due_fire_id(job))
-    return claimed_and_finished(job, now), fire
-
-
-def claimed_and_finished(job: CronJob, now: datetime) -> CronJob:
-    """``finish(claim(job, now), now, error=None)`` (``_plan``) in one step: a ``SystemEvent``'s fire is
-    over once it is logged, so its claim and its successful end are written together.
-
-    One copy of the job and one next-run computation instead of four copies and two (the timer claims
-    every job of a burst this way); ``tests/test_cron_schedule.py`` holds it to the two-step form.
-    """
-    last = now if job.last_run_at is None else max(now, job.last_run_at)
-    enabled, after = job.enabled, job.next_run_at
-    if isinstance(job.schedule, At):
-        enabled, after = False, None
-    elif not isinstance(job.schedule, OnExit):
-        after = None
-        if job.enabled:
-            after = next_run_after(job.schedule, now, last_run_at=last, default_anchor=job.created_at)
-    return attrs.evolve(
-        job,
-        enabled=enabled,
-        next_run_at=after,
-        last_run_at=last,
-        last_status=JobStatus.OK,
-        last_error=None,
-        consecutive_errors=0,
-        updated_at=now,
-    )
+    return claim_and_finish(job, now), fire

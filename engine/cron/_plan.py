@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
+from typing import Any
 
 import attrs
 
@@ -27,6 +28,7 @@ from ._schedule import At, OnExit, next_run_after
 __all__ = [
     "BACKOFF_SECONDS",
     "claim",
+    "claim_and_finish",
     "finish",
     "interrupted",
     "is_due",
@@ -71,13 +73,31 @@ def claim(job: CronJob, now: datetime) -> CronJob:
     ``last_run_at`` becomes ``now`` and the status ``RUNNING``. A one-shot ``At`` is disabled. An
     on-exit job keeps its schedule state (only its watcher fires it on an exit).
     """
+    return _taken(job, now, last_status=JobStatus.RUNNING)
+
+
+def claim_and_finish(job: CronJob, now: datetime) -> CronJob:
+    """``finish(claim(job, now), now, error=None)`` in one step, with one next-run computation.
+
+    A ``SystemEvent``'s fire is over once it is logged, so its claim and its successful end are written
+    together (the timer claims every job of a burst this way). Both forms take the next run from
+    :func:`_taken`; ``tests/test_cron_schedule.py`` holds them equal.
+    """
+    return _taken(job, now, last_status=JobStatus.OK, last_error=None, consecutive_errors=0)
+
+
+def _taken(job: CronJob, now: datetime, **status: Any) -> CronJob:
+    # The schedule's part of a claim, said once: a one-shot ``At`` is disabled, an on-exit job keeps its
+    # state, a recurring job's next run comes after ``now`` and its (moved) last run.
     last = now if job.last_run_at is None else max(now, job.last_run_at)
-    job = attrs.evolve(job, last_run_at=last, last_status=JobStatus.RUNNING, updated_at=now)
+    enabled, after = job.enabled, job.next_run_at
     if isinstance(job.schedule, At):
-        return attrs.evolve(job, enabled=False, next_run_at=None)
-    if isinstance(job.schedule, OnExit):
-        return job
-    return attrs.evolve(job, next_run_at=schedule_next(job, now))
+        enabled, after = False, None
+    elif not isinstance(job.schedule, OnExit):
+        after = None
+        if enabled:
+            after = next_run_after(job.schedule, now, last_run_at=last, default_anchor=job.created_at)
+    return attrs.evolve(job, enabled=enabled, next_run_at=after, last_run_at=last, updated_at=now, **status)
 
 
 def finish(job: CronJob, now: datetime, *, error: str | None) -> CronJob:

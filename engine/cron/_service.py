@@ -12,10 +12,11 @@ by the due time, so any engine of a fleet may fire it and exactly one event exis
 first; a committed fire is then recorded in the event log. The service's :class:`Delivery` hands the
 events over (``_delivery``; :meth:`CronService.fire_pending`).
 
-Many jobs due together (a burst) cost a claim transaction per ``CLAIM_BATCH`` jobs, each batch's fires
-handed over as soon as it is committed, and their acknowledgements written together once the burst is
-claimed (``Delivery.defer_acks``); the end of a claimed fire's delivery reads nothing from the store
-unless the job changed meanwhile, and does not wake the timer (``_left_out``).
+Many jobs due together (a burst) cost a claim transaction per batch (SQLite: ``SQLITE_CLAIM_BATCH``,
+1000; a fleet's PostgreSQL store: ``CLAIM_BATCH``, 200), each batch's fires handed over as soon as it is
+committed, and their acknowledgements written together once the burst is claimed
+(``Delivery.defer_acks``); the end of a claimed fire's delivery reads nothing from the store unless the
+job changed meanwhile, and does not wake the timer (``_left_out``).
 
 On a fleet store the store decides (``JobStore.owns``) which jobs are this engine's own: only those are
 run here when their payload is a ``Command``, armed by the exit watchers, or reset at start-up.

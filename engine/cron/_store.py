@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from .._errors import EngineError, JobNotFoundError, StoreError
-from ._claims import CLAIM_BATCH, Claim, DueClaims, due_at, take_due
+from ._claims import Claim, DueClaims, due_at, take_due
 from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
 from ._fleet import FleetMember, LocalBeats
 from ._job import CronJob
@@ -50,11 +50,18 @@ from ._rows import (
 from ._store_check import connect_checked
 from ._watch_state import WatchState
 
-__all__ = ["STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]  # JobStore re-exported
+# JobStore re-exported
+__all__ = ["SQLITE_CLAIM_BATCH", "STORE_FILE_NAME", "JobChange", "JobStore", "SqliteJobStore"]
 
 logger = logging.getLogger("engine.cron")
 
 STORE_FILE_NAME = "cron.sqlite3"
+#: The most due times one claim transaction takes here (the timer asks again at once for the rest).
+#: Five times the fleet's ``CLAIM_BATCH``: no other engine shares a SQLite store, so a large batch takes
+#: nothing from anyone, and each claim scans every row, so 1000 due together cost one scan and one commit
+#: rather than five (``docs/benchmarks/analysis.md``: p99 lateness of a burst of 1000, 34-43 ms over bare
+#: against 45-72 ms with 200). It bounds one transaction to about 50 ms of store-thread time.
+SQLITE_CLAIM_BATCH = 1000
 
 _T = TypeVar("_T")
 
@@ -494,10 +501,11 @@ class SqliteJobStore:
     # -- the timer's claim, and the fleet's parts of the protocol ------------------------------------
 
     async def claim_due(
-        self, now: datetime, *, skip: Collection[str] = (), acked: bool, limit: int = CLAIM_BATCH
+        self, now: datetime, *, skip: Collection[str] = (), acked: bool, limit: int = SQLITE_CLAIM_BATCH
     ) -> DueClaims:
         """Claim every due job (not in ``skip``) at ``now``, oldest due first, in one transaction
-        (``_claims``); log each ``SystemEvent`` fire with it (``acked`` as given)."""
+        (``_claims``), at most ``limit`` of them (:data:`SQLITE_CLAIM_BATCH`); log each ``SystemEvent``
+        fire with it (``acked`` as given)."""
         skipped = set(skip)
 
         def run(conn: sqlite3.Connection) -> DueClaims:
