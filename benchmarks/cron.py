@@ -23,6 +23,7 @@ import trio
 from engine import EngineConfig, open_engine
 from engine.cron import At, CronJob, Every, FiredEvent, OnExit, SystemEvent
 from engine.cron._plan import is_due, next_wake
+from engine.cron._store import SQLITE_CLAIM_BATCH
 
 from ._common import Context, Row, paired, pct, spread
 
@@ -269,8 +270,9 @@ async def lateness_rows(ctx: Context) -> list[Row]:
     workload = f"cron timer lateness, {n} jobs due in the same second"
     base = "bare trio sleep_until"
     note = (
-        "the due jobs are claimed 200 to a SQLite transaction (WAL, synchronous=FULL), each fire logged "
-        "in its claim's transaction before on_fire; acks written together after on_fire (group commit)"
+        f"the due jobs are claimed {SQLITE_CLAIM_BATCH} to a SQLite transaction (WAL, synchronous=FULL), "
+        "each fire logged in its claim's transaction before on_fire; acks written together after on_fire "
+        "(group commit)"
     )
     return [
         Row(

@@ -67,6 +67,11 @@ _T = TypeVar("_T")
 
 #: The most fire ids one ``IN (...)`` query names (SQLite allows 32766 parameters).
 _IN_CHUNK = 500
+#: Appends one event: its job, project, the fire's fields and whether it is acknowledged.
+_INSERT_EVENT = (
+    f"INSERT INTO events (job_id, project, {', '.join(PENDING_FIRE_FIELDS)}, acked) "
+    f"VALUES (?, ?{', ?' * len(PENDING_FIRE_FIELDS)}, ?)"
+)
 #: Where ``fire_id`` is among ``EVENT_COLUMNS``.
 _FIRE_ID_COLUMN = EVENT_COLUMNS.split(", ").index("fire_id")
 
@@ -356,11 +361,7 @@ class SqliteJobStore:
                 conn.execute("UPDATE events SET acked = 1 WHERE cursor = ?", (event.cursor,))
             return event
         values = [getattr(fire, name) for name in PENDING_FIRE_FIELDS]
-        cur = conn.execute(
-            f"INSERT INTO events (job_id, project, {', '.join(PENDING_FIRE_FIELDS)}, acked) "
-            f"VALUES (?, ?{', ?' * len(values)}, ?)",
-            (job_id, project, *values, int(acked)),
-        )
+        cur = conn.execute(_INSERT_EVENT, (job_id, project, *values, int(acked)))
         assert cur.lastrowid is not None
         return FiredEvent.from_pending(fire, cursor=cur.lastrowid, job_id=job_id, project=project)
 
