@@ -261,9 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gadget-engine", parents=[common], description="Run or talk to a standalone gadget-engine."
     )
     parser.add_argument("--version", action="version", version=f"gadget-engine {__version__}")
-    sub = parser.add_subparsers(
-        dest="command_name", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser
-    )
+    # Not ``required``: argparse would then report a missing subcommand before a stray option, so that
+    # ``gadget-engine --bogus`` said "COMMAND is required"; ``main`` says each in its turn.
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    parser.set_defaults(handler=None, parser=parser)
 
     def add(name: str, handler: object, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
@@ -363,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     cron = add("cron", None, "scheduled and on-exit jobs")
-    cron_sub = cron.add_subparsers(dest="cron_command", required=True, metavar="COMMAND")
+    cron_sub = cron.add_subparsers(dest="cron_command", metavar="COMMAND")
 
     def add_cron(name: str, handler: object, help_text: str) -> argparse.ArgumentParser:
         p = cron_sub.add_parser(name, parents=[common], help=help_text, description=help_text)
@@ -448,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json = getattr(args, "json", False)
     args.root_parser = parser
     if args.handler is None:
-        args.parser.error("a subcommand is required")
+        args.parser.error("the following arguments are required: COMMAND")
     _check_strings(args)
     try:
         if args.command_name in _STANDALONE:

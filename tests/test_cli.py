@@ -79,6 +79,35 @@ def test_cli_usage_errors_exit_2(tmp_path: Path) -> None:
         assert b"Traceback" not in err
 
 
+def test_cli_a_stray_option_is_named_before_a_missing_subcommand(tmp_path: Path) -> None:
+    """``gadget-engine --bogus`` and ``cron --bogus`` name the option they did not know, with the usage
+    line of the command they were given to; a missing subcommand is still said when nothing is stray."""
+    state = ("--state-dir", str(tmp_path))
+    cases = {
+        ("--bogus",): ("usage: gadget-engine [", "gadget-engine: error: unrecognized arguments: --bogus"),
+        ("cron", *state, "--bogus"): (
+            "usage: gadget-engine cron [",
+            "gadget-engine cron: error: unrecognized arguments: --bogus",
+        ),
+        (*state,): ("usage: gadget-engine [", "error: the following arguments are required: COMMAND"),
+        ("cron", *state): (
+            "usage: gadget-engine cron [",
+            "error: the following arguments are required: COMMAND",
+        ),
+    }
+    procs = {
+        argv: subprocess.Popen(
+            [sys.executable, "-m", "engine", *argv], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for argv in cases
+    }
+    for argv, proc in procs.items():
+        out, err = proc.communicate(timeout=30)
+        usage, error = cases[argv]
+        assert proc.returncode == 2 and out == "", (argv, err)
+        assert err.startswith(usage) and err.rstrip("\n").endswith(error), (argv, err)
+
+
 def test_cli_out_of_range_port_and_seconds_are_said_in_one_wording(tmp_path: Path) -> None:
     state = ("--state-dir", str(tmp_path))
     for port in ("0", "99999", "x"):
