@@ -6,6 +6,7 @@ saying which and the connection is closed, and the engine goes on serving everyo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.server._client import EngineClient
+from engine.server._client import AsyncEngineClient, EngineClient, EngineConnectionError
 
 from .children import ignoring_sigint, mark
 from .serve_support import Served, start_serve
@@ -80,6 +81,37 @@ def test_connections_over_the_limit_get_an_error_line_and_are_closed(limited: Se
         for sock in held:
             sock.close()
     assert "event=connection_refused" in limited.log() and "limit=3" in limited.log()
+
+
+def test_a_refusal_is_read_by_a_client_that_writes_after_it_was_sent(limited: Served) -> None:
+    """A refused connection is closed as a lingering close does (the engine's write side, then what the
+    peer sends dropped until it closes, at most a second): a request written after the refusal was sent
+    does not break its writer's pipe, and every client reads why it was refused."""
+    held = [connect(limited) for _ in range(3)]
+    try:
+        for sock in held:
+            assert "result" in status(sock)
+        late = connect(limited)
+        time.sleep(0.3)  # the refusal is sent at once; before, the connection was closed with it
+        late.sendall(b'{"jsonrpc":"2.0","method":"status","id":1}\n')  # was: BrokenPipeError
+        refused = json.loads(read_all(late))
+        late.close()
+        assert refused["id"] is None and refused["error"]["message"].startswith("too many connections")
+
+        async def fresh_async_clients() -> list[str]:
+            said = []
+            for _ in range(10):
+                async with AsyncEngineClient(str(limited.state_dir)) as client:
+                    with pytest.raises(EngineConnectionError) as caught:
+                        await client.call("status")
+                said.append(str(caught.value))
+            return said
+
+        for text in asyncio.run(fresh_async_clients()):
+            assert text.startswith("the engine refused the connection: too many connections"), text
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_a_connection_without_a_complete_request_is_closed_when_idle(limited: Served) -> None:

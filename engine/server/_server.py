@@ -165,9 +165,17 @@ class RpcServer:
         await self._send_last(stream, message)
 
     async def _send_last(self, stream: trio.SocketStream, message: str) -> None:
-        """Send one error line before the connection is closed, if the peer takes it within a second."""
+        """Send one error line, then close as a lingering close does, all within a second.
+
+        After the line, the write side is shut and whatever the peer still sends is read and dropped
+        until it closes: a client that wrote its request after the line was sent (a refusal sent at once
+        on accept) then gets the line, not a broken pipe that hides it.
+        """
         with trio.move_on_after(_LAST_WORD_SECONDS):
             await stream.send_all(encode_error(None, INVALID_REQUEST, message))
+            await stream.send_eof()
+            while await stream.receive_some(_RECEIVE_BYTES):
+                pass
 
     async def _serve_requests(self, stream: trio.SocketStream) -> None:
         buffer = bytearray()
