@@ -1,4 +1,5 @@
-"""The cron service: the job API, the timer and the run pipeline.
+"""The cron service: the job API, delivery and the service's life; its timer and run pipeline are
+:class:`~engine.cron._timer.CronTimer` (``CronService.timer``).
 
 One :class:`CronService` per engine (``engine.cron``). Its tasks live in a nursery of its own, opened by
 :func:`open_cron_service` inside the engine's, and all stop when the engine closes.
@@ -43,13 +44,13 @@ from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundErr
 from .._input import check_flag, check_int, check_optional_text, check_text
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
-from ._claims import Claim, JobOwnedElsewhereError, due_at, floats
-from ._command import check_command_can_start, command_log_paths, run_command
+from ._claims import JobOwnedElsewhereError, floats
+from ._command import check_command_can_start
 from ._delivery import Delivery, FireHandler, FireObserver
-from ._events import FiredEvent, PendingFire, text_fire
-from ._job import Command, CronJob, JobStatus, Payload, SystemEvent, validate_payload
+from ._events import FiredEvent, PendingFire
+from ._job import CronJob, JobStatus, Payload, SystemEvent, validate_payload
 from ._notices import NoticeStore
-from ._plan import claim, finish, interrupted, is_due, schedule_next, should_delete
+from ._plan import interrupted, schedule_next
 from ._protocol import JobStore
 from ._schedule import (
     At,
@@ -61,6 +62,7 @@ from ._schedule import (
     validate_schedule,
 )
 from ._store import SqliteJobStore
+from ._timer import CronTimer
 
 __all__ = ["CronService", "open_cron_service"]
 
@@ -75,10 +77,6 @@ _UPDATABLE = ("name", "enabled", "schedule", "payload", "delete_after_run")
 def utc_now() -> datetime:
     """The system's wall time, aware UTC (the default ``now`` of the service)."""
     return datetime.now(UTC)
-
-
-class _StaleJobError(Exception):
-    """Raised inside a store transaction when the job no longer is what the caller decided on."""
 
 
 def _default_name(payload: Payload) -> str:
@@ -130,17 +128,12 @@ class CronService:
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _appended: trio.Event = attrs.field(init=False, factory=trio.Event)
     _reconcile_pending: bool = attrs.field(init=False, default=False)
-    _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
-    _run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
-    _passed_over: frozenset[str] = attrs.field(init=False, factory=frozenset)
-    _delivering: dict[str, datetime | None] = attrs.field(init=False, factory=dict)
-    _generation: int = attrs.field(init=False, default=0)
+    timer: CronTimer = attrs.field(init=False, default=attrs.Factory(CronTimer, takes_self=True))
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
-        return f"<CronService {self.state_dir!r}: {state}, {len(self._running)} job(s) running>"
+        return f"<CronService {self.state_dir!r}: {state}, {len(self.timer.running)} job(s) running>"
 
     def _wall(self) -> datetime:
         return require_aware(self.now(), "now()")
@@ -288,14 +281,14 @@ class CronService:
         with trio.CancelScope(shield=True):  # once the delete ran, the run must be told below
             _job, event = await self.store.delete_job(job_id, acked=self.delivery.on_fire is None)
         # No checkpoint from the delete to here: no redelivery pass can take the event meanwhile.
-        scope = self._run_scopes.get(job_id)
+        scope = self.timer.run_scopes.get(job_id)
         if scope is not None:
             scope.cancel()
         with self.delivery.holding(event):
-            busy = self._running.get(job_id)
+            busy = self.timer.running.get(job_id)
             if scope is not None and busy is not None:
                 await busy.wait()  # the command is ended by escalation, shielded, in the run's task
-            for path in self._log_paths(job_id):
+            for path in self.timer.log_paths(job_id):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             await self.notify_jobs_changed()
@@ -376,9 +369,9 @@ class CronService:
             raise JobOwnedElsewhereError(
                 f"job_id {job_id!r} runs only on engine {job.owner!r}, which added it; run it there"
             )
-        while (busy := self._running.get(job_id)) is not None:
+        while (busy := self.timer.running.get(job_id)) is not None:
             await busy.wait()
-        done = await self._claim_and_start(job_id, self._wall(), forced=True)
+        done = await self.timer.claim_and_start(job_id, self._wall(), forced=True)
         if done is not None:
             await done.wait()
 
@@ -392,15 +385,14 @@ class CronService:
 
         Cancellation: a handler call under way may be interrupted; the next call sees the whole set again.
         """
-        self._generation += 1
-        self._changed.set()
-        if self.on_jobs_changed is None and not self._run_scopes:
+        self.timer.jobs_changed()
+        if self.on_jobs_changed is None and not self.timer.run_scopes:
             await trio.lowlevel.checkpoint()
             return
         async with self._notify_lock:
             jobs = await self.store.list_jobs()
             ids = {job.id for job in jobs}
-            for job_id, scope in list(self._run_scopes.items()):
+            for job_id, scope in list(self.timer.run_scopes.items()):
                 if job_id not in ids:  # removed elsewhere: a removed job never fires
                     scope.cancel()
             if self.on_jobs_changed is not None:
@@ -427,7 +419,7 @@ class CronService:
             logger.info("cron job %s was removed; its fire %s is not delivered", job_id, pending_fire.fire_id)
             return None
         handed = await self.delivery.hand_over(event)
-        await self._delete_if_done(job_id)
+        await self.timer.delete_if_done(job_id)
         return event if handed else None
 
     async def notify(self, job_id: str, project: str | None, fire: PendingFire) -> FiredEvent | None:
@@ -455,95 +447,6 @@ class CronService:
             return None
         return event if await self.delivery.hand_over(event) else None
 
-    async def _delete_if_done(self, job_id: str) -> None:
-        try:
-            job = await self.store.get_job(job_id)
-            if should_delete(job):
-                await self.store.delete_job(job_id)
-                await self.notify_jobs_changed()
-        except JobNotFoundError:
-            pass
-        except OSError as exc:
-            logger.error("cron job %s: deleting it after its run failed (%s)", job_id, exc)
-
-    # -- the run pipeline ---------------------------------------------------------------------------
-
-    def _log_paths(self, job_id: str) -> tuple[str, str]:
-        return command_log_paths(self.state_dir, job_id)
-
-    async def _claim_and_start(self, job_id: str, now: datetime, *, forced: bool) -> trio.Event | None:
-        """Claim ``job_id``'s due time (or a forced run) and start its run; ``None`` if it was not due."""
-        assert self._nursery is not None, "the cron service is not running"
-        for _ in range(3):
-            seen = await self.store.get_job(job_id)
-
-            def change(job: CronJob, seen: CronJob = seen) -> CronJob:
-                if job.payload != seen.payload:
-                    raise _StaleJobError
-                if not forced and not is_due(job, now):
-                    raise _StaleJobError
-                claimed = claim(job, now)
-                return finish(claimed, now, error=None) if isinstance(job.payload, SystemEvent) else claimed
-
-            try:
-                fire: PendingFire | None
-                if isinstance(seen.payload, SystemEvent):
-                    fire = text_fire(seen.name, seen.payload.text)
-                    job = await self.store.commit_fire(job_id, change, fire)
-                else:
-                    fire = None
-                    job = await self.store.update_job(job_id, change)
-            except _StaleJobError:
-                if not forced:
-                    return None
-                continue
-            done = self._running[job_id] = trio.Event()
-            scope = self._run_scopes[job_id] = trio.CancelScope()
-            self._nursery.start_soon(self._run, job, fire, done, scope, name=f"cron job {job_id}")
-            return done
-        raise JobNotFoundError(f"job_id {job_id!r} keeps changing; try run_now again")
-
-    async def _run(
-        self, job: CronJob, fire: PendingFire | None, done: trio.Event, scope: trio.CancelScope
-    ) -> None:
-        try:
-            if fire is None:
-                assert isinstance(job.payload, Command)
-                with scope:  # cancelled by remove(): the command is ended by escalation
-                    fire = await self._run_command(job, job.payload)
-                if fire is None:
-                    logger.info("cron job %s was removed during its run; nothing fires", job.id)
-                    return
-            await self.fire_pending(job.id, fire)
-        except Exception:
-            logger.exception("cron job %s: the run failed", job.id)
-        finally:
-            self._finished(job.id, done, scope)
-
-    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope, *, wake: bool = True) -> None:
-        """A run (or delivery) of ``job_id`` ended: forget it, and wake the timer if ``wake``."""
-        if self._run_scopes.get(job_id) is scope:
-            del self._run_scopes[job_id]
-        if self._running.get(job_id) is done:
-            del self._running[job_id]
-        done.set()
-        if wake:
-            self._changed.set()
-
-    async def _run_command(self, job: CronJob, payload: Command) -> PendingFire | None:
-        """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
-        fire, error = await run_command(self.supervisor, self.state_dir, job, payload)
-
-        async def persist() -> None:  # retried on a store failure; the command never runs again for it
-            change = functools.partial(finish, now=self._wall(), error=error)
-            await self.store.commit_fire(job.id, change, fire)
-
-        try:
-            await self.retry.run(f"cron job {job.id}: persisting its run", persist, logger=logger)
-        except JobNotFoundError:  # removed while it ran: a removed job never fires
-            return None
-        return fire
-
     # -- the service's life -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -557,7 +460,7 @@ class CronService:
         Cancellation: the timer and every run stop; ``Command`` children are ended by escalation.
         """
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
+            self._nursery = self.timer.nursery = nursery
             try:
                 self.delivery.add_observer(lambda _event: self._events_appended())
                 await nursery.start(self.delivery.run)
@@ -570,9 +473,9 @@ class CronService:
                 await self.notify_jobs_changed()
                 task_status.started()
                 await self._recover(pending)
-                await self._timer()
+                await self.timer.run()
             finally:
-                self._nursery = None
+                self._nursery = self.timer.nursery = None
 
     async def _recover(self, pending: builtins.list[tuple[CronJob, PendingFire]]) -> None:
         """Start-up delivery, before the timer runs: the fires a stopped engine left behind, in order.
@@ -583,7 +486,7 @@ class CronService:
         for job, fire in pending:
             with contextlib.suppress(JobNotFoundError):
                 await self.delivery.record(job.id, fire)
-            await self._delete_if_done(job.id)
+            await self.timer.delete_if_done(job.id)
         if isinstance(self.store, NoticeStore):  # exit notices persisted and not recorded yet
             for fire_id in await self.store.pending_notices():
                 await self.delivery.record_notice(self.store, fire_id)
@@ -591,9 +494,8 @@ class CronService:
 
     def _jobs_changed_elsewhere(self) -> None:
         """Another engine changed the jobs: wake the timer, and reconcile (in the nursery) if asked to."""
-        self._generation += 1
-        self._changed.set()
-        wanted = self.on_jobs_changed is not None or self._run_scopes
+        self.timer.jobs_changed()
+        wanted = self.on_jobs_changed is not None or self.timer.run_scopes
         if self._nursery is not None and wanted and not self._reconcile_pending:
             self._reconcile_pending = True  # one reconcile for a burst of changes
             self._nursery.start_soon(self._notify_quietly)
@@ -604,118 +506,6 @@ class CronService:
             await self.notify_jobs_changed()
         except Exception:
             logger.exception("cron: reconciling the jobs another engine changed failed")
-
-    async def _timer(self) -> None:
-        while True:
-            wake = await self.retry.run(
-                "cron timer: reading the job store", self._start_due, logger=logger, sleep=self._wait_changed
-            )
-            changed = self._changed  # made by the look that just succeeded
-            if wake is None:
-                await changed.wait()
-                continue
-            if wake <= trio.current_time():
-                continue  # more is due now: claim it before the fires just started take their turns
-            with trio.move_on_at(wake):
-                await changed.wait()
-
-    async def _start_due(self) -> float | None:
-        """One look of the timer: claim every due job and start its run or deliver its event; return when
-        to look again, on the Trio clock (``None``: at a change). The wait is counted on the store's
-        clock, from when the look began: a claim that took a while does not delay the next due time.
-
-        Raises:
-            OSError: the store failed (the timer waits, then looks again; a change wakes it early).
-        """
-        assert self._nursery is not None
-        self._changed = trio.Event()
-        skip = frozenset(self._running)
-        delivering = {job_id: self._delivering[job_id] for job_id in skip if job_id in self._delivering}
-        # Until the claim is back, the end of any of them wakes the timer, but a delivery that keeps no
-        # due time (a spent one-shot): its end changes nothing the timer waits for.
-        self._passed_over = frozenset(j for j in skip if j not in delivering or delivering[j] is not None)
-        generation = self._generation  # taken before the claim: a change notified later is read again
-        began = trio.current_time()
-        try:
-            due = await self.store.claim_due(self._wall(), skip=skip, acked=self.delivery.on_fire is None)
-        finally:
-            self.delivery.defer_acks(False)
-        self.delivery.defer_acks(due.full)  # more is due now: the next claim goes before the acks
-        next_due = self._left_out(skip, delivering, due.now, due.next_due)
-        for claimed in due.claims:
-            self._start_claimed(claimed, generation)
-        if due.full:
-            return began  # look again at once
-        if next_due is None:
-            return None
-        return began + min(self.recheck_seconds, max(0.0, (next_due - due.now).total_seconds()))
-
-    def _left_out(
-        self,
-        skip: frozenset[str],
-        delivering: dict[str, datetime | None],
-        now: datetime,
-        next_due: datetime | None,
-    ) -> datetime | None:
-        """The look's next due time, counting the jobs it left out (``skip``: running here).
-
-        A ``SystemEvent`` being delivered keeps the due time its claim gave it (``delivering``, as the
-        look began), so that time is counted here and the end of its delivery need not wake the timer.
-        The end of any other left-out job does (a ``Command`` commits its next due time when it ends),
-        as does that of a delivery already due again.
-        """
-        waking = set()
-        for job_id in skip:
-            if job_id not in delivering:
-                waking.add(job_id)
-                continue
-            at = delivering[job_id]
-            if at is not None and at <= now:
-                waking.add(job_id)
-            elif at is not None:
-                next_due = at if next_due is None else min(next_due, at)
-        self._passed_over = frozenset(waking)
-        return next_due
-
-    def _start_claimed(self, claimed: Claim, generation: int) -> None:
-        """Run a claimed ``Command`` (in the nursery), or deliver a claimed ``SystemEvent``'s event
-        (``generation``: the count of notified job changes when the claim began)."""
-        assert self._nursery is not None
-        job = claimed.job
-        done = self._running[job.id] = trio.Event()
-        scope = self._run_scopes[job.id] = trio.CancelScope()
-        if claimed.event is None:
-            self._nursery.start_soon(self._run, job, None, done, scope, name=f"cron job {job.id}")
-        else:
-            self.delivery.hold(claimed.event)  # from the claim on, released by the delivery's task
-            self._delivering[job.id] = due_at(job)
-            self._nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope, generation)
-
-    async def _deliver_claimed(
-        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope, generation: int
-    ) -> None:
-        """Hand a claimed ``SystemEvent``'s event over, then delete the job if it is done.
-
-        The claim finished the job in its transaction, so ``job`` is the job as stored unless a change
-        was made since (``generation`` moved): only then is it read again to decide on its deletion.
-        Its end wakes the timer only if a look left the job out and could not count its due time
-        (``_left_out``). The event was held since the claim (``_start_claimed``).
-        """
-        try:
-            try:
-                await self.delivery.hand_over(event)
-            finally:
-                self.delivery.release(event)
-            if should_delete(job) or generation != self._generation:
-                await self._delete_if_done(job.id)
-        finally:
-            self._delivering.pop(job.id, None)
-            self._finished(job.id, done, scope, wake=job.id in self._passed_over)
-
-    async def _wait_changed(self, seconds: float) -> None:
-        """The timer's back-off after a store failure: ``seconds``, or until a job changes."""
-        with trio.move_on_after(seconds):
-            await self._changed.wait()
 
 
 @asynccontextmanager
