@@ -93,8 +93,11 @@ def main() -> int:
     (app / "index.html").write_text("<h1>hello from the dev server</h1>\n")
     (app / "run_tests.py").write_text(TEST_RUN)
     serve_log = state / "engine.log"
-    print(f"$ gadget-engine --state-dir {state} start --grace-seconds 1")
-    started = gadget_engine(state, "start", "--grace-seconds", "1")
+    # On-exit commands run through ``bash -lc`` by default (the login profile's PATH); the demo's command
+    # needs no profile, and one that stalls (a stale pyenv rehash lock waits 60 s) would stall the demo.
+    start = ("start", "--grace-seconds", "1", "--exit-watch-shell", "bash -c --")
+    print(f"$ gadget-engine --state-dir {state} {shlex.join(start)}")
+    started = gadget_engine(state, *start)
     print(started.stdout, end="")
     engine_pid = int(started.stdout.split("(pid ")[1].split(")")[0])
     fired_ok = False
@@ -126,15 +129,18 @@ def main() -> int:
             if event is None:
                 time.sleep(0.5)
         if event is None:
-            print(f"on-exit: no fired event within {FIRE_WAIT_SECONDS:g} s (are the on-exit watchers built?)")
+            print(
+                f"on-exit: no fired event within {FIRE_WAIT_SECONDS:g} s: the test run has not ended "
+                f"(gadget-engine cron get {job_id} shows its job; the engine log says why)"
+            )
         else:
             fired_ok = event["exit_code"] == 1 and "3 passed, 1 failed" in event["stdout_tail"]
             print(f"fired event {event['cursor']}: exit code {event['exit_code']}, last lines:")
             for line in event["stdout_tail"].splitlines()[-3:]:
                 print(f"    {line}")
     finally:
-        print("$ gadget-engine stop")
-        stopped = gadget_engine(state, "stop", check=False)
+        print("$ gadget-engine stop --end-watched")  # a watched command still running ends too
+        stopped = gadget_engine(state, "stop", "--end-watched", check=False)
         print(stopped.stdout + stopped.stderr, end="")
         code = stopped.returncode
     spawned = [
