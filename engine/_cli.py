@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -119,6 +120,20 @@ def _pattern(text: str) -> str:
     return text
 
 
+def _shell_argv(text: str) -> str:
+    """An argparse type: ``--exit-watch-shell``, one string split as a shell does, whose program is found
+    (an empty one would quietly mean the default, and a missing one leave every on-exit job retrying)."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{str(exc).lower()} in {show(text)}") from None
+    if not argv:
+        raise argparse.ArgumentTypeError("an empty argv; give one such as 'bash -lc --', or leave it out")
+    if shutil.which(argv[0]) is None:
+        raise argparse.ArgumentTypeError(f"{show(argv[0])} is not an installed program (looked in PATH)")
+    return text
+
+
 def _folder(text: str) -> str:
     """An argparse type: a folder's path, not empty (an empty one would quietly mean the default)."""
     if not text.strip():
@@ -146,11 +161,27 @@ def _check_strings(args: argparse.Namespace) -> None:
                 args.parser.error(str(exc))
 
 
-def _refuse_stray(parser: argparse.ArgumentParser, command: str | None, stray: list[str]) -> NoReturn:
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors also say how to give a value that starts with ``-`` (argparse
+    takes it for an option: ``--text -x`` and ``input PID -abc`` read as a missing value)."""
+
+    def error(self, message: str) -> NoReturn:
+        option = message.partition("argument ")[2].partition(":")[0]
+        if message.endswith(": expected one argument") and option.startswith("--"):
+            option = option.split("/")[-1]
+            message += f"; a value that starts with - is written {option}=VALUE"
+        elif self.prog.endswith(" input") and "required: TEXT" in message:
+            message += "; text that starts with - goes after --: input PID -- TEXT"
+        super().error(message)
+
+
+def _refuse_stray(
+    parser: argparse.ArgumentParser, command: str | None, stray: list[str], *, dashes: bool
+) -> NoReturn:
     """Refuse the arguments no option took, with the subcommand's usage line; for ``create``, say where
     the ``--`` goes when an option of the program was taken for the CLI's."""
     message = f"unrecognized arguments: {' '.join(stray)}"
-    if command in _TRAILING_ARGV and any(word.startswith("-") for word in stray):
+    if command in _TRAILING_ARGV and not dashes and any(word.startswith("-") for word in stray):
         message += f"; put -- before the command and its options: {_TRAILING_ARGV[command]}"
     parser.error(message)
 
@@ -167,6 +198,7 @@ def _engine_options(p: argparse.ArgumentParser, *, embedded: bool = False) -> No
     )
     p.add_argument(
         "--exit-watch-shell",
+        type=_shell_argv,
         metavar="ARGV",
         help=f"{prefix}the argv prefix of on-exit commands, one string (default: 'bash -lc --')",
     )
@@ -246,7 +278,7 @@ def _server_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gadget-engine`` parser (the completion scripts are generated from it)."""
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--state-dir",
         type=_folder,
@@ -257,13 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="one JSON object per line"
     )
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gadget-engine", parents=[common], description="Run or talk to a standalone gadget-engine."
     )
     parser.add_argument("--version", action="version", version=f"gadget-engine {__version__}")
     # Not ``required``: argparse would then report a missing subcommand before a stray option, so that
     # ``gadget-engine --bogus`` said "COMMAND is required"; ``main`` says each in its turn.
-    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=argparse.ArgumentParser)
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND", parser_class=_Parser)
     parser.set_defaults(handler=None, parser=parser)
 
     def add(name: str, handler: object, help_text: str) -> argparse.ArgumentParser:
@@ -444,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, stray = parser.parse_known_args(_normalise(raw))
     if stray:  # said with the subcommand's usage line, not the top level's
-        _refuse_stray(getattr(args, "parser", None) or parser, getattr(args, "command_name", None), stray)
+        command = getattr(args, "command_name", None)
+        _refuse_stray(getattr(args, "parser", None) or parser, command, stray, dashes="--" in raw)
     args.state_dir = getattr(args, "state_dir", None)
     args.json = getattr(args, "json", False)
     args.root_parser = parser

@@ -172,9 +172,14 @@ def _error_lines(state_dir: str, offset: int) -> str:
 
 def _already(state_dir: str, status: dict[str, Any], as_json: bool) -> int:
     if as_json:
-        emit_json([{"pid": status["pid"], "state_dir": state_dir, "started": False}])
+        emit_json(
+            [{"pid": status["pid"], "state_dir": state_dir, "log": log_path(state_dir), "started": False}]
+        )
     else:
-        print(f"an engine is already running on {state_dir} (pid {status['pid']})")
+        print(
+            f"an engine is already running on {state_dir} (pid {status['pid']}); it keeps the options it was "
+            "started with (stop it first to change them)"
+        )
     return 0
 
 

@@ -629,13 +629,21 @@ async def test_service_remove_during_run_now_escalates_and_nothing_fires(
 ) -> None:
     async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
         job = await cron.add(Every(3600), Command(("bash", "-c", f'trap "" INT; sleep {mark("777.204")}')))
+        said: list[str] = []
+
+        async def run_now() -> None:
+            with pytest.raises(JobNotFoundError) as caught:
+                await cron.run_now(job.id)
+            said.append(str(caught.value))
+
         with trio.fail_after(15):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(cron.run_now, job.id)
+                nursery.start_soon(run_now)
                 await _wait_for_process(rf"^sleep 777\.204{SESSION}$")
                 await cron.remove(job.id)  # SIGINT is ignored: SIGKILL after the grace period
                 assert not pgrep(rf"777\.204{SESSION}")
-            # run_now returned: the run is over, and it fired nothing
+            # run_now ended: the run is over, it fired nothing, and run_now says so (found by a new user)
+        assert said == [f"job_id {job.id!r} was removed during its run; nothing fired"]
         assert await cron.events() == [] and await cron.list() == []
         assert not (tmp_path / "cron-logs" / f"{job.id}.stdout.log").exists()
 

@@ -287,7 +287,7 @@ class CronService:
         with self.delivery.holding(event):
             busy = self.timer.running.get(job_id)
             if scope is not None and busy is not None:
-                await busy.wait()  # the command is ended by escalation, shielded, in the run's task
+                await busy.ended.wait()  # the command is ended by escalation, shielded, in the run's task
             for path in self.timer.log_paths(job_id):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
@@ -359,7 +359,8 @@ class CronService:
         on in the service's nursery; only the waiting stops.
 
         Raises:
-            JobNotFoundError: no job has this id.
+            JobNotFoundError: no job has this id, or it was removed while its command ran (the command
+                was ended and nothing fired).
             InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
             StoreError: the claim could not be written; nothing runs.
         """
@@ -370,10 +371,12 @@ class CronService:
                 f"job_id {job_id!r} runs only on engine {job.owner!r}, which added it; run it there"
             )
         while (busy := self.timer.running.get(job_id)) is not None:
-            await busy.wait()
-        done = await self.timer.claim_and_start(job_id, self._wall(), forced=True)
-        if done is not None:
-            await done.wait()
+            await busy.ended.wait()
+        run = await self.timer.claim_and_start(job_id, self._wall(), forced=True)
+        if run is not None:
+            await run.ended.wait()
+            if run.removed:
+                raise JobNotFoundError(f"job_id {job_id!r} was removed during its run; nothing fired")
 
     # -- change notifications ----------------------------------------------------------------------
 

@@ -29,13 +29,27 @@ from ._schedule import require_aware
 if TYPE_CHECKING:
     from ._service import CronService
 
-__all__ = ["CronTimer"]
+__all__ = ["CronTimer", "Run"]
 
 logger = logging.getLogger("engine.cron")
 
 
 class _StaleJobError(Exception):
     """The job changed between the look and the claim (another payload, no longer due)."""
+
+
+@final
+@attrs.define(eq=False)
+class Run:
+    """One run (or delivery) of a job under way here.
+
+    Attributes:
+        ended: set once it ended, whatever happened.
+        removed: whether the job was removed while its command ran (nothing fired).
+    """
+
+    ended: trio.Event = attrs.field(factory=trio.Event)
+    removed: bool = False
 
 
 @final
@@ -52,7 +66,7 @@ class CronTimer:
 
     service: CronService
     nursery: trio.Nursery | None = None
-    running: dict[str, trio.Event] = attrs.field(init=False, factory=dict)
+    running: dict[str, Run] = attrs.field(init=False, factory=dict)
     run_scopes: dict[str, trio.CancelScope] = attrs.field(init=False, factory=dict)
     _changed: trio.Event = attrs.field(init=False, factory=trio.Event)
     _passed_over: frozenset[str] = attrs.field(init=False, factory=frozenset)
@@ -85,7 +99,7 @@ class CronTimer:
         """The stdout and stderr log files of ``job_id``'s ``Command`` runs (``_command``)."""
         return command_log_paths(self.service.state_dir, job_id)
 
-    async def claim_and_start(self, job_id: str, now: datetime, *, forced: bool) -> trio.Event | None:
+    async def claim_and_start(self, job_id: str, now: datetime, *, forced: bool) -> Run | None:
         """Claim ``job_id``'s due time (or a forced run) and start its run; ``None`` if it was not due."""
         assert self.nursery is not None, "the cron service is not running"
         for _ in range(3):
@@ -112,14 +126,14 @@ class CronTimer:
                 if not forced:
                     return None
                 continue
-            done = self.running[job_id] = trio.Event()
+            done = self.running[job_id] = Run()
             scope = self.run_scopes[job_id] = trio.CancelScope()
             self.nursery.start_soon(self._run_job, job, fire, done, scope, name=f"cron job {job_id}")
             return done
         raise JobNotFoundError(f"job_id {job_id!r} keeps changing; try run_now again")
 
     async def _run_job(
-        self, job: CronJob, fire: PendingFire | None, done: trio.Event, scope: trio.CancelScope
+        self, job: CronJob, fire: PendingFire | None, done: Run, scope: trio.CancelScope
     ) -> None:
         try:
             if fire is None:
@@ -128,6 +142,7 @@ class CronTimer:
                     fire = await self._run_command(job, job.payload)
                 if fire is None:
                     logger.info("cron job %s was removed during its run; nothing fires", job.id)
+                    done.removed = True
                     return
             await self.service.fire_pending(job.id, fire)
         except Exception:
@@ -135,13 +150,13 @@ class CronTimer:
         finally:
             self._finished(job.id, done, scope)
 
-    def _finished(self, job_id: str, done: trio.Event, scope: trio.CancelScope, *, wake: bool = True) -> None:
+    def _finished(self, job_id: str, done: Run, scope: trio.CancelScope, *, wake: bool = True) -> None:
         """A run (or delivery) of ``job_id`` ended: forget it, and wake the timer if ``wake``."""
         if self.run_scopes.get(job_id) is scope:
             del self.run_scopes[job_id]
         if self.running.get(job_id) is done:
             del self.running[job_id]
-        done.set()
+        done.ended.set()
         if wake:
             self._changed.set()
 
@@ -241,7 +256,7 @@ class CronTimer:
         (``generation``: the count of notified job changes when the claim began)."""
         assert self.nursery is not None
         job = claimed.job
-        done = self.running[job.id] = trio.Event()
+        done = self.running[job.id] = Run()
         scope = self.run_scopes[job.id] = trio.CancelScope()
         if claimed.event is None:
             self.nursery.start_soon(self._run_job, job, None, done, scope, name=f"cron job {job.id}")
@@ -251,7 +266,7 @@ class CronTimer:
             self.nursery.start_soon(self._deliver_claimed, job, claimed.event, done, scope, generation)
 
     async def _deliver_claimed(
-        self, job: CronJob, event: FiredEvent, done: trio.Event, scope: trio.CancelScope, generation: int
+        self, job: CronJob, event: FiredEvent, done: Run, scope: trio.CancelScope, generation: int
     ) -> None:
         """Hand a claimed ``SystemEvent``'s event over, then delete the job if it is done.
 
