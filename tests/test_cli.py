@@ -108,6 +108,46 @@ def test_cli_a_stray_option_is_named_before_a_missing_subcommand(tmp_path: Path)
         assert err.startswith(usage) and err.rstrip("\n").endswith(error), (argv, err)
 
 
+def test_cli_says_how_to_give_a_value_that_starts_with_a_dash_and_checks_the_exit_watch_shell(
+    tmp_path: Path,
+) -> None:
+    """argparse reads ``--text -x`` as a missing value: the error says ``--text=VALUE`` (and for ``input``,
+    ``--``); ``--exit-watch-shell`` is split and its program looked up before an engine starts."""
+    state = ("--state-dir", str(tmp_path / "state"))
+    cases = {
+        ("cron", "add", *state, "--every", "5", "--text", "-x"): "argument --text: expected one argument; "
+        "a value that starts with - is written --text=VALUE",
+        ("cron", "add", *state, "--on-exit", "-x", "--text", "t"): "a value that starts with - is written "
+        "--on-exit=VALUE",
+        (
+            "input",
+            *state,
+            "5",
+            "-abc",
+        ): "required: TEXT; text that starts with - goes after --: input PID -- TEXT",
+        ("create", *state, "--bogus", "--project", ".", "--", "true"): "unrecognized arguments: --bogus",
+        ("serve", *state, "--exit-watch-shell", ""): "argument --exit-watch-shell: an empty argv",
+        (
+            "serve",
+            *state,
+            "--exit-watch-shell",
+            '"bash -c',
+        ): "argument --exit-watch-shell: no closing quotation",
+        ("start", *state, "--exit-watch-shell", "/nonexistent/sh -c"): "argument --exit-watch-shell: "
+        "'/nonexistent/sh' is not an installed program (looked in PATH)",
+    }
+    procs = {
+        argv: subprocess.Popen([sys.executable, "-m", "engine", *argv], stderr=subprocess.PIPE, text=True)
+        for argv in cases
+    }
+    for argv, proc in procs.items():
+        _, err = proc.communicate(timeout=30)
+        last = err.rstrip("\n").splitlines()[-1]
+        assert proc.returncode == 2 and cases[argv] in last, (argv, err)
+        assert "put --" not in err  # the -- was there already, or no command was given
+    assert not (tmp_path / "state").exists()  # nothing started
+
+
 def test_cli_out_of_range_port_and_seconds_are_said_in_one_wording(tmp_path: Path) -> None:
     state = ("--state-dir", str(tmp_path))
     for port in ("0", "99999", "x"):

@@ -63,11 +63,19 @@ def test_start_returns_once_a_client_call_succeeds_and_stop_leaves_nothing(state
     assert listed.returncode == 0, listed.stderr
     assert "event=ready" in log.read_text()
 
-    again = _ge(state_dir, "start")
+    again = _ge(state_dir, "start", "--grace-seconds", "9")
     assert (again.returncode, again.stdout) == (
         0,
-        f"an engine is already running on {state_dir} (pid {pid})\n",
+        f"an engine is already running on {state_dir} (pid {pid}); it keeps the options it was started "
+        "with (stop it first to change them)\n",
     )
+    again_json = _ge(state_dir, "start", "--json")
+    assert json.loads(again_json.stdout) == {
+        "pid": pid,
+        "state_dir": str(state_dir),
+        "log": str(log),
+        "started": False,
+    }  # the keys of a start that started one (found by a new user)
 
     status = _ge(state_dir, "status")
     assert status.returncode == 0, status.stderr
