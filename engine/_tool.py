@@ -294,9 +294,11 @@ def _tail_note(got: LogSlice) -> str:
     if before <= 0:
         return ""
     lines = max(got.total_lines - _shown_lines(got.text), 0)
+    # No earlier line at all: the bytes left out are the start of the one long line shown.
+    left_out = f"{lines} earlier lines" if lines else "the start of the first line shown"
     return (
         f"[truncated: showing bytes {got.start_offset}-{got.next_offset} of {got.total_bytes}; "
-        f"{lines} earlier lines ({before} bytes) left out. For more, call log again with tail=<lines> "
+        f"{left_out} ({before} bytes) left out. For more, call log again with tail=<lines> "
         f"(up to {LOG_MAX_BYTES} bytes per call) or with offset=<byte> and limit=<lines>, "
         f"e.g. offset={got.dropped_bytes} to page from the start.]"
     )

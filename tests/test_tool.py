@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -129,6 +130,20 @@ async def test_tool_create_list_log_halt_kill_texts(tmp_path: Path) -> None:
             "SUBPROCESS KILLALL\nAll managed subprocesses have been terminated and their logs removed."
         )
         assert not pgrep(rf"sleep 314\.2{SESSION}") and service.ps() == []
+
+
+async def test_tool_log_of_one_long_line_says_its_start_was_left_out(tmp_path: Path) -> None:
+    """A log that is one line longer than a call's budget: the note says the start of that line was left
+    out, not "0 earlier lines" (found by a new user)."""
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        sp = await engine.service.create(project, sys.executable, ["-c", "print('x' * 200000)"])
+        with trio.fail_after(10):
+            await sp.wait()
+        shown = await engine.tool.execute({"cmd": "log", "pid": sp.pid, "which": "stdout"}, project)
+        note = shown.rsplit("\n", 1)[1]
+        assert note.startswith("[truncated") and "the start of the first line shown (" in note, note
+        assert "0 earlier lines" not in note
 
 
 async def test_tool_log_pages_and_says_what_was_left_out(tmp_path: Path) -> None:
