@@ -278,6 +278,17 @@ def test_next_run_past_year_9999_is_an_invalid_schedule(schedule: Every | Cron) 
         next_run_after(schedule, T0, last_run_at=last, default_anchor=T0)
 
 
+@pytest.mark.parametrize("expr", ["0 0 30 2 *", "0 0 31 4,6 *"])
+def test_a_day_no_named_month_has_is_said_in_those_words(expr: str) -> None:
+    """cronsim says "Bad day-of-month" for 30 February too; the engine says the day never comes (found by
+    a new user), and keeps cronsim's words for a number out of range."""
+    with pytest.raises(InvalidScheduleError, match="none of its months has that day of the month"):
+        Cron(expr)
+    with pytest.raises(InvalidScheduleError, match="Bad day-of-month"):
+        Cron("0 0 32 2 *")
+    assert compute_next_run_at(Cron("0 0 31 1-3 *"), T0) is not None  # one of its months has a 31st
+
+
 def test_on_exit_cwd_must_be_an_existing_absolute_directory(tmp_path: Path) -> None:
     check_on_exit_cwd(OnExit("true"))  # no cwd: the engine's default
     check_on_exit_cwd(OnExit("true", cwd=str(tmp_path)))

@@ -20,6 +20,7 @@ Either way no due time runs twice and none is silently lost to a repeated or ski
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -227,7 +228,14 @@ def _cronsim(expr: str, start: datetime) -> CronSim:
     try:
         return CronSim(expr, start)
     except CronSimError as exc:  # CronSimError is a bare Exception, not a ValueError
-        raise InvalidScheduleError(f"expr {show(expr)} is not a valid cron expression: {exc}") from exc
+        reason = str(exc)
+        fields = expr.split()
+        if reason == "Bad day-of-month" and len(fields) == 5:
+            # cronsim refuses a day no named month has (30 February) with the words of a bad number
+            with contextlib.suppress(CronSimError):
+                CronSim(" ".join([*fields[:3], "*", fields[4]]), start)
+                reason = "none of its months has that day of the month, so it would never run"
+        raise InvalidScheduleError(f"expr {show(expr)} is not a valid cron expression: {reason}") from exc
 
 
 def validate_schedule(schedule: object) -> None:
