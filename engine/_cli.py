@@ -26,7 +26,7 @@ from ._escalation import MAX_GRACE_SECONDS
 from ._input import MAX_INT, MAX_WAIT_SECONDS, check_env, check_json, read_seconds, read_whole, show
 from ._patterns import compile_pattern
 from ._version import __version__
-from ._when import read_duration
+from ._when import TEN_YEARS_SECONDS, read_duration
 from .server._client import EngineClient, EngineNotRunningError, RpcError
 from .server._protocol import INVALID_PARAMS
 
@@ -149,6 +149,19 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected a number of seconds or a duration such as 90, 5m, 1h30m or 2d, got {show(text)}"
         ) from None
+
+
+#: ``--every``'s bounds in seconds: ``Every``'s (``MIN_EVERY_SECONDS``, ``MAX_EVERY_SECONDS``), not imported
+#: from ``cron._schedule`` because a client command loads no cronsim (a test holds them equal).
+EVERY_BOUNDS = (1.0, TEN_YEARS_SECONDS)
+
+
+def _every(text: str) -> float:
+    """An argparse type: ``--every``, a duration from 1 s to ten years (said in the CLI's words)."""
+    seconds = _duration(text)
+    if not EVERY_BOUNDS[0] <= seconds <= EVERY_BOUNDS[1]:
+        raise argparse.ArgumentTypeError(f"expected from 1 s to ten years (3652d), got {show(text)}")
+    return seconds
 
 
 def _check_strings(args: argparse.Namespace) -> None:
@@ -407,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     when = p.add_mutually_exclusive_group(required=True)
     when.add_argument("--on-exit", metavar="CMD", help="run CMD now and fire when it exits")
     when.add_argument("--cron", metavar="EXPR", help="five cron fields, or @hourly, @daily, @weekly...")
-    when.add_argument("--every", type=_duration, metavar="DURATION", help="seconds, or 5m, 1h30m, 2d...")
+    when.add_argument("--every", type=_every, metavar="DURATION", help="seconds, or 5m, 1h30m, 2d...")
     when.add_argument(
         "--at", metavar="TIME", help="once: ISO 8601 (local time, or --tz, [Zone] or an offset), HH:MM, +10m"
     )

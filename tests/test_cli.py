@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 
 from engine import EngineConfig
+from engine._cli import EVERY_BOUNDS
 from engine._cli_output import user_message
 from engine._when import show_moment
+from engine.cron._schedule import MAX_EVERY_SECONDS, MIN_EVERY_SECONDS
 from engine.server._client import RpcError
 from engine.server._location import default_state_dir
 from engine.server._protocol import INVALID_PARAMS, METHOD_NOT_FOUND
@@ -135,6 +137,8 @@ def test_cli_says_how_to_give_a_value_that_starts_with_a_dash_and_checks_the_exi
         ): "argument --exit-watch-shell: no closing quotation",
         ("start", *state, "--exit-watch-shell", "/nonexistent/sh -c"): "argument --exit-watch-shell: "
         "'/nonexistent/sh' is not an installed program (looked in PATH)",
+        ("cron", "add", *state, "--every", "0", "--text", "t"): "argument --every: expected from 1 s to ten "
+        "years (3652d), got '0'",  # not the library's field name, every_seconds
     }
     procs = {
         argv: subprocess.Popen([sys.executable, "-m", "engine", *argv], stderr=subprocess.PIPE, text=True)
@@ -146,6 +150,7 @@ def test_cli_says_how_to_give_a_value_that_starts_with_a_dash_and_checks_the_exi
         assert proc.returncode == 2 and cases[argv] in last, (argv, err)
         assert "put --" not in err  # the -- was there already, or no command was given
     assert not (tmp_path / "state").exists()  # nothing started
+    assert EVERY_BOUNDS == (MIN_EVERY_SECONDS, MAX_EVERY_SECONDS)  # the CLI's bounds are Every's
 
 
 def test_cli_out_of_range_port_and_seconds_are_said_in_one_wording(tmp_path: Path) -> None:
