@@ -481,6 +481,29 @@ def _text(answer: dict[str, Any]) -> tuple[str, bool]:
     return block["text"], result["isError"]
 
 
+def test_mcp_answers_a_line_that_is_not_json_rpc_with_a_parse_error(tmp_path: Path, project: Path) -> None:
+    """A line that is not a JSON-RPC message gets ``-32700`` with ``id: null`` (it was dropped without a
+    word, found by a new user); the session goes on answering the requests around it."""
+    mcp = RawMcp.start(tmp_path / "state", project, tmp_path / "mcp.log")
+    try:
+        mcp.send(*_initialize())
+        assert "result" in mcp.receive()
+        assert mcp.proc.stdin is not None
+        mcp.proc.stdin.write(b"this is not json\n")
+        mcp.proc.stdin.flush()
+        error = mcp.receive()
+        assert error["id"] is None and error["error"]["code"] == -32700, error
+        assert error["error"]["message"].startswith("parse error: not a JSON-RPC message ("), error
+        mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
+        assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+        mcp.close_stdin()
+        _rest, _exited = mcp.finish()
+    finally:
+        mcp.kill()
+    assert mcp.proc.returncode == 0
+    assert "Traceback" not in mcp.errlog.read_text()
+
+
 @pytest.mark.serial
 def test_nb03a_embedded_answers_every_request_written_before_stdin_closed(
     tmp_path: Path, project: Path

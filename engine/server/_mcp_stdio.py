@@ -94,6 +94,13 @@ class Unanswered:
         await trio.lowlevel.checkpoint()
 
 
+def _parse_error(error: Exception) -> SessionMessage:
+    """JSON-RPC's answer to a line that is not a message: ``-32700`` with ``id: null``, one line."""
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    data = types.ErrorData(code=types.PARSE_ERROR, message=f"parse error: not a JSON-RPC message ({reason})")
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=None, error=data))
+
+
 async def serve_stdio(
     server: Server[Any], tools: ToolCalls, *, on_eof: Callable[[int], None] | None = None
 ) -> None:
@@ -117,16 +124,20 @@ async def serve_stdio(
                     await stdout.send(message)
                     unanswered.written(message.message)
 
+        errors_out = server_output.clone()  # our own answers to lines that are no message at all
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(relay_answers)
             nursery.start_soon(
                 server.run, server_input, server_output, server.create_initialization_options()
             )
-            async with to_server:
+            async with to_server, errors_out:
                 async for item in stdin:
                     if isinstance(item, SessionMessage):
                         unanswered.read(item.message)
-                    await to_server.send(item)
+                        await to_server.send(item)
+                    else:  # not JSON-RPC (the SDK's reader passes the parse error on; its server drops it)
+                        await errors_out.send(_parse_error(item))
                 if on_eof is not None:
                     on_eof(len(unanswered))
                 with trio.move_on_after(ANSWER_SECONDS):
