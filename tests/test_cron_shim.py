@@ -66,10 +66,14 @@ def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 def test_the_compiled_shim_is_built_wherever_a_c_compiler_is_found() -> None:
     if c_compiler() is None:
         pytest.skip("no C compiler on PATH: the engine runs the Perl or Python shim")
+    folder = os.path.dirname(_shell.SHIM_BIN)
+    assert os.path.exists(_shell.SHIM_BIN), (
+        f"{_shell.SHIM_BIN} is missing although a C compiler is found: the install's build step "
+        "(setup.py build_shim) failed; run `rm -f .venv/.installed-stamp; make setup` and read its warning"
+    )
     assert _shell.find_compiled_shim() == _shell.SHIM_BIN, (
-        f"{_shell.SHIM_BIN} is missing or not ours to run although a C compiler is found: "
-        "the install's build step (setup.py build_shim) failed; "
-        "run `rm -f .venv/.installed-stamp; make setup` and read its warning"
+        f"{_shell.SHIM_BIN} is built but not run: it or its folder is writable by group or others, or "
+        f"owned by another user (`chmod go-w {folder} {_shell.SHIM_BIN}` as their owner)"
     )
     assert _shell.shim_argv("x", ("y",)) == (_shell.SHIM_BIN, "x", "--", "y")
 

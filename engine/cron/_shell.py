@@ -7,8 +7,9 @@ import os
 import shutil
 import stat
 import sys
+import time
 
-__all__ = ["resolve_exit_watch_shell", "shim_argv", "watch_argv"]
+__all__ = ["resolve_exit_watch_shell", "shell_installed", "shim_argv", "watch_argv"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The exit-recording shim, compiled from ``_shim.c`` at install time where a C compiler is found
@@ -71,6 +72,32 @@ def watch_argv(
         env = {CWD_VAR: cwd, COMMAND_VAR: command, STARTED_VAR: started_file}
         return (*shell, _BASH_WRAPPER), env
     return (*shell, command), {}
+
+
+#: How long a shell found in ``PATH`` is believed there without looking again (seconds): a reconcile that
+#: arms a hundred jobs looks once, not a hundred times (~60 us each).
+SHELL_SEEN_SECONDS = 1.0
+_shells_seen: dict[tuple[str, str | None], float] = {}
+
+
+def shell_installed(name: str) -> bool:
+    """Whether the shell ``name`` is found (as ``shutil.which`` finds it, in ``PATH``).
+
+    A shell found is believed for :data:`SHELL_SEEN_SECONDS` per ``PATH`` value; one not found is looked
+    for again at each call, so a retry sees it as soon as it is installed. (A shell removed meanwhile is
+    what the shim then cannot run: the command's end is recorded as exit 127, as for any spawn that
+    loses that race.)
+    """
+    key = (name, os.environ.get("PATH"))
+    now = time.monotonic()
+    seen = _shells_seen.get(key)
+    if seen is not None and now - seen < SHELL_SEEN_SECONDS:
+        return True
+    if shutil.which(name) is None:
+        _shells_seen.pop(key, None)
+        return False
+    _shells_seen[key] = now
+    return True
 
 
 @functools.cache
