@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from typing import ClassVar
 
 from setuptools import Command, setup
 from setuptools.command.build import build
@@ -34,11 +35,11 @@ def find_compiler() -> list[str] | None:
     return None
 
 
-class build_shim(Command):
+class BuildShim(Command):
     """Compile the exit-recording shim; a missing or failing compiler is a warning, never a failure."""
 
     description = "compile engine/cron/_shim.c (optional: the engine falls back on perl, then Python)"
-    user_options: list[tuple[str, str | None, str]] = []
+    user_options: ClassVar[list[tuple[str, str | None, str]]] = []
 
     def initialize_options(self) -> None:
         self.build_lib: str | None = None
@@ -52,12 +53,16 @@ class build_shim(Command):
 
     def run(self) -> None:
         target = self._target()
-        if os.path.exists(target):  # built from another source, or by another compiler: never shipped as is
-            os.unlink(target)
+        if not self._compile(target) and os.path.exists(target):
+            os.unlink(target)  # built from another source: never left behind, never shipped
+
+    def _compile(self, target: str) -> bool:
+        """Compile into ``target`` (through a temp name, so a running engine sees the old one or the new one);
+        whether it was compiled."""
         compiler = find_compiler()
         if compiler is None:
             self.warn("no C compiler found: the exit-recording shim is not compiled (perl or Python runs it)")
-            return
+            return False
         os.makedirs(os.path.dirname(target), exist_ok=True)
         partial = f"{target}.tmp.{os.getpid()}"
         argv = [*compiler, *FLAGS, "-o", partial, SOURCE]
@@ -65,14 +70,15 @@ class build_shim(Command):
             done = subprocess.run(argv, capture_output=True, text=True, check=False)
         except OSError as exc:
             self.warn(f"cannot run {argv[0]}: {exc}; the exit-recording shim is not compiled")
-            return
+            return False
         if done.returncode != 0:
             self.warn(f"{shlex.join(argv)} failed; the exit-recording shim is not compiled:\n{done.stderr}")
             if os.path.exists(partial):
                 os.unlink(partial)
-            return
+            return False
         os.chmod(partial, 0o755)  # whatever the umask: the engine runs it only when no one else can write it
         os.replace(partial, target)
+        return True
 
     def get_source_files(self) -> list[str]:
         return [SOURCE]
@@ -91,10 +97,10 @@ class BinaryDistribution(Distribution):
         return True
 
 
-class build_with_shim(build):
+class BuildWithShim(build):
     """``build``, and then ``build_shim``."""
 
-    sub_commands = [*build.sub_commands, ("build_shim", None)]
+    sub_commands: ClassVar[list[tuple[str, None]]] = [*build.sub_commands, ("build_shim", None)]
 
 
-setup(cmdclass={"build": build_with_shim, "build_shim": build_shim}, distclass=BinaryDistribution)
+setup(cmdclass={"build": BuildWithShim, "build_shim": BuildShim}, distclass=BinaryDistribution)
