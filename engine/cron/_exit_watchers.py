@@ -1,11 +1,12 @@
 """On-exit watchers: run a job's command, and fire the job once when it exits (docs/design.md, invariant 5).
 
 Each enabled :class:`OnExit` job gets a slot with an arm token (``_arming``) and a watcher task in the
-engine's nursery. The task runs the command under our exit-recording shim (``_shim.pl``, else
-``_shim.py``; see ``_shell.shim_argv``), in scope ``cron-exit:<job_id>`` with replace-existing, output
-to ``<state_dir>/watch-logs/``. When the command exits, the job is disabled and its pending fire written
-in one transaction (**persist**), and only then fired (**fire**). A failed persist keeps the result and
-retries the persist, never the command; a task that lost its slot never persists and never fires.
+engine's nursery. The task runs the command under our exit-recording shim (``_shim.bin``, compiled from
+``_shim.c`` at install time, else ``_shim.pl``, else ``_shim.py``; see ``_shell.shim_argv``), in scope
+``cron-exit:<job_id>`` with replace-existing, output to ``<state_dir>/watch-logs/``. When the command
+exits, the job is disabled and its pending fire written in one transaction (**persist**), and only then
+fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task
+that lost its slot never persists and never fires.
 
 Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). An
 engine that stops, by a crash or gracefully (:meth:`CronExitWatchers.detach_all`), leaves the command
