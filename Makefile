@@ -1,9 +1,10 @@
-# Set-up is part of both targets: a virtual environment in .venv with an editable install.
+# Set-up is part of both targets: a virtual environment in .venv with an editable install, which also
+# compiles the exit-recording shim (setup.py; skipped with a warning where no C compiler is found).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py engine/cron/_shim.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

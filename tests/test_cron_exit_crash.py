@@ -35,7 +35,7 @@ def crash_engine(state: Path, point: str, command: str) -> None:
 
 
 def shim_pids(state: Path) -> list[int]:
-    return pgrep(rf"_shim\.(py|pl) {state}/")
+    return pgrep(rf"_shim\.(py|pl|bin) {state}/")
 
 
 async def one_trial(tmp: Path, point: str, *, late: bool, n: int) -> None:

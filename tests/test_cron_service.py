@@ -483,7 +483,10 @@ async def test_engine_reopens_the_store_on_the_same_state_dir(tmp_path: Path) ->
     with trio.fail_after(20):
         async with open_engine(config) as engine:
             a = await engine.cron.add(Cron("30 1 * * *", "America/New_York"), SystemEvent("nightly"))
-            b = await engine.cron.add(OnExit("make test", cwd=str(tmp_path)), SystemEvent("tests ended"))
+            # A command that outlives the test's look: `make test` alone fails at once here (no Makefile), and
+            # with the compiled shim it could end, fire and disable the job before the second look.
+            watched = OnExit(f"sleep {mark('30.9')}; make test", cwd=str(tmp_path))
+            b = await engine.cron.add(watched, SystemEvent("tests ended"))
             c = await engine.cron.add(Every(3600), Command(("true",)), enabled=False)
             await engine.cron.run_now(a.id)
             events = await engine.cron.events()

@@ -1,10 +1,12 @@
-"""The exit-recording shim (``engine/cron/_shim.pl``, and ``_shim.py``, the fallback when no perl is
-found): how the command ended, recorded and passed on the same way by both; on a full disk, the command's
-exit code is its own.
+"""The exit-recording shim (``engine/cron/_shim.bin``, compiled from ``_shim.c`` at install time; else
+``_shim.pl``, where it was not built; and ``_shim.py``, the fallback when no perl is found either): how the
+command ended, recorded and passed on the same way by all three; on a full disk, the command's exit code
+is its own.
 
 Tried: with the state dir full, an on-exit command that exited 0 was reported as exit 120 (the shim's
 own failure). The full disk is a small tmpfs the test mounts (as root; skipped with the reason where
-``mount`` is not allowed). Every shim test runs both shims.
+``mount`` is not allowed). Every shim test runs every shim; the compiled one must have been built
+wherever a C compiler is found (a broken build fails here rather than falling back quietly).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -28,23 +32,77 @@ from engine.cron import _shell, _shim
 
 from .children import mark, pgrep_env
 
-#: The two shims' argv prefixes: Perl (the default) and Python (the fallback).
+#: The three shims' argv prefixes: compiled (the default where it was built), Perl and Python (the fallbacks).
 SHIMS = {
+    "c": (_shell.SHIM_BIN,),
     "pl": (_shell.find_perl() or "perl", "-t", _shell.SHIM_PL),
     "py": (sys.executable, "-I", "-S", _shell.SHIM_PY),
 }
 
 
+def c_compiler() -> str | None:
+    """The C compiler ``setup.py`` would use (``$CC``, else cc, gcc or clang on PATH), or ``None``."""
+    if os.environ.get("CC", "").strip():
+        return os.environ["CC"]
+    return next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None)
+
+
 @pytest.fixture(params=sorted(SHIMS))
 def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which shim the test runs: ``pl`` or ``py``; an engine in this test uses the same one (``py``: as
-    when no perl is found)."""
+    """Which shim the test runs: ``c``, ``pl`` or ``py``; an engine in this test uses the same one (``pl``:
+    as when no compiler was found at install time; ``py``: and no perl either)."""
     name: str = request.param
+    if name == "c" and _shell.find_compiled_shim() is None:
+        pytest.skip("no compiled shim (no C compiler at install time): the pl and py cases test the others")
     if name == "pl" and _shell.find_perl() is None:
         pytest.skip("no perl on PATH: engines here use the Python shim, which the py case tests")
+    if name in ("pl", "py"):
+        monkeypatch.setattr(_shell, "find_compiled_shim", lambda: None)
     if name == "py":
         monkeypatch.setattr(_shell, "find_perl", lambda: None)
     return name
+
+
+def test_the_compiled_shim_is_built_wherever_a_c_compiler_is_found() -> None:
+    if c_compiler() is None:
+        pytest.skip("no C compiler on PATH: the engine runs the Perl or Python shim")
+    folder = os.path.dirname(_shell.SHIM_BIN)
+    assert os.path.exists(_shell.SHIM_BIN), (
+        f"{_shell.SHIM_BIN} is missing although a C compiler is found: the install's build step "
+        "(setup.py build_shim) failed; run `rm -f .venv/.installed-stamp; make setup` and read its warning"
+    )
+    assert _shell.find_compiled_shim() == _shell.SHIM_BIN, (
+        f"{_shell.SHIM_BIN} is built but not run: it or its folder is writable by group or others, or "
+        f"owned by another user (`chmod go-w {folder} {_shell.SHIM_BIN}` as their owner)"
+    )
+    assert _shell.shim_argv("x", ("y",)) == (_shell.SHIM_BIN, "x", "--", "y")
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o644])
+def test_a_compiled_shim_others_can_write_or_not_executable_is_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    planted = tmp_path / "_shim.bin"
+    if _shell.find_compiled_shim() is not None:
+        shutil.copy(_shell.SHIM_BIN, planted)
+    else:
+        planted.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(_shell, "SHIM_BIN", str(planted))
+    monkeypatch.setattr(_shell, "_HERE", str(tmp_path))
+    tmp_path.chmod(0o755)
+    planted.chmod(0o755)
+    assert _shell.find_compiled_shim() == str(planted)  # the copy alone is fine
+    planted.chmod(mode)
+    assert _shell.find_compiled_shim() is None
+    assert _shell.shim_argv("x", ("y",))[0] != str(planted)
+    planted.chmod(0o755)
+    tmp_path.chmod(0o777 | stat.S_ISVTX)  # a folder others can write to (a sticky /tmp-like one too)
+    assert _shell.find_compiled_shim() is None
+    tmp_path.chmod(0o755)
+    link = tmp_path / "link"
+    link.symlink_to(planted)
+    monkeypatch.setattr(_shell, "SHIM_BIN", str(link))
+    assert _shell.find_compiled_shim() is None  # a symbolic link is not followed
 
 
 def fill(folder: Path) -> Path:
@@ -280,7 +338,7 @@ def test_a_reserved_record_reads_back_with_its_padding(kind: str, tmp_path: Path
 async def test_an_on_exit_job_fires_what_either_shim_recorded(
     kind: str, tmp_path: Path, command: str, exit_code: int | None, number: int | None
 ) -> None:
-    assert _shell.shim_argv("x", ("y",))[1] == ("-t" if kind == "pl" else "-I")  # the shim the engine runs
+    assert _shell.shim_argv("x", ("y",)) == (*SHIMS[kind], "x", "--", "y")  # the shim the engine runs
     config = EngineConfig(state_dir=str(tmp_path / "state"), exit_watch_shell=("bash", "-c", "--"))
     async with open_engine(config) as engine:
         await engine.cron.add(OnExit(command=command, cwd=str(tmp_path)), SystemEvent("finished"))

@@ -1,11 +1,12 @@
 """On-exit watchers: run a job's command, and fire the job once when it exits (docs/design.md, invariant 5).
 
 Each enabled :class:`OnExit` job gets a slot with an arm token (``_arming``) and a watcher task in the
-engine's nursery. The task runs the command under our exit-recording shim (``_shim.pl``, else
-``_shim.py``; see ``_shell.shim_argv``), in scope ``cron-exit:<job_id>`` with replace-existing, output
-to ``<state_dir>/watch-logs/``. When the command exits, the job is disabled and its pending fire written
-in one transaction (**persist**), and only then fired (**fire**). A failed persist keeps the result and
-retries the persist, never the command; a task that lost its slot never persists and never fires.
+engine's nursery. The task runs the command under our exit-recording shim (``_shim.bin``, compiled from
+``_shim.c`` at install time, else ``_shim.pl``, else ``_shim.py``; see ``_shell.shim_argv``), in scope
+``cron-exit:<job_id>`` with replace-existing, output to ``<state_dir>/watch-logs/``. When the command
+exits, the job is disabled and its pending fire written in one transaction (**persist**), and only then
+fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task
+that lost its slot never persists and never fires.
 
 Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). An
 engine that stops, by a crash or gracefully (:meth:`CronExitWatchers.detach_all`), leaves the command
@@ -22,7 +23,6 @@ import contextlib
 import functools
 import logging
 import os
-import shutil
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime
@@ -46,7 +46,7 @@ from ._job import CronJob, JobStatus, SystemEvent
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
-from ._shell import shim_argv, watch_argv
+from ._shell import shell_installed, shim_argv, watch_argv
 from ._shim import read_exit_file
 from ._watch_state import WatchState
 
@@ -328,9 +328,11 @@ class CronExitWatchers:
 
         async def spawn() -> ManagedRun:
             try:
-                if shutil.which(self.shell[0]) is None:
+                if not shell_installed(self.shell[0]):
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
-                await trio.to_thread.run_sync(self._prepare_files, job.id, paths)
+                # The folder only (one stat when it is there): the supervisor creates the log files, and
+                # older arms' files are removed once the command is started, off the path to its start.
+                os.makedirs(os.path.dirname(paths.stdout), mode=0o700, exist_ok=True)
                 run = watch.run = await self.supervisor.spawn(spec)  # known at once to the clean-up
                 watch.state = WatchState.of_run(run, schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
                 return run
@@ -365,6 +367,7 @@ class CronExitWatchers:
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
             return None
         self._errors.pop(job.id, None)
+        await trio.to_thread.run_sync(self._remove_older_arms, job.id, watch.arm_id, paths)
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
         result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
@@ -400,16 +403,23 @@ class CronExitWatchers:
             nursery.cancel_scope.cancel()
         return result
 
-    def _prepare_files(self, job_id: str, paths: _Paths) -> None:
+    @staticmethod
+    def _remove_older_arms(job_id: str, arm_id: str, paths: _Paths) -> None:
+        """Remove the files of this job's older arms (their logs, exit and start files) from the folder.
+
+        Run once this arm's command is started: the supervisor has ended the older arms' runs of the
+        scope by then. Housekeeping only: a file that cannot be removed is left for the next arm.
+        """
         folder = os.path.dirname(paths.stdout)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        keep = {os.path.basename(p) for p in (paths.stdout, paths.stderr)}
-        for name in os.listdir(folder):  # older arms' files of this job
-            if name.startswith(f"{job_id}.") and name not in keep:
-                with contextlib.suppress(FileNotFoundError):
+        ours, this_arm = f"{job_id}.", f"{job_id}.{arm_id}."
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(ours) and not name.startswith(this_arm):
+                with contextlib.suppress(OSError):
                     os.unlink(os.path.join(folder, name))
-        for path in (paths.stdout, paths.stderr):
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
 
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""

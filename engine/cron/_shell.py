@@ -5,13 +5,17 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import sys
+import time
 
-__all__ = ["resolve_exit_watch_shell", "shim_argv", "watch_argv"]
+__all__ = ["resolve_exit_watch_shell", "shell_installed", "shim_argv", "watch_argv"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-#: The exit-recording shim in Perl (its command starts ~2-5 ms after the spawn) and the same shim in Python
-#: (~10 ms or more), the fallback where no perl is found.
+#: The exit-recording shim, compiled from ``_shim.c`` at install time where a C compiler is found
+#: (``setup.py``; its command starts ~0.5 ms after the spawn); the same shim in Perl (~2-5 ms), run where
+#: it was not built; and in Python (~10 ms or more), the fallback where no perl is found either.
+SHIM_BIN = os.path.join(_HERE, "_shim.bin")
 SHIM_PL = os.path.join(_HERE, "_shim.pl")
 SHIM_PY = os.path.join(_HERE, "_shim.py")
 
@@ -70,6 +74,32 @@ def watch_argv(
     return (*shell, command), {}
 
 
+#: How long a shell found in ``PATH`` is believed there without looking again (seconds): a reconcile that
+#: arms a hundred jobs looks once, not a hundred times (~60 us each).
+SHELL_SEEN_SECONDS = 1.0
+_shells_seen: dict[tuple[str, str | None], float] = {}
+
+
+def shell_installed(name: str) -> bool:
+    """Whether the shell ``name`` is found (as ``shutil.which`` finds it, in ``PATH``).
+
+    A shell found is believed for :data:`SHELL_SEEN_SECONDS` per ``PATH`` value; one not found is looked
+    for again at each call, so a retry sees it as soon as it is installed. (A shell removed meanwhile is
+    what the shim then cannot run: the command's end is recorded as exit 127, as for any spawn that
+    loses that race.)
+    """
+    key = (name, os.environ.get("PATH"))
+    now = time.monotonic()
+    seen = _shells_seen.get(key)
+    if seen is not None and now - seen < SHELL_SEEN_SECONDS:
+        return True
+    if shutil.which(name) is None:
+        _shells_seen.pop(key, None)
+        return False
+    _shells_seen[key] = now
+    return True
+
+
 @functools.cache
 def _perl_at(path: str | None) -> str | None:
     found = shutil.which("perl", path=path)
@@ -81,14 +111,41 @@ def find_perl() -> str | None:
     return _perl_at(os.environ.get("PATH"))
 
 
+def _ours_to_run(info: os.stat_result) -> bool:
+    """Whether a file or folder with ``info`` is one only this user (or root) can have written."""
+    return info.st_uid in (os.geteuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def find_compiled_shim() -> str | None:
+    """The compiled shim (``_shim.bin``, built at install), when it is there and ours to run, or ``None``.
+
+    It runs commands with the engine's rights, so it is run only when nobody else can have put it there:
+    a regular file (not a symbolic link), executable, owned by this user or root and not writable by group
+    or others, in the package's own folder, which is held to the same owner and mode. It is never looked
+    for anywhere else (not in a state directory, not in ``PATH``). Two ``stat`` calls, each time.
+    """
+    try:
+        info = os.lstat(SHIM_BIN)
+        folder = os.stat(_HERE)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or not info.st_mode & stat.S_IXUSR:
+        return None
+    return SHIM_BIN if _ours_to_run(info) and _ours_to_run(folder) else None
+
+
 def shim_argv(exit_file: str, argv: tuple[str, ...]) -> tuple[str, ...]:
     """The argv that runs ``argv`` under the exit-recording shim, which records its end in ``exit_file``.
 
-    The Perl shim (``_shim.pl`` under ``perl -t``: no ``PERL5OPT``, no ``PERL5LIB``) when a perl is found
-    and the script is there; else the Python shim (``_shim.py`` under ``python -I -S``). Both take
-    ``EXIT_FILE -- ARGV...``, write the same record and end the same way. Not a shell: a shell's ``wait``
-    gives 130 both for ``exit 130`` and for a death by SIGINT, and the record must say which.
+    The compiled shim (``_shim.bin``) when it was built and is ours to run (:func:`find_compiled_shim`);
+    else the Perl shim (``_shim.pl`` under ``perl -t``: no ``PERL5OPT``, no ``PERL5LIB``) when a perl is
+    found and the script is there; else the Python shim (``_shim.py`` under ``python -I -S``). All three
+    take ``EXIT_FILE -- ARGV...``, write the same record and end the same way. Not a shell: a shell's
+    ``wait`` gives 130 both for ``exit 130`` and for a death by SIGINT, and the record must say which.
     """
+    compiled = find_compiled_shim()
+    if compiled is not None:
+        return (compiled, exit_file, "--", *argv)
     perl = find_perl()
     if perl is not None and os.path.isfile(SHIM_PL):
         return (perl, "-t", SHIM_PL, exit_file, "--", *argv)

@@ -1,5 +1,5 @@
-# The exit-recording shim in Perl (engine/cron/_shell.py's shim_argv says when it is used; _shim.py is the
-# same shim in Python, the fallback). Run as `perl -t _shim.pl EXIT_FILE -- COMMAND [ARGS...]` (-t: no
+# The exit-recording shim in Perl (engine/cron/_shell.py's shim_argv says when it is used: where the C one,
+# _shim.c, was not compiled at install time; _shim.py is the same shim in Python, the last fallback). Run as `perl -t _shim.pl EXIT_FILE -- COMMAND [ARGS...]` (-t: no
 # PERL5OPT, no PERL5LIB; unlike -T, a PATH that taint mode calls insecure is only a warning, silenced) as
 # the leader of the command's process group. It runs COMMAND with default signal dispositions, waits for
 # it, writes {"pid", "exit_code" | "signal", "ended_at"} to EXIT_FILE (temp file, fsync, rename), then

@@ -12,9 +12,10 @@ The record's disk blocks are reserved before the command starts (:class:`Reserve
 when a record still cannot be written the engine falls back on the right status, and the shim reports the
 recording failure separately, on stderr (the watch log, when it has room).
 
-``_shim.pl`` is the same shim in Perl, run instead of this one where a perl is found (it starts several
-times sooner); this one is the fallback. Both take the same arguments, write the same record and end the
-same way (``tests/test_cron_shim.py`` runs every test on both). :func:`read_exit_file` reads both.
+``_shim.c`` (compiled at install time into ``_shim.bin``) and ``_shim.pl`` are the same shim in C and in
+Perl, run instead of this one where they are found (they start many times sooner); this one is the last
+fallback. All three take the same arguments, write the same record and end the same way
+(``tests/test_cron_shim.py`` runs every test on each). :func:`read_exit_file` reads them all.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""The one build step pyproject.toml cannot say: the compiled exit-recording shim.
+
+``engine/cron/_shim.c`` is compiled with the C compiler found (``$CC``, else ``cc``, ``gcc``, ``clang``)
+into ``engine/cron/_shim.bin``: into the build folder for a wheel (``pip install .``), into the source tree
+for an editable install (``pip install -e .``, ``make setup``), where the package is read from. Where no
+compiler is found, or it fails, the install goes on without it and the engine runs the Perl shim, else
+the Python one (``engine/cron/_shell.py``). Everything else is in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from typing import ClassVar
+
+from setuptools import Command, setup
+from setuptools.command.build import build
+from setuptools.dist import Distribution
+
+SOURCE = os.path.join("engine", "cron", "_shim.c")
+TARGET = os.path.join("engine", "cron", "_shim.bin")
+FLAGS = ("-O2", "-Wall", "-Wextra", "-Werror")
+
+
+def find_compiler() -> list[str] | None:
+    """The C compiler's argv prefix: ``$CC`` when set, else the first of cc, gcc, clang on PATH."""
+    if os.environ.get("CC", "").strip():
+        return shlex.split(os.environ["CC"])
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found is not None:
+            return [found]
+    return None
+
+
+class BuildShim(Command):
+    """Compile the exit-recording shim; a missing or failing compiler is a warning, never a failure."""
+
+    description = "compile engine/cron/_shim.c (optional: the engine falls back on perl, then Python)"
+    user_options: ClassVar[list[tuple[str, str | None, str]]] = []
+
+    def initialize_options(self) -> None:
+        self.build_lib: str | None = None
+        self.editable_mode = False
+
+    def finalize_options(self) -> None:
+        self.set_undefined_options("build_py", ("build_lib", "build_lib"))
+
+    def _target(self) -> str:
+        return TARGET if self.editable_mode else os.path.join(self.build_lib or "build", TARGET)
+
+    def run(self) -> None:
+        target = self._target()
+        if not self._compile(target) and os.path.exists(target):
+            os.unlink(target)  # built from another source: never left behind, never shipped
+
+    def _compile(self, target: str) -> bool:
+        """Compile into ``target`` (through a temp name, so a running engine sees the old one or the new one);
+        whether it was compiled."""
+        compiler = find_compiler()
+        if compiler is None:
+            self.warn("no C compiler found: the exit-recording shim is not compiled (perl or Python runs it)")
+            return False
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        partial = f"{target}.tmp.{os.getpid()}"
+        argv = [*compiler, *FLAGS, "-o", partial, SOURCE]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            self.warn(f"cannot run {argv[0]}: {exc}; the exit-recording shim is not compiled")
+            return False
+        if done.returncode != 0:
+            self.warn(f"{shlex.join(argv)} failed; the exit-recording shim is not compiled:\n{done.stderr}")
+            if os.path.exists(partial):
+                os.unlink(partial)
+            return False
+        os.chmod(partial, 0o755)  # whatever the umask: the engine runs it only when no one else can write it
+        os.replace(partial, target)
+        return True
+
+    def get_source_files(self) -> list[str]:
+        return [SOURCE]
+
+    def get_outputs(self) -> list[str]:
+        return [self._target()]
+
+    def get_output_mapping(self) -> dict[str, str]:
+        return {self._target(): SOURCE}
+
+
+class BinaryDistribution(Distribution):
+    """A wheel with the compiled shim in it is for this platform only (not ``py3-none-any``)."""
+
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+class BuildWithShim(build):
+    """``build``, and then ``build_shim``."""
+
+    sub_commands: ClassVar[list[tuple[str, None]]] = [*build.sub_commands, ("build_shim", None)]
+
+
+setup(cmdclass={"build": BuildWithShim, "build_shim": BuildShim}, distclass=BinaryDistribution)
