@@ -87,13 +87,17 @@ class LeafWatcher:
         if found is not None:
             found.bump()
 
-    def forget(self, leaf: Leaf) -> None:
-        """Stop watching ``leaf`` (it is about to be removed; the kernel drops the watch then anyway)."""
+    def forget(self, leaf: Leaf, *, removed: bool = False) -> None:
+        """Stop watching ``leaf``; ``removed``: its directory is removed already, and the kernel dropped
+        the watch with it (its ``IN_IGNORED`` is read and ignored), so no ``inotify_rm_watch`` is made
+        (about 20 us each, a thousand of them in a ``kill_all``)."""
         found = self._by_path.pop(leaf.events_path, None)
         if found is not None and not found.removed:
             found.removed = True
             found.bump()
             self._by_wd.pop(found.wd, None)
+            if removed:
+                return
             try:
                 self._inotify.rm_watch(found.wd)
             except OSError:

@@ -220,12 +220,14 @@ class CgroupContainment:
         placement.kill()
 
     def release(self, placement: Placement) -> None:
-        if placement is not None and not placement.populated():
-            self.watcher.forget(placement)
-            try:
-                placement.remove()
+        if placement is not None:
+            try:  # no look first: the kernel refuses (EBUSY) while a live process is in it
+                removed = placement.remove()
             except OSError:
-                pass  # a survivor keeps it; the next start-up sweep ends it
+                removed = False
+            if removed:
+                self.watcher.forget(placement, removed=True)
+            # else a survivor keeps it, watched still; the next start-up sweep ends it
         if placement is not None and not placement.watched:
             self.pool.fill()  # housekeeping after a run: the next runs' leaves, off their spawn's path
 
