@@ -119,6 +119,10 @@ class LeaderTarget(EscalationTarget, Protocol):
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
+    def hand_kills(self, hand: Callable[[Callable[[], None]], None] | None) -> None:
+        """Have :meth:`~EscalationTarget.kill` give its work to ``hand`` (the batch driver's worker thread)
+        instead of doing it, where that is safe (``None``: do it again)."""
+
     def mark_quiet(self) -> bool:
         """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the
         instant is noted, and a read of the engine's children made after it serves the look that decides
@@ -388,6 +392,10 @@ class ProcessTree:
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
         self._poke = wake
+
+    def hand_kills(self, hand: Callable[[Callable[[], None]], None] | None) -> None:
+        """Never: a group is killed by its id, which another thread could send after the leader is reaped
+        and the id reused by a stranger's group."""
 
     async def _wait_leader_or_force(self) -> None:
         """Wait for the leader's exit (its pidfd) or :meth:`request_force`, with no time step: while the
