@@ -29,6 +29,7 @@ escalation is over, the driver role passes to a member still waiting. An escalat
 from __future__ import annotations
 
 import heapq
+import queue
 import select
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
@@ -89,8 +90,8 @@ class _Batch:
     _due: list[_Member] = attrs.field(factory=list)
     _wake: trio.CancelScope | None = None
     _started: bool = False
-    #: the kills handed over in this pass (:meth:`_hand`), sent by a worker thread at its end
-    _kills: list[tuple[_Member, Callable[[], None]]] = attrs.field(factory=list)
+    #: the kills handed over in this pass (:meth:`_hand`) go to its worker thread through this queue
+    _queue: queue.SimpleQueue[tuple[_Member, Callable[[], None]] | None] | None = None
     #: worker threads still sending kills, and the event set when none is left
     _threads: int = 0
     _threads_done: trio.Event = attrs.field(factory=trio.Event)
@@ -133,21 +134,22 @@ class _Batch:
     # ---- the kills, sent by a worker thread ---------------------------------------------------------
 
     def _hand(self, member: _Member, kill: Callable[[], None]) -> None:
-        """Take ``kill`` (a ``cgroup.kill`` write of ``member``'s target) to send at the end of the pass."""
-        self._kills.append((member, kill))
+        """Have ``kill`` (a ``cgroup.kill`` write of ``member``'s target) sent by this pass's worker thread,
+        started by the first kill handed over: a write costs some 40-70 us of kernel time, and 1000 of
+        them in the driver's pass would delay the reaping of the first leaves killed until the last one
+        is; on the thread they overlap the rest of the pass and the reaping, in their order."""
+        if self._queue is None:
+            self._queue = self._start_thread()
+        self._queue.put((member, kill))
 
-    def _send_kills(self) -> None:
-        """Send the kills handed over in this pass from a worker thread, in their order: a ``cgroup.kill``
-        write costs some 40-70 us of kernel time, and 1000 of them in the driver's pass would delay the
-        reaping of the first trees killed until the last one is; on the thread they overlap it."""
-        if not self._kills:
-            return
-        kills, self._kills = self._kills, []
+    def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], None]] | None]:
+        todo: queue.SimpleQueue[tuple[_Member, Callable[[], None]] | None] = queue.SimpleQueue()
         failed: list[tuple[_Member, BaseException]] = []
         token = trio.lowlevel.current_trio_token()
 
         def send() -> None:
-            for member, kill in kills:
+            while (item := todo.get()) is not None:
+                member, kill = item
                 try:
                     kill()
                 except Exception as exc:  # given to the member, as the kill's error in its own pass would be
@@ -158,6 +160,13 @@ class _Batch:
 
         self._threads += 1
         trio.lowlevel.start_thread_soon(send, deliver)
+        return todo
+
+    def _send_kills(self) -> None:
+        """The pass is over: its thread ends once it has sent what it was handed."""
+        if self._queue is not None:
+            self._queue.put(None)
+            self._queue = None
 
     def _kills_sent(self, failed: list[tuple[_Member, BaseException]]) -> None:
         self._threads -= 1
@@ -264,7 +273,6 @@ class _Batch:
                 continue
             if self._step(member, gone):
                 asked.append(member)
-        self._send_kills()
         end = trio.current_time()
         for member in asked:
             member.deadline = end + member.request.seconds
@@ -296,7 +304,10 @@ class _Batch:
         try:
             while True:
                 with sharing_children_reads():
-                    self._pass()
+                    try:
+                        self._pass()
+                    finally:
+                        self._send_kills()  # the pass's thread ends once it has sent them
                 if me.over or me.alone:
                     return
                 await self._wait()
