@@ -52,6 +52,10 @@ COALESCE_SECONDS: Final = 0.001
 #: :meth:`_Batch._align`).
 ALIGN_SECONDS: Final = 0.25
 
+#: The worker thread sending a pass's kills has the driver look again at the members it parked
+#: (:meth:`_Batch._unpark`) after this many kills, and whenever it has sent all it was given so far.
+_UNPARK_EVERY: Final = 32
+
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
 
@@ -95,6 +99,8 @@ class _Batch:
     #: worker threads still sending kills, and the event set when none is left
     _threads: int = 0
     _threads_done: trio.Event = attrs.field(factory=trio.Event)
+    #: members whose leader exited while their kill was in flight, by ``id`` (:meth:`_unpark`)
+    _parked: dict[int, _Member] = attrs.field(factory=dict)
 
     # ---- the wait set ------------------------------------------------------------------------------
 
@@ -148,12 +154,16 @@ class _Batch:
         token = trio.lowlevel.current_trio_token()
 
         def send() -> None:
+            sent = 0
             while (item := todo.get()) is not None:
                 member, kill = item
                 try:
                     kill()
                 except Exception as exc:  # given to the member, as the kill's error in its own pass would be
                     failed.append((member, exc))
+                sent += 1
+                if sent % _UNPARK_EVERY == 0 or todo.empty():
+                    token.run_sync_soon(self._unpark)
 
         def deliver(_outcome: object) -> None:
             token.run_sync_soon(self._kills_sent, failed)
@@ -168,8 +178,18 @@ class _Batch:
             self._queue.put(None)
             self._queue = None
 
+    def _unpark(self) -> None:
+        """Look again at the members whose leader exited while their kill was in flight, now sent."""
+        ready = [m for m in self._parked.values() if not m.target.kill_in_flight]
+        for member in ready:
+            del self._parked[id(member)]
+            self._due.append(member)
+        if ready and self._wake is not None:
+            self._wake.cancel()
+
     def _kills_sent(self, failed: list[tuple[_Member, BaseException]]) -> None:
         self._threads -= 1
+        self._unpark()
         for member, exc in failed:
             if not member.over:
                 member.error = exc
@@ -263,6 +283,9 @@ class _Batch:
                 gone = True
             elif (request.phase is Phase.GRACE and member.target.force) or now >= member.deadline:
                 gone = False
+            elif member.target.kill_in_flight:  # not reaped before its kill is sent: looked at then
+                self._parked[id(member)] = member
+                continue
             elif member.target.pidfd < 0:  # the leader is reaped, the rest of the tree is not gone
                 member.alone = True
                 self._unwatch(member)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 
 import attrs
 
@@ -38,7 +37,6 @@ class LeafTree(ProcessTree):
     leaf: Leaf = attrs.field(kw_only=True)
     watcher: LeafWatcher = attrs.field(kw_only=True)
     _seen: int = attrs.field(init=False, default=-1)
-    _hand: Callable[[Callable[[], None]], None] | None = attrs.field(init=False, default=None)
 
     def snapshot(self, *, fresh: bool = True) -> None:
         """Nothing to look for: every descendant is in the leaf."""
@@ -50,17 +48,13 @@ class LeafTree(ProcessTree):
 
     def kill(self) -> None:
         """SIGKILL the whole leaf at once through ``cgroup.kill`` (forks in flight included); handed to the
-        batch driver's worker thread while it takes them (:meth:`hand_kills`)."""
+        batch driver's worker thread while it takes them (:meth:`hand_kills`). Safe from another thread:
+        the leaf is named by a path no other run ever has, and a leaf removed meanwhile has no file to
+        write; the leader may be reaped before it is sent."""
         if self._hand is not None:
             self._hand(self.leaf.kill)
         else:
             self.leaf.kill()
-
-    def hand_kills(self, hand: Callable[[Callable[[], None]], None] | None) -> None:
-        """Let ``hand`` take the ``cgroup.kill`` writes (``None``: no more). Safe from another thread: the
-        leaf is named by a path no other run ever has, and a write to a leaf already removed finds no file.
-        """
-        self._hand = hand
 
     def request_force(self) -> None:
         """Skip the rest of the grace period, and wake a wait on the leaf so it happens now."""

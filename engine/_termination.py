@@ -123,6 +123,12 @@ class LeaderTarget(EscalationTarget, Protocol):
         """Have :meth:`~EscalationTarget.kill` give its work to ``hand`` (the batch driver's worker thread)
         instead of doing it, where that is safe (``None``: do it again)."""
 
+    @property
+    def kill_in_flight(self) -> bool:
+        """Whether a kill given to ``hand`` is not sent yet: the leader is not reaped meanwhile, and its
+        exit is looked at once it is sent."""
+        ...
+
     def mark_quiet(self) -> bool:
         """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the
         instant is noted, and a read of the engine's children made after it serves the look that decides
@@ -229,15 +235,21 @@ class ProcessTree:
     quiet_at: float | None = attrs.field(init=False, default=None)
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
     _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
+    _hand: Callable[[Callable[[], None]], None] | None = attrs.field(init=False, default=None)
+    #: one token per group kill handed to a worker thread and not sent yet (the thread removes it)
+    _in_flight: list[object] = attrs.field(init=False, factory=list)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
     _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
 
     # ---- the leader ------------------------------------------------------------------------------
 
     def poll_leader(self) -> bool:
-        """Reap the leader if it has exited; ``True`` once it is reaped."""
+        """Reap the leader if it has exited; ``True`` once it is reaped. Not while a kill of its group is
+        in flight (:meth:`hand_kills`): its pid, the group's id, stays the run's until it is reaped."""
         if self.status is not None:
             return True
+        if self._in_flight:
+            return False
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # someone else reaped it (a host calling waitpid(-1)): exit unknown
@@ -297,8 +309,14 @@ class ProcessTree:
         if self.quiet_at is not None:
             before = children_read_at()
             shared = self._not_leaders(engine_children(read_since=self.quiet_at))
-            if children_read_at() != before or not any(self._may_be_ours(pid) for pid in shared):
-                return shared  # read just now, or nothing in it could be of this tree
+            if children_read_at() != before:
+                return shared  # read just now
+            # The stat lines of its pids, read once after the list for every tree that shares it: a pid
+            # that then shows an older start than the tree's is the very process the list held (a pid
+            # reused since has a later start), so it was not of this tree.
+            infos = _shared_infos(shared)
+            if not any((info := infos[pid]) is None or self._ours(info) for pid in shared):
+                return shared  # nothing in it could be of this tree
         return self._not_leaders(engine_children())
 
     def _not_leaders(self, children: frozenset[int]) -> frozenset[int]:
@@ -311,10 +329,6 @@ class ProcessTree:
             result = children - self.known_leaders
             _not_leaders_memo = (children, self.known_leaders, result)
         return result
-
-    def _may_be_ours(self, pid: int) -> bool:
-        info = read_proc(pid)
-        return info is None or self._ours(info)
 
     def _snapshot_by_children(self, *, fresh: bool) -> bool:
         roots = [self.pid]
@@ -394,8 +408,10 @@ class ProcessTree:
         self._poke = wake
 
     def hand_kills(self, hand: Callable[[Callable[[], None]], None] | None) -> None:
-        """Never: a group is killed by its id, which another thread could send after the leader is reaped
-        and the id reused by a stranger's group."""
+        """Let ``hand`` take the group's ``killpg`` of :meth:`kill` (``None``: no more). Safe from another
+        thread: the group's id is the leader's pid, which no other process can have while the leader is
+        not reaped, and :meth:`poll_leader` does not reap it while such a kill is in flight."""
+        self._hand = hand
 
     async def _wait_leader_or_force(self) -> None:
         """Wait for the leader's exit (its pidfd) or :meth:`request_force`, with no time step: while the
@@ -482,10 +498,16 @@ class ProcessTree:
     def send(self, sig: int) -> None:
         """Send ``sig`` to the group, and by pid to every tracked process that is no longer in the group
         (start time checked); a member gets it once, through the group."""
+        self._send_group(sig)
+        self._send_tracked(sig)
+
+    def _send_group(self, sig: int) -> None:
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _send_tracked(self, sig: int) -> None:
         for pid, start in list(self.tracked.items()):
             info = read_proc(pid)
             if info is None or info.start_time != start:
@@ -537,8 +559,27 @@ class ProcessTree:
         return sorted(alive)
 
     def kill(self) -> None:
-        """SIGKILL the group and every tracked escapee."""
-        self.send(signal.SIGKILL)
+        """SIGKILL the group and every tracked escapee; the group's ``killpg`` is handed to the batch
+        driver's worker thread while it takes them (:meth:`hand_kills`)."""
+        if self._hand is None:
+            self.send(signal.SIGKILL)
+            return
+        token = object()
+        self._in_flight.append(token)
+
+        def kill_group() -> None:  # on the worker thread
+            try:
+                self._send_group(signal.SIGKILL)
+            finally:
+                self._in_flight.remove(token)
+
+        self._hand(kill_group)
+        self._send_tracked(signal.SIGKILL)  # by pid: here, where each pid's start time is checked
+
+    @property
+    def kill_in_flight(self) -> bool:
+        """Whether a kill handed over (:meth:`hand_kills`) is not sent yet (the leader is not reaped)."""
+        return bool(self._in_flight)
 
     def gone(self) -> bool:
         """Whether nothing of the tree is alive: :meth:`remaining` as a yes/no.
