@@ -16,12 +16,12 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
 - a wait ends late by at most :data:`COALESCE_SECONDS`, so deadlines a few microseconds apart expire
   in one pass;
 - the members whose leaders exited together are settled together: each notes that nothing it knew of
-  is alive (:meth:`~._termination.LeaderTarget.mark_quiet`), then one read of the engine's children
-  list serves all of their final looks (see ``_termination.children_read_since``).
+  is alive (:meth:`~._escalation_driver.LeaderTarget.mark_quiet`), then one read of the engine's children
+  list serves all of their final looks (see ``_escalation_driver.children_read_since``).
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
-as before (``_termination.drive_escalation`` with the target's ``wait_change``). When the driver's own
+as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``). When the driver's own
 escalation is over, the driver role passes to a member still waiting. An escalation alone in its pass
 (``kill_pid``, one ``cancel``) makes no batch: it waits on its own leader's pidfd through Trio.
 """
@@ -41,7 +41,7 @@ from ._escalation import Escalation, Phase, Steps, WaitGone, advance
 from ._procfs import engine_children, sharing_children_reads
 
 if TYPE_CHECKING:
-    from ._termination import LeaderTarget
+    from ._escalation_driver import LeaderTarget
 
 __all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
 
@@ -365,7 +365,7 @@ async def drive_in_batch(
     Returns:
         The escalation's end; or, when it was handed back in the middle of a wait, that wait's phase
         and deadline (on the Trio clock): the caller finishes the wait and the steps alone (see
-        :func:`~._termination.drive_escalation`).
+        :func:`~._escalation_driver.drive_escalation`).
     """
     batch = _FORMING.get()
     me = _Member(target=target, steps=steps, request=first, deadline=at + first.seconds)

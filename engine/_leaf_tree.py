@@ -17,8 +17,9 @@ import attrs
 
 from ._cgroup import Leaf
 from ._cgroup_watch import LeafWatcher
+from ._escalation_driver import children_read_since
 from ._procfs import engine_children
-from ._termination import ProcessTree, children_read_since
+from ._termination import ProcessTree
 
 __all__ = ["LeafTree"]
 
