@@ -304,3 +304,28 @@ async def test_children_that_exit_on_their_own_during_a_kill_all_are_ended_with_
             assert all(sp.exit is not None and sp.exit.escalated for sp in ignoring)
     finally:
         kill_leftovers(marker)
+
+
+async def test_trees_that_keep_forking_during_a_kill_all_leave_nothing(
+    tmp_path: Path, containment: str
+) -> None:
+    """Trees that fork a SIGINT-ignoring child every few milliseconds, in a batch with others: a child
+    forked while the first SIGKILL was aimed (in cgroup mode, at the pids read from the leaf) is ended by
+    the kill that follows the leader's exit; nothing is left when ``kill_all`` returns."""
+    marker = mark("336.4")
+    project = make_project(tmp_path)
+    forking = f"trap '' INT; while :; do (trap '' INT; exec sleep {marker}) & sleep 0.003; done"
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.2, containment=containment) as engine:
+            service = engine.service
+            records = [await service.create(project, "bash", ["-c", forking]) for _ in range(4)]
+            records += [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(20)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) >= 40)
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+    finally:
+        kill_leftovers(marker)
