@@ -19,6 +19,10 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
   is alive (:meth:`~._escalation_driver.LeaderTarget.mark_quiet`), then one read of the engine's children
   list serves all of their final looks (see ``_escalation_driver.children_read_since``).
 
+The SIGKILLs a pass aims are sent from a worker thread while the pass goes on and the driver reaps the
+first trees killed (``LeaderTarget.hand_kills``); a leader is not reaped before its own kill is sent, so
+a group id or a pidfd the thread uses still names the run's process.
+
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
 as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``). When the driver's own
@@ -140,10 +144,12 @@ class _Batch:
     # ---- the kills, sent by a worker thread ---------------------------------------------------------
 
     def _hand(self, member: _Member, kill: Callable[[], None]) -> None:
-        """Have ``kill`` (a ``cgroup.kill`` write of ``member``'s target) sent by this pass's worker thread,
-        started by the first kill handed over: a write costs some 40-70 us of kernel time, and 1000 of
-        them in the driver's pass would delay the reaping of the first leaves killed until the last one
-        is; on the thread they overlap the rest of the pass and the reaping, in their order."""
+        """Have ``kill`` (``member``'s target's SIGKILL: a ``killpg``, or a leaf's pids through pidfds) sent
+        by this pass's worker thread, started by the first kill handed over: each costs some 40-70 us,
+        mostly the killed process's exit, and 1000 of them in the driver's pass would delay the reaping
+        of the first trees killed until the last one is; on the thread they overlap the rest of the pass
+        and the reaping, in their order. The target keeps its leader unreaped until its kill is sent
+        (``kill_in_flight``): a member whose leader exits meanwhile is parked (:meth:`_unpark`)."""
         if self._queue is None:
             self._queue = self._start_thread()
         self._queue.put((member, kill))
