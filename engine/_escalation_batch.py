@@ -99,7 +99,7 @@ class _Batch:
     _wake: trio.CancelScope | None = None
     _started: bool = False
     #: the kills handed over in this pass (:meth:`_hand`) go to its worker thread through this queue
-    _queue: queue.SimpleQueue[tuple[_Member, Callable[[], None]] | None] | None = None
+    _queue: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] | None = None
     #: worker threads still sending kills, and the event set when none is left
     _threads: int = 0
     _threads_done: trio.Event = attrs.field(factory=trio.Event)
@@ -143,7 +143,7 @@ class _Batch:
 
     # ---- the kills, sent by a worker thread ---------------------------------------------------------
 
-    def _hand(self, member: _Member, kill: Callable[[], None]) -> None:
+    def _hand(self, member: _Member, kill: Callable[[], object]) -> None:
         """Have ``kill`` (``member``'s target's SIGKILL: a ``killpg``, or a leaf's pids through pidfds) sent
         by this pass's worker thread, started by the first kill handed over: each costs some 40-70 us,
         mostly the killed process's exit, and 1000 of them in the driver's pass would delay the reaping
@@ -154,8 +154,8 @@ class _Batch:
             self._queue = self._start_thread()
         self._queue.put((member, kill))
 
-    def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], None]] | None]:
-        todo: queue.SimpleQueue[tuple[_Member, Callable[[], None]] | None] = queue.SimpleQueue()
+    def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None]:
+        todo: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] = queue.SimpleQueue()
         failed: list[tuple[_Member, BaseException]] = []
         token = trio.lowlevel.current_trio_token()
 

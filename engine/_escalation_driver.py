@@ -78,7 +78,7 @@ class LeaderTarget(EscalationTarget, Protocol):
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
-    def hand_kills(self, hand: Callable[[Callable[[], None]], None] | None) -> None:
+    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
         """Have :meth:`~EscalationTarget.kill` give its work to ``hand`` (the batch driver's worker thread)
         instead of doing it, where that is safe (``None``: do it again)."""
 

@@ -40,6 +40,7 @@ class LeafTree(ProcessTree):
     watcher: LeafWatcher = attrs.field(kw_only=True)
     _seen: int = attrs.field(init=False, default=-1)
     _killed_once: bool = attrs.field(init=False, default=False)
+    _removal_handed: bool = attrs.field(init=False, default=False)
 
     def snapshot(self, *, fresh: bool = True) -> None:
         """Nothing to look for: every descendant is in the leaf."""
@@ -117,6 +118,11 @@ class LeafTree(ProcessTree):
         if not self._empty():
             return False
         self._reap_leaf_zombies()
+        if self._hand is not None and not self._removal_handed:
+            # In a batch, the empty leaf is removed now from the worker thread, overlapping the ends of the
+            # other runs; the release after the run's end then finds it gone (_containment).
+            self._removal_handed = True
+            self._hand(self.leaf.remove)
         return True
 
     def remaining(self) -> list[int]:

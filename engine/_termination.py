@@ -98,7 +98,7 @@ class ProcessTree:
     quiet_at: float | None = attrs.field(init=False, default=None)
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
     _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
-    _hand: Callable[[Callable[[], None]], None] | None = attrs.field(init=False, default=None)
+    _hand: Callable[[Callable[[], object]], None] | None = attrs.field(init=False, default=None)
     #: one token per group kill handed to a worker thread and not sent yet (the thread removes it)
     _in_flight: list[object] = attrs.field(init=False, factory=list)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
@@ -270,7 +270,7 @@ class ProcessTree:
         """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
         self._poke = wake
 
-    def hand_kills(self, hand: Callable[[Callable[[], None]], None] | None) -> None:
+    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
         """Let ``hand`` take the group's ``killpg`` of :meth:`kill` (``None``: no more). Safe from another
         thread: the group's id is the leader's pid, which no other process can have while the leader is
         not reaped, and :meth:`poll_leader` does not reap it while such a kill is in flight."""
