@@ -44,6 +44,7 @@ __all__ = [
     "load_recorded_parent",
     "parent_leaves",
     "parent_name",
+    "remove_leaves",
     "watched_leaf",
 ]
 
@@ -284,6 +285,18 @@ class Leaf:
                 return False
             raise
         return True
+
+
+def remove_leaves(leaves: list[Leaf]) -> list[bool]:
+    """:meth:`Leaf.remove` of each leaf, ``False`` where it failed (still in use, or any other error): safe
+    from a worker thread (nothing but ``rmdir``)."""
+    removed = []
+    for leaf in leaves:
+        try:
+            removed.append(leaf.remove())
+        except OSError:
+            removed.append(False)
+    return removed
 
 
 def _children(pid: int) -> list[int]:

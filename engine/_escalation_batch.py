@@ -16,12 +16,16 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
 - a wait ends late by at most :data:`COALESCE_SECONDS`, so deadlines a few microseconds apart expire
   in one pass;
 - the members whose leaders exited together are settled together: each notes that nothing it knew of
-  is alive (:meth:`~._termination.LeaderTarget.mark_quiet`), then one read of the engine's children
-  list serves all of their final looks (see ``_termination.children_read_since``).
+  is alive (:meth:`~._escalation_driver.LeaderTarget.mark_quiet`), then one read of the engine's children
+  list serves all of their final looks (see ``_escalation_driver.children_read_since``).
+
+The SIGKILLs a pass aims are sent from a worker thread while the pass goes on and the driver reaps the
+first trees killed (``LeaderTarget.hand_kills``); a leader is not reaped before its own kill is sent, so
+a group id or a pidfd the thread uses still names the run's process.
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
-as before (``_termination.drive_escalation`` with the target's ``wait_change``). When the driver's own
+as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``). When the driver's own
 escalation is over, the driver role passes to a member still waiting. An escalation alone in its pass
 (``kill_pid``, one ``cancel``) makes no batch: it waits on its own leader's pidfd through Trio.
 """
@@ -29,7 +33,9 @@ escalation is over, the driver role passes to a member still waiting. An escalat
 from __future__ import annotations
 
 import heapq
+import queue
 import select
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -39,7 +45,7 @@ from ._escalation import Escalation, Phase, Steps, WaitGone, advance
 from ._procfs import engine_children, sharing_children_reads
 
 if TYPE_CHECKING:
-    from ._termination import LeaderTarget
+    from ._escalation_driver import LeaderTarget
 
 __all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
 
@@ -49,6 +55,10 @@ COALESCE_SECONDS: Final = 0.001
 #: The members' first waits are made to end together when their deadlines are this close (see
 #: :meth:`_Batch._align`).
 ALIGN_SECONDS: Final = 0.25
+
+#: The worker thread sending a pass's kills has the driver look again at the members it parked
+#: (:meth:`_Batch._unpark`) after this many kills, and whenever it has sent all it was given so far.
+_UNPARK_EVERY: Final = 32
 
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
@@ -88,6 +98,13 @@ class _Batch:
     _due: list[_Member] = attrs.field(factory=list)
     _wake: trio.CancelScope | None = None
     _started: bool = False
+    #: the kills handed over in this pass (:meth:`_hand`) go to its worker thread through this queue
+    _queue: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] | None = None
+    #: worker threads still sending kills, and the event set when none is left
+    _threads: int = 0
+    _threads_done: trio.Event = attrs.field(factory=trio.Event)
+    #: members whose leader exited while their kill was in flight, by ``id`` (:meth:`_unpark`)
+    _parked: dict[int, _Member] = attrs.field(factory=dict)
 
     # ---- the wait set ------------------------------------------------------------------------------
 
@@ -123,6 +140,72 @@ class _Batch:
         self._due.append(member)
         if self._wake is not None:
             self._wake.cancel()
+
+    # ---- the kills, sent by a worker thread ---------------------------------------------------------
+
+    def _hand(self, member: _Member, kill: Callable[[], object]) -> None:
+        """Have ``kill`` (``member``'s target's SIGKILL: a ``killpg``, or a leaf's pids through pidfds) sent
+        by this pass's worker thread, started by the first kill handed over: each costs some 40-70 us,
+        mostly the killed process's exit, and 1000 of them in the driver's pass would delay the reaping
+        of the first trees killed until the last one is; on the thread they overlap the rest of the pass
+        and the reaping, in their order. The target keeps its leader unreaped until its kill is sent
+        (``kill_in_flight``): a member whose leader exits meanwhile is parked (:meth:`_unpark`)."""
+        if self._queue is None:
+            self._queue = self._start_thread()
+        self._queue.put((member, kill))
+
+    def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None]:
+        todo: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] = queue.SimpleQueue()
+        failed: list[tuple[_Member, BaseException]] = []
+        token = trio.lowlevel.current_trio_token()
+
+        def send() -> None:
+            sent = 0
+            while (item := todo.get()) is not None:
+                member, kill = item
+                try:
+                    kill()
+                except Exception as exc:  # given to the member, as the kill's error in its own pass would be
+                    failed.append((member, exc))
+                sent += 1
+                if sent % _UNPARK_EVERY == 0 or todo.empty():
+                    token.run_sync_soon(self._unpark)
+
+        def deliver(_outcome: object) -> None:
+            token.run_sync_soon(self._kills_sent, failed)
+
+        self._threads += 1
+        trio.lowlevel.start_thread_soon(send, deliver)
+        return todo
+
+    def _send_kills(self) -> None:
+        """The pass is over: its thread ends once it has sent what it was handed."""
+        if self._queue is not None:
+            self._queue.put(None)
+            self._queue = None
+
+    def _unpark(self) -> None:
+        """Look again at the members whose leader exited while their kill was in flight, now sent."""
+        ready = [m for m in self._parked.values() if not m.target.kill_in_flight]
+        for member in ready:
+            del self._parked[id(member)]
+            self._due.append(member)
+        if ready and self._wake is not None:
+            self._wake.cancel()
+
+    def _kills_sent(self, failed: list[tuple[_Member, BaseException]]) -> None:
+        self._threads -= 1
+        self._unpark()
+        for member, exc in failed:
+            if not member.over:
+                member.error = exc
+                self._unwatch(member)
+                member.turn.set()
+                if self._wake is not None:
+                    self._wake.cancel()
+        if not self._threads:
+            done, self._threads_done = self._threads_done, trio.Event()
+            done.set()
 
     # ---- one pass ----------------------------------------------------------------------------------
 
@@ -206,6 +289,9 @@ class _Batch:
                 gone = True
             elif (request.phase is Phase.GRACE and member.target.force) or now >= member.deadline:
                 gone = False
+            elif member.target.kill_in_flight:  # not reaped before its kill is sent: looked at then
+                self._parked[id(member)] = member
+                continue
             elif member.target.pidfd < 0:  # the leader is reaped, the rest of the tree is not gone
                 member.alone = True
                 self._unwatch(member)
@@ -247,7 +333,10 @@ class _Batch:
         try:
             while True:
                 with sharing_children_reads():
-                    self._pass()
+                    try:
+                        self._pass()
+                    finally:
+                        self._send_kills()  # the pass's thread ends once it has sent them
                 if me.over or me.alone:
                     return
                 await self._wait()
@@ -258,11 +347,14 @@ class _Batch:
                 rest[0].drives = True
                 rest[0].turn.set()
             else:
+                while self._threads:  # no kill is left in flight once the batch is over
+                    await self._threads_done.wait()
                 self._close()
 
     def _close(self) -> None:
         for member in self.members:
             member.target.notify_force(None)
+            member.target.hand_kills(None)
         if self._epoll_made is not None:
             trio.lowlevel.notify_closing(self._epoll_made.fileno())
             self._epoll_made.close()
@@ -279,7 +371,7 @@ async def drive_in_batch(
     Returns:
         The escalation's end; or, when it was handed back in the middle of a wait, that wait's phase
         and deadline (on the Trio clock): the caller finishes the wait and the steps alone (see
-        :func:`~._termination.drive_escalation`).
+        :func:`~._escalation_driver.drive_escalation`).
     """
     batch = _FORMING.get()
     me = _Member(target=target, steps=steps, request=first, deadline=at + first.seconds)
@@ -289,6 +381,7 @@ async def drive_in_batch(
         me.drives = True
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
+        target.hand_kills(lambda kill: batch._hand(me, kill))
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()  # the escalations of this pass join
         finally:
@@ -296,10 +389,12 @@ async def drive_in_batch(
                 _FORMING.set(None)
         if len(batch.members) == 1:  # alone in its pass: the one-tree wait costs less than a batch's
             target.notify_force(None)
+            target.hand_kills(None)
             return first.phase, me.deadline
     else:
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
+        target.hand_kills(lambda kill: batch._hand(me, kill))
     while not (me.over or me.alone):
         if me.drives:
             await batch.drive(me)
@@ -307,6 +402,7 @@ async def drive_in_batch(
             await me.turn.wait()
             me.turn = trio.Event()
     target.notify_force(None)
+    target.hand_kills(None)
     if me.error is not None:
         raise me.error
     if me.result is not None:

@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import final
@@ -481,12 +482,53 @@ class SubProcessService:
             sp._changed_at = _now()
         return True
 
+    async def _stop_many(self, records: list[SubProcess]) -> None:
+        """:meth:`_stop` of every record, from this one task (``Supervisor.cancel_many``)."""
+        runs: list[ManagedRun] = []
+        stopping: list[SubProcess] = []
+        now = _now()
+        for sp in records:
+            sp._ended_on_purpose = True
+            if sp._backoff is not None:
+                sp._backoff.cancel()
+            if sp._stopping or sp.exit is not None:
+                if not sp.ended:  # another call is ending it, or the leader exited and its tree drains
+                    runs.append(sp._run)
+                continue
+            sp._stopping = True
+            sp._changed_at = now
+            stopping.append(sp)
+            runs.append(sp._run)
+        try:
+            await self._supervisor.cancel_many(runs)
+        finally:
+            now = _now()
+            for sp in stopping:
+                sp._changed_at = now
+
+    async def _delete_logs(self, records: list[SubProcess], deleted: set[int]) -> None:
+        """Delete the logs of ``records`` (being killed) in one worker-thread call, under the log lock as
+        the cap's work, while their trees are being ended: the ``unlink`` pass overlaps the grace period
+        instead of following the last reap. Each record deleted is added to ``deleted`` (by ``id``).
+
+        Cancellation: safe; what is not deleted yet is left to :meth:`_remove_many`.
+        """
+
+        def delete() -> None:
+            for sp in records:
+                sp._logs.delete()
+                deleted.add(id(sp))
+
+        async with self._log_lock:
+            await trio.to_thread.run_sync(delete)
+
     def _remove(self, sp: SubProcess) -> None:
         self._remove_many([sp])
 
-    def _remove_many(self, records: list[SubProcess]) -> None:
-        """Forget ``records`` (killed): close their stdin, delete their logs, drop them from the list in
-        one pass (``kill_all`` of 1000 would otherwise search the list 1000 times)."""
+    def _remove_many(self, records: list[SubProcess], *, deleted: AbstractSet[int] = frozenset()) -> None:
+        """Forget ``records`` (killed): close their stdin, delete their logs (except those of ``deleted``,
+        by ``id``: deleted already), drop them from the list in one pass (``kill_all`` of 1000 would
+        otherwise search the list 1000 times)."""
         removed: set[int] = set()
         for sp in records:
             if sp._removed:
@@ -495,7 +537,8 @@ class SubProcessService:
             removed.add(id(sp))
             if sp._stdin is not None:
                 sp._stdin.close("the process was killed")
-            sp._logs.delete()
+            if id(sp) not in deleted:
+                sp._logs.delete()
         if removed:
             self._records[:] = [sp for sp in self._records if id(sp) not in removed]
         if not self._records:  # no record left: the folders kept open (and their spare files) go too
@@ -545,12 +588,13 @@ class SubProcessService:
         for sp in live:
             sp._killing = True  # a halt meanwhile must not answer that the logs are kept
         self._supervisor.begin_cancel(sp._run for sp in live if not sp.ended)  # SIGINT to all, in one loop
+        deleted: set[int] = set()
         try:
             async with trio.open_nursery() as nursery:
-                for sp in live:
-                    nursery.start_soon(self._stop, sp)
+                nursery.start_soon(self._delete_logs, live, deleted)
+                await self._stop_many(live)
         finally:
-            self._remove_many([sp for sp in records if sp.exit is not None])
+            self._remove_many([sp for sp in records if sp.exit is not None], deleted=deleted)
         return all(sp._run.exit is not None and not sp._run.exit.survivors for sp in records)
 
     async def kill_project(self, project_id: str) -> None:

@@ -370,6 +370,10 @@ class Supervisor:
     _locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     _closing: bool = attrs.field(init=False, default=False)
     _observers: list[RunObserver] = attrs.field(init=False, factory=list)
+    #: The runs ended in this scheduler pass whose housekeeping is due, and the housekeeping under way.
+    _ended: list[ManagedRun] = attrs.field(init=False, factory=list)
+    _housekeeping: int = attrs.field(init=False, default=0)
+    _housekept: trio.Event = attrs.field(init=False, factory=trio.Event)
 
     def __repr__(self) -> str:
         state = "closed" if self._closing else "open"
@@ -664,15 +668,41 @@ class Supervisor:
             self._forget(run, ended=False)
             run._leader_exited()
             run._done.set()
-            # The tree is gone and reaped: the waiters may go on. What is left is housekeeping (remove the
-            # leaf, tell the guardian and the records), done after one checkpoint so that it overlaps what
-            # the waiters do next (the next spawn's child runs meanwhile) instead of delaying them.
+            await self._housekeep(run)
+
+    async def _housekeep(self, run: ManagedRun) -> None:
+        """The housekeeping after a run's end (remove its leaf, tell the guardian and the records), done
+        after one checkpoint so that it overlaps what the waiters do next (the next spawn's child runs
+        meanwhile) instead of delaying them; the runs that end in the same scheduler pass (a
+        ``kill_all``) share it: the first one's task does it for all of them, their leaves removed
+        together (``Containment.release_many``), while the others' tasks end at once.
+
+        Cancellation: callers shield it.
+        """
+        self._ended.append(run)
+        if len(self._ended) > 1:
+            return  # the task of the first run of this pass does it
+        self._housekeeping += 1
+        try:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # the runs ending in this pass join
+        finally:
+            batch, self._ended = self._ended, []
             try:
-                await trio.lowlevel.cancel_shielded_checkpoint()
+                await self._containment.release_many([r._placement for r in batch])
             finally:
-                self._containment.release(run._placement)
-                for observer in self._observers:
-                    observer.run_ended(run)
+                for ended in batch:
+                    for observer in self._observers:
+                        observer.run_ended(ended)
+                self._housekeeping -= 1
+                if not self._housekeeping:
+                    done, self._housekept = self._housekept, trio.Event()
+                    done.set()
+
+    async def _housekeeping_done(self) -> None:
+        """Wait until the housekeeping of every run ended so far is done (``kill_all`` returns only once
+        the leaves are removed and the guardian told)."""
+        while self._housekeeping or self._ended:
+            await self._housekept.wait()
 
     def _forget(self, run: ManagedRun, *, ended: bool = True) -> None:
         run._tree.close()
@@ -719,6 +749,30 @@ class Supervisor:
             return run.exit
         self._request(run, force=force)
         return await _wait_shielded(run)
+
+    async def cancel_many(self, runs: Iterable[ManagedRun]) -> None:
+        """:meth:`cancel` of every run of ``runs``, concurrently, from one task: each run's own task ends
+        it (the escalations that start together run as one batch), and this call returns once every one
+        has ended, woken only when the run it waits for ends (``kill_all`` of 1000 would otherwise wake
+        1000 waiting tasks after their SIGKILL). Each run's exit is then :attr:`ManagedRun.exit`.
+
+        Cancellation: as :meth:`cancel`, for each of them.
+        """
+        pending = [run for run in runs if run.state is not RunState.EXITED]
+        for run in pending:
+            self._request(run, force=False)
+        try:
+            for run in pending:
+                if not run._done.is_set():
+                    await run._done.wait()
+            await self._housekeeping_done()
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                for run in pending:
+                    await run._done.wait()
+                await self._housekeeping_done()
+            raise
+        await trio.lowlevel.checkpoint()
 
     async def cancel_scope(self, scope_key: str) -> list[RunExit]:
         """End every run of ``scope_key`` concurrently and return their exits (oldest first).

@@ -1,13 +1,12 @@
-"""Ending a run's whole process tree: group signalling, the descendant snapshot, and the Trio driver of
-the escalation.
+"""Ending a run's whole process tree: group signalling and the descendant snapshot.
 
 A run is its leader (the child we spawned, leader of a new session and process group), every other
 member of that group, and the *escapees*: descendants that left the group (``setsid``) and are found by
 walking ``/proc`` parent links and, for orphans re-parented to the engine, by the run marker in their
 environment. :class:`ProcessTree` is that tree as an escalation target (``_escalation``), and
-:func:`drive_escalation` runs the escalation on it under Trio, as trio's ``run_process`` does for a
-single child with ``deliver_cancel`` but on the whole tree (trio signals only the leader and stops as
-soon as it exits).
+``_escalation_driver.drive_escalation`` runs the escalation on it under Trio, as trio's ``run_process``
+does for a single child with ``deliver_cancel`` but on the whole tree (trio signals only the leader and
+stops as soon as it exits).
 """
 
 from __future__ import annotations
@@ -18,35 +17,28 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
-from typing import Protocol
 
 import attrs
 import trio
 
-from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance, escalate
-from ._escalation_batch import drive_in_batch
+from ._escalation import Escalation, Steps, WaitGone, advance, escalate
+from ._escalation_driver import LeaderTarget, children_read_since, drive_escalation, wait_gone
 from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
     ProcInfo,
     children_map,
     children_of,
     children_read_at,
-    children_read_size,
     engine_children,
     read_marker,
     read_proc,
     scan_processes,
 )
 
+# LeaderTarget, children_read_since, drive_escalation and wait_gone are named here too, where they were
+# defined before the driver had a module of its own.
 __all__ = ["LeaderTarget", "ProcessTree", "children_read_since", "drive_escalation", "wait_gone"]
 
-#: Polling steps inside an escalation: start fast (a cooperative child dies within a millisecond), back
-#: off to the design's ceiling of 20 ms.
-_FIRST_STEP_SECONDS = 0.0005
-_MAX_STEP_SECONDS = 0.02
-#: From this many children of the engine on, a read of their list is shared with the tasks of the same
-#: scheduler pass (:func:`children_read_since`); a shorter list is read at once (the spawn-to-exit path).
-_SHARE_READS_FROM = 64
 #: How old a list of the engine's children the looks that only aim signals may use.
 _SHARED_CHILDREN_SECONDS = 0.002
 #: The last list of the engine's children less the run leaders: ``(list, leaders, difference)``.
@@ -57,8 +49,6 @@ _not_leaders_memo: tuple[frozenset[int], AbstractSet[int], frozenset[int]] = (
 )
 #: The stat lines of the last such list's pids, read once (:func:`_shared_infos`).
 _infos_memo: tuple[frozenset[int], dict[int, ProcInfo | None]] = (frozenset(), {})
-#: The read of the engine's children that tasks wait for (:func:`children_read_since`), if one is due.
-_DUE_READ: trio.lowlevel.RunVar[trio.Event | None] = trio.lowlevel.RunVar("_DUE_READ", default=None)
 
 
 def _shared_infos(adopted: frozenset[int]) -> dict[int, ProcInfo | None]:
@@ -71,123 +61,6 @@ def _shared_infos(adopted: frozenset[int]) -> dict[int, ProcInfo | None]:
         infos = {pid: read_proc(pid) for pid in adopted}
         _infos_memo = (adopted, infos)
     return infos
-
-
-async def children_read_since(since: float) -> None:
-    """Wait until the list of the engine's children that ``engine_children`` keeps was read at ``since``
-    (``time.monotonic``) or later. The tasks that ask in one pass of the scheduler share one read, made
-    at the next pass: with 1000 trees settling at once (``kill_all``) that is one read of a list of 1000
-    children instead of 1000 (about 0.5 ms each). While the list is short (under 64 pids), and no read
-    is due, it is read at once: a pass of the scheduler would cost more (a child's own exit).
-
-    Cancellation: safe; the read that is due is made all the same, for the other tasks waiting on it.
-    """
-    if children_read_at() >= since:
-        return
-    due = _DUE_READ.get()
-    if due is None and children_read_size() < _SHARE_READS_FROM:
-        engine_children()  # a short list: reading it now costs less than a pass of the scheduler
-        return
-    if due is not None:  # asked for before this call and made after it: after ``since``
-        await due.wait()
-        return
-    done = trio.Event()
-    _DUE_READ.set(done)
-    try:
-        await trio.lowlevel.cancel_shielded_checkpoint()  # the other tasks of this pass join it
-    finally:
-        _DUE_READ.set(None)
-        engine_children()
-        done.set()
-
-
-class LeaderTarget(EscalationTarget, Protocol):
-    """An escalation target led by a child of the engine, which the Trio driver can wait on.
-
-    Attributes:
-        force: set (by another task, through ``request_force``) to cut the grace period short.
-    """
-
-    @property
-    def force(self) -> bool: ...
-
-    @property
-    def pidfd(self) -> int:
-        """The leader's pidfd, or -1 once the leader is reaped (it turns readable when the leader exits)."""
-        ...
-
-    def notify_force(self, wake: Callable[[], None] | None) -> None:
-        """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
-
-    def mark_quiet(self) -> bool:
-        """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the
-        instant is noted, and a read of the engine's children made after it serves the look that decides
-        the target is gone (one read for the targets that went quiet together)."""
-        ...
-
-    async def wait_change(self, step_seconds: float) -> None:
-        """Wait until the target may have changed: its leader exited, a member left, or force was asked;
-        at most ``step_seconds`` where the target has no way to be told (a process group is polled)."""
-
-
-async def drive_escalation(
-    target: LeaderTarget, steps: Steps, first: WaitGone | Escalation, at: float
-) -> Escalation:
-    """Run the escalation ``steps`` on ``target`` under Trio.
-
-    The escalations that start in one scheduler pass are driven together while their leaders live
-    (``_escalation_batch``: one task, one epoll of pidfds, aligned deadlines). An escalation whose
-    leader is reaped while the rest of its tree lives goes on alone: each wait polls
-    :meth:`~EscalationTarget.gone`, woken by the target (:meth:`LeaderTarget.wait_change`) in steps that
-    start at 0.5 ms and double up to 20 ms; a grace wait ends early when :attr:`LeaderTarget.force` is
-    set.
-
-    Args:
-        target: what the steps act on.
-        steps: the escalation, its first step taken.
-        first: what that step answered (a wait, or the end already).
-        at: when it was taken (``trio.current_time``): the first wait is measured from then.
-
-    Cancellation: callers run this inside a shielded cancel scope; it is bounded by the waits the steps
-    request.
-    """
-    if isinstance(first, Escalation):
-        await trio.lowlevel.checkpoint()
-        return first
-    handed = await drive_in_batch(target, steps, first, at)
-    if isinstance(handed, Escalation):
-        return handed
-    phase, deadline = handed
-    gone = False
-    with trio.move_on_at(deadline):
-        gone = await _wait_gone(target, honour_force=phase is Phase.GRACE)
-    answer = advance(steps, gone)
-    while isinstance(answer, WaitGone):
-        gone = False
-        with trio.move_on_after(answer.seconds):
-            gone = await _wait_gone(target, honour_force=answer.phase is Phase.GRACE)
-        answer = advance(steps, gone)
-    return answer
-
-
-async def _wait_gone(target: LeaderTarget, *, honour_force: bool) -> bool:
-    """Wait until the target is gone; ``False`` at once when ``honour_force`` and force is set.
-    Callers bound it with ``trio.move_on_after``."""
-    step = _FIRST_STEP_SECONDS
-    while not target.gone():
-        if honour_force and target.force:
-            return False
-        await target.wait_change(step)
-        step = min(step * 2, _MAX_STEP_SECONDS)
-    return True
-
-
-async def wait_gone(target: LeaderTarget) -> None:
-    """Wait until nothing of ``target`` is alive (the drain after a leader's own exit, see SP-03).
-
-    Cancellation: safe; callers bound it with ``trio.move_on_after``.
-    """
-    await _wait_gone(target, honour_force=False)
 
 
 @attrs.define(eq=False)
@@ -225,15 +98,21 @@ class ProcessTree:
     quiet_at: float | None = attrs.field(init=False, default=None)
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
     _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
+    _hand: Callable[[Callable[[], object]], None] | None = attrs.field(init=False, default=None)
+    #: one token per group kill handed to a worker thread and not sent yet (the thread removes it)
+    _in_flight: list[object] = attrs.field(init=False, factory=list)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
     _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
 
     # ---- the leader ------------------------------------------------------------------------------
 
     def poll_leader(self) -> bool:
-        """Reap the leader if it has exited; ``True`` once it is reaped."""
+        """Reap the leader if it has exited; ``True`` once it is reaped. Not while a kill of its group is
+        in flight (:meth:`hand_kills`): its pid, the group's id, stays the run's until it is reaped."""
         if self.status is not None:
             return True
+        if self._in_flight:
+            return False
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # someone else reaped it (a host calling waitpid(-1)): exit unknown
@@ -293,8 +172,14 @@ class ProcessTree:
         if self.quiet_at is not None:
             before = children_read_at()
             shared = self._not_leaders(engine_children(read_since=self.quiet_at))
-            if children_read_at() != before or not any(self._may_be_ours(pid) for pid in shared):
-                return shared  # read just now, or nothing in it could be of this tree
+            if children_read_at() != before:
+                return shared  # read just now
+            # The stat lines of its pids, read once after the list for every tree that shares it: a pid
+            # that then shows an older start than the tree's is the very process the list held (a pid
+            # reused since has a later start), so it was not of this tree.
+            infos = _shared_infos(shared)
+            if not any((info := infos[pid]) is None or self._ours(info) for pid in shared):
+                return shared  # nothing in it could be of this tree
         return self._not_leaders(engine_children())
 
     def _not_leaders(self, children: frozenset[int]) -> frozenset[int]:
@@ -307,10 +192,6 @@ class ProcessTree:
             result = children - self.known_leaders
             _not_leaders_memo = (children, self.known_leaders, result)
         return result
-
-    def _may_be_ours(self, pid: int) -> bool:
-        info = read_proc(pid)
-        return info is None or self._ours(info)
 
     def _snapshot_by_children(self, *, fresh: bool) -> bool:
         roots = [self.pid]
@@ -388,6 +269,12 @@ class ProcessTree:
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
         self._poke = wake
+
+    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
+        """Let ``hand`` take the group's ``killpg`` of :meth:`kill` (``None``: no more). Safe from another
+        thread: the group's id is the leader's pid, which no other process can have while the leader is
+        not reaped, and :meth:`poll_leader` does not reap it while such a kill is in flight."""
+        self._hand = hand
 
     async def _wait_leader_or_force(self) -> None:
         """Wait for the leader's exit (its pidfd) or :meth:`request_force`, with no time step: while the
@@ -474,10 +361,16 @@ class ProcessTree:
     def send(self, sig: int) -> None:
         """Send ``sig`` to the group, and by pid to every tracked process that is no longer in the group
         (start time checked); a member gets it once, through the group."""
+        self._send_group(sig)
+        self._send_tracked(sig)
+
+    def _send_group(self, sig: int) -> None:
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _send_tracked(self, sig: int) -> None:
         for pid, start in list(self.tracked.items()):
             info = read_proc(pid)
             if info is None or info.start_time != start:
@@ -529,8 +422,27 @@ class ProcessTree:
         return sorted(alive)
 
     def kill(self) -> None:
-        """SIGKILL the group and every tracked escapee."""
-        self.send(signal.SIGKILL)
+        """SIGKILL the group and every tracked escapee; the group's ``killpg`` is handed to the batch
+        driver's worker thread while it takes them (:meth:`hand_kills`)."""
+        if self._hand is None:
+            self.send(signal.SIGKILL)
+            return
+        token = object()
+        self._in_flight.append(token)
+
+        def kill_group() -> None:  # on the worker thread
+            try:
+                self._send_group(signal.SIGKILL)
+            finally:
+                self._in_flight.remove(token)
+
+        self._hand(kill_group)
+        self._send_tracked(signal.SIGKILL)  # by pid: here, where each pid's start time is checked
+
+    @property
+    def kill_in_flight(self) -> bool:
+        """Whether a kill handed over (:meth:`hand_kills`) is not sent yet (the leader is not reaped)."""
+        return bool(self._in_flight)
 
     def gone(self) -> bool:
         """Whether nothing of the tree is alive: :meth:`remaining` as a yes/no.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import trio
 
-from engine import RunState, SpawnSpec, open_supervisor
+from engine import RunState, SpawnSpec, SubProcessNotFoundError, open_supervisor
 
 from .children import SESSION, kill_leftovers, mark, pgrep, proc_exists, py, wait_until
 from .service_support import engine_at, log_dir, log_paths, make_project
@@ -199,3 +199,133 @@ async def test_kill_all_of_a_hundred_and_twenty_mixed_trees_leaves_nothing(
             assert os.listdir(log_dir(project)) == [".gitignore"]
     finally:
         kill_leftovers(pattern)
+
+
+async def test_kill_all_of_many_sigint_ignoring_children_releases_everything_before_it_returns(
+    tmp_path: Path, containment: str
+) -> None:
+    """``kill_all`` of 150 SIGINT-ignoring children (one waiting task, the logs deleted by a worker thread
+    during the grace, in cgroup mode the SIGKILLs sent by the batch's worker thread): when it returns every
+    process is reaped, every log deleted, every leaf removed, and nothing carries the test's marker."""
+    marker = mark("336.1")
+    project = make_project(tmp_path)
+    try:
+        async with engine_at(
+            tmp_path,
+            grace_seconds=0.2,
+            containment=containment,
+            max_processes=200,
+            max_processes_per_project=200,
+        ) as engine:
+            service = engine.service
+            records = [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(150)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 150)
+            leaves = [sp._run.cgroup for sp in records]
+            paths = [path for sp in records for path in log_paths(sp)]
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]  # reaped, not even a zombie
+            assert not [path for path in paths if os.path.exists(path)]
+            assert os.listdir(log_dir(project)) == [".gitignore"]
+            assert not [leaf for leaf in leaves if leaf is not None and os.path.exists(leaf)]
+            assert all(sp.exit is not None and sp.exit.escalated for sp in records)
+            assert service.ps() == []
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_a_kill_all_overlapping_a_halt_ends_both_and_keeps_no_log(
+    tmp_path: Path, containment: str
+) -> None:
+    """A halt under way when ``kill_all`` starts: the halt answers that its record was killed (its logs are
+    deleted, nothing is kept), the others' logs go too, and every process is reaped."""
+    marker = mark("336.2")
+    project = make_project(tmp_path)
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.3, containment=containment) as engine:
+            service = engine.service
+            records = [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(6)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 6)
+            paths = [path for sp in records for path in log_paths(sp)]
+            halted: list[BaseException] = []
+
+            async def halt() -> None:
+                try:
+                    await service.halt_subprocess(records[0])
+                except SubProcessNotFoundError as exc:
+                    halted.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(halt)
+                await trio.sleep(0.05)  # the halt is in its grace period
+                assert await service.kill_all() is True
+            assert len(halted) == 1 and "killed while it was being halted" in str(halted[0])
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+            assert not [path for path in paths if os.path.exists(path)]
+            assert service.ps() == []
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_children_that_exit_on_their_own_during_a_kill_all_are_ended_with_the_rest(
+    tmp_path: Path, containment: str
+) -> None:
+    """Children that exit on their own during the grace (their tree leaves with the leader) and others that
+    need SIGKILL, in one ``kill_all``: all reaped, every log deleted, each exit as it happened."""
+    marker = mark("336.3")
+    project = make_project(tmp_path)
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.5, containment=containment) as engine:
+            service = engine.service
+            quitting = [
+                await service.create(
+                    project, "bash", ["-c", f"trap '' INT; sleep {marker} & sleep 0.2; exit 7"]
+                )
+                for _ in range(10)
+            ]
+            ignoring = [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(10)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 20)
+            paths = [path for sp in quitting + ignoring for path in log_paths(sp)]
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in quitting + ignoring if proc_exists(sp.pid)]
+            assert not [path for path in paths if os.path.exists(path)]
+            assert all(sp.exit is not None and sp.exit.exit_code == 7 for sp in quitting)
+            assert all(sp.exit is not None and sp.exit.escalated for sp in ignoring)
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_trees_that_keep_forking_during_a_kill_all_leave_nothing(
+    tmp_path: Path, containment: str
+) -> None:
+    """Trees that fork a SIGINT-ignoring child every few milliseconds, in a batch with others: a child
+    forked while the first SIGKILL was aimed (in cgroup mode, at the pids read from the leaf) is ended by
+    the kill that follows the leader's exit; nothing is left when ``kill_all`` returns."""
+    marker = mark("336.4")
+    project = make_project(tmp_path)
+    forking = f"trap '' INT; while :; do (trap '' INT; exec sleep {marker}) & sleep 0.003; done"
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.2, containment=containment) as engine:
+            service = engine.service
+            records = [await service.create(project, "bash", ["-c", forking]) for _ in range(4)]
+            records += [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(20)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) >= 40)
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+    finally:
+        kill_leftovers(marker)
