@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from typing import Final, final
 
@@ -34,6 +36,8 @@ __all__ = ["GITIGNORE", "FolderCache", "LogFolder", "LogGoneError", "Unnamed"]
 GITIGNORE: Final = ".gitignore"
 _IGNORE_ALL: Final = b"# written by gadget-engine: logs may hold secrets\n*\n"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_log = logging.getLogger("engine.subprocesses")
 
 
 class LogGoneError(FileNotFoundError):
@@ -278,8 +282,12 @@ class _Opened:
     identities: tuple[tuple[int, int], ...]
     #: Unnamed files made ahead in the log folder (``FolderCache.prepare``), with their identities.
     spare: list[Unnamed] = attrs.field(factory=list)
+    #: Files the background maker is making for this entry now (``FolderCache`` with ``background``).
+    pending: int = 0
+    closed: bool = False
 
     def close(self) -> None:
+        self.closed = True
         for fd, _ in self.spare:
             os.close(fd)
         self.spare.clear()
@@ -289,6 +297,8 @@ class _Opened:
 
 #: An unnamed (``O_TMPFILE``) file's descriptor and its ``(st_dev, st_ino)``.
 Unnamed = tuple[int, tuple[int, int]]
+#: A job of the cache's thread: the entry, the thread's own descriptor of its folder, the maker, a count.
+_Job = tuple[_Opened, int, Callable[[int], Unnamed], int]
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
@@ -307,12 +317,26 @@ class FolderCache:
     when they were changed or removed since, as a walk does. A check that fails drops the entry and walks
     again (:meth:`LogFolder.make_opened`), which reports a link or a stranger's folder as before.
 
+    With ``background``, :meth:`prepare` hands the making of the files ahead to a thread of the cache's
+    own: making a file is a filesystem allocation that costs 5 us on a quiet ext4 and 100-400 us where
+    other processes churn files in the same block groups (``analysis.md``), work the engine's loop need
+    not wait for. The thread holds a descriptor of its own of the folder (the cache may close its entry
+    meanwhile: the files are then closed, never handed out), starts at the first :meth:`prepare` and
+    ends with :meth:`close`. Nothing depends on it: a create that finds no file made ahead makes its own.
+
     Attributes:
         limit: how many folders are kept open (the least recently used is closed past it).
+        background: make the files ahead in the cache's thread instead of in :meth:`prepare`.
     """
 
     limit: int = 32
+    background: bool = False
     _entries: dict[tuple[str, str | None], _Opened] = attrs.field(init=False, factory=dict)
+    #: Guards what the thread shares: each entry's ``spare``, ``pending`` and ``closed``, and the jobs.
+    _lock: threading.Condition = attrs.field(init=False, factory=threading.Condition, repr=False)
+    _jobs: list[_Job] = attrs.field(init=False, factory=list, repr=False)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None, repr=False)
+    _stopping: bool = attrs.field(init=False, default=False, repr=False)
 
     def __repr__(self) -> str:
         return f"<FolderCache {len(self._entries)} open>"
@@ -331,14 +355,15 @@ class FolderCache:
             checked = self._check(entry)
             if checked is not None:
                 self._entries[key] = entry  # the most recently used last
-                spare, entry.spare = entry.spare, []
+                with self._lock:
+                    spare, entry.spare = entry.spare, []
                 try:
                     return checked, os.dup(entry.fds[-1]), spare
                 except BaseException:
                     for fd, _ in spare:
                         os.close(fd)
                     raise
-            entry.close()
+            self._close_entry(entry)
         folder, fd = LogFolder.make_opened(directory, base=base)
         if not folder.made and not folder.wrote_ignores:  # nothing of this call's to undo: kept for the next
             try:
@@ -353,15 +378,67 @@ class FolderCache:
         """Make ``count`` unnamed files ahead in the cached folder (none when it is not cached), with
         ``make`` (given the folder's descriptor), for the next :meth:`open`. Called once a child is
         spawned, so that the next child's files are made while this one starts; a failure is ignored
-        (the next create makes its own). A crash leaves nothing: the files have no name."""
+        (the next create makes its own). A crash leaves nothing: the files have no name.
+
+        With :attr:`background`, the files are made in the cache's thread and this returns at once (the
+        files that are still being made when the next :meth:`open` comes serve the one after it).
+        """
         entry = self._entries.get((directory, base))
         if entry is None or not entry.folder.parts:
             return
-        try:
-            while len(entry.spare) < count:
-                entry.spare.append(make(entry.fds[-1]))
-        except OSError:
-            pass
+        if not self.background:
+            try:
+                while len(entry.spare) < count:
+                    entry.spare.append(make(entry.fds[-1]))
+            except OSError:
+                pass
+            return
+        with self._lock:
+            missing = count - len(entry.spare) - entry.pending
+            if missing <= 0:
+                return
+            try:
+                fd = os.dup(entry.fds[-1])  # the thread's own: valid whatever happens to the entry
+            except OSError:
+                return
+            entry.pending += missing
+            self._jobs.append((entry, fd, make, missing))
+            self._lock.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="engine log files", daemon=True)
+                self._thread.start()
+
+    def _work(self) -> None:
+        """The cache's thread: make the files each job asks for, and hand them to its entry (or close
+        them, when the entry was closed meanwhile), until :meth:`close`."""
+        while True:
+            with self._lock:
+                while not self._jobs and not self._stopping:
+                    self._lock.wait()
+                if not self._jobs:
+                    return
+                entry, fd, make, count = self._jobs.pop(0)
+            made: list[Unnamed] = []
+            try:
+                while len(made) < count:
+                    made.append(make(fd))
+            except OSError:
+                pass  # the next create makes its own
+            except Exception:
+                _log.exception("making log files ahead in %s failed", entry.folder.path)
+            finally:
+                os.close(fd)
+                with self._lock:
+                    entry.pending -= count
+                    if entry.closed:
+                        for opened, _ in made:
+                            os.close(opened)
+                    else:
+                        entry.spare.extend(made)
+
+    def _close_entry(self, entry: _Opened) -> None:
+        with self._lock:
+            entry.close()
 
     def _check(self, entry: _Opened) -> LogFolder | None:
         """The entry's folder when it is still where it was walked to (see the class), else ``None``."""
@@ -402,10 +479,23 @@ class FolderCache:
         self._entries[key] = _Opened(folder, tuple(fds), identities)
         while len(self._entries) > self.limit:
             oldest = next(iter(self._entries))
-            self._entries.pop(oldest).close()
+            self._close_entry(self._entries.pop(oldest))
 
     def close(self) -> None:
-        """Close every cached folder's descriptors."""
-        entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            entry.close()
+        """Close every cached folder's descriptors and the files made ahead; end the cache's thread
+        (after the job it is on: a few file creations). The cache can be used again afterwards."""
+        with self._lock:
+            self._stopping = True
+            jobs, self._jobs = self._jobs, []
+            thread, self._thread = self._thread, None
+            for entry, fd, _, count in jobs:
+                os.close(fd)
+                entry.pending -= count
+            self._lock.notify_all()
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self._stopping = False
+            entries, self._entries = list(self._entries.values()), {}
+            for entry in entries:
+                entry.close()
