@@ -388,7 +388,7 @@ class FolderCache:
             return
         if not self.background:
             try:
-                while len(entry.spare) < count:
+                while len(entry.spare) + entry.pending < count:
                     entry.spare.append(make(entry.fds[-1]))
             except OSError:
                 pass

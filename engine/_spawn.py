@@ -178,7 +178,11 @@ def _encoded(text: str | bytes) -> bytes:
 
 def _env_entries(env: Environment) -> tuple[list[bytes], str | None]:
     """``NAME=value`` entries of ``env`` and its ``PATH`` (for :func:`resolve_executable`)."""
-    entries = [_encoded(k) + b"=" + _encoded(v) for k, v in env.items()]
+    entries: list[bytes]
+    try:  # the supervisor's own environment is bytes throughout: joined without a call per variable
+        entries = [k + b"=" + v for k, v in env.items()]  # type: ignore[operator,misc]  # str: TypeError
+    except TypeError:
+        entries = [_encoded(k) + b"=" + _encoded(v) for k, v in env.items()]
     path = env.get("PATH", env.get(b"PATH"))  # type: ignore[call-overload]  # a str or a bytes key
     return entries, None if path is None else os.fsdecode(path)
 

@@ -236,3 +236,56 @@ async def test_end_processes_escalates_and_never_touches_a_stranger(tmp_path: Pa
         for proc in (stubborn, polite, stranger):
             proc.kill()
             proc.wait()
+
+
+def test_guardian_reads_the_lines_of_many_runs_in_a_few_wakes_and_acts_on_the_last(tmp_path: Path) -> None:
+    """The guardian reads its pipe in batches (``_guardian.BATCH_SECONDS``): 300 lines written one by one
+    over about 0.6 s wake it a few times, not 300; a group registered by the very last lines before the
+    end of the pipe is still ended, and one registered then dropped is left alone."""
+    from engine._guardian import BOOTSTRAP
+
+    state = tmp_path / "state"
+    state.mkdir()
+    records_dir(str(state))
+    kept = subprocess.Popen(["sleep", mark("331.7")], start_new_session=True)
+    dropped = subprocess.Popen(["sleep", mark("331.8")], start_new_session=True)
+    read, write = os.pipe()
+    guardian = subprocess.Popen(
+        [sys.executable, "-c", BOOTSTRAP, str(ROOT / "engine"), str(state), "0.2", "1.0"],
+        stdin=read,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    os.close(read)
+    try:
+        time.sleep(0.3)  # started and waiting on the pipe
+
+        def switches() -> int:
+            status = Path(f"/proc/{guardian.pid}/status").read_text()
+            return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+        before = switches()
+        for i in range(150):  # registered and dropped at once, as short runs are
+            os.write(write, f"+ {10**6 + i} {10**6 + i} 1 x:{i}\n- {10**6 + i} 1\n".encode())
+            time.sleep(0.004)
+        woken = switches() - before
+        assert woken < 40, woken  # one wake per 0.2 s at most, with a few of Python's own
+        for proc in (kept, dropped):
+            info = read_proc(proc.pid)
+            assert info is not None
+            os.write(write, f"+ {proc.pid} {proc.pid} {info.start_time} none:1\n".encode())
+        os.write(write, f"- {dropped.pid} {info.start_time}\n".encode())  # ``dropped``, the last one
+        os.close(write)
+        write = -1
+        assert guardian.wait(timeout=10) == 0
+        assert kept.wait(timeout=5) == -signal.SIGINT
+        assert dropped.poll() is None
+    finally:
+        if write >= 0:
+            os.close(write)
+        for proc in (kept, dropped, guardian):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert guardian.stdout is not None
+        guardian.stdout.close()
