@@ -23,6 +23,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Final, final
 
@@ -38,6 +39,9 @@ _IGNORE_ALL: Final = b"# written by gadget-engine: logs may hold secrets\n*\n"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _log = logging.getLogger("engine.subprocesses")
+
+#: A file made ahead that took longer than this (wall time) has the next ones made by the cache's thread.
+SLOW_FILE_SECONDS: Final = 50e-6
 
 
 class LogGoneError(FileNotFoundError):
@@ -318,11 +322,14 @@ class FolderCache:
     again (:meth:`LogFolder.make_opened`), which reports a link or a stranger's folder as before.
 
     With ``background``, :meth:`prepare` hands the making of the files ahead to a thread of the cache's
-    own: making a file is a filesystem allocation that costs 5 us on a quiet ext4 and 100-400 us where
-    other processes churn files in the same block groups (``analysis.md``), work the engine's loop need
-    not wait for. The thread holds a descriptor of its own of the folder (the cache may close its entry
-    meanwhile: the files are then closed, never handed out), starts at the first :meth:`prepare` and
-    ends with :meth:`close`. Nothing depends on it: a create that finds no file made ahead makes its own.
+    own while making them is slow: a file is a filesystem allocation that costs 5 us on a quiet ext4 and
+    100-400 us where other processes churn files in the same block groups (``analysis.md``), work the
+    engine's loop need not wait for; below :data:`SLOW_FILE_SECONDS` a file the loop makes itself costs
+    less than waking the thread. The thread holds a descriptor of its own of the folder (the cache may
+    close its entry meanwhile: the files are then closed, never handed out), starts at the first job and
+    ends with :meth:`close`. The loop never waits for it (a lock the thread holds is not waited for:
+    nothing is handed over then), and nothing depends on it: a create that finds no file made ahead makes
+    its own.
 
     Attributes:
         limit: how many folders are kept open (the least recently used is closed past it).
@@ -337,6 +344,9 @@ class FolderCache:
     _jobs: list[_Job] = attrs.field(init=False, factory=list, repr=False)
     _thread: threading.Thread | None = attrs.field(init=False, default=None, repr=False)
     _stopping: bool = attrs.field(init=False, default=False, repr=False)
+    #: Whether the last files made took more than :data:`SLOW_FILE_SECONDS` each: only then does the
+    #: thread make them (on a quiet filesystem a file costs less than waking a thread).
+    _slow: bool = attrs.field(init=False, default=False, repr=False)
 
     def __repr__(self) -> str:
         return f"<FolderCache {len(self._entries)} open>"
@@ -355,8 +365,10 @@ class FolderCache:
             checked = self._check(entry)
             if checked is not None:
                 self._entries[key] = entry  # the most recently used last
-                with self._lock:
+                spare: list[Unnamed] = []
+                if self._lock.acquire(blocking=False):  # busy: the thread is handing files over, no wait
                     spare, entry.spare = entry.spare, []
+                    self._lock.release()
                 try:
                     return checked, os.dup(entry.fds[-1]), spare
                 except BaseException:
@@ -386,14 +398,21 @@ class FolderCache:
         entry = self._entries.get((directory, base))
         if entry is None or not entry.folder.parts:
             return
-        if not self.background:
+        if not (self.background and self._slow):
+            made = 0
+            started = time.perf_counter()
             try:
                 while len(entry.spare) + entry.pending < count:
                     entry.spare.append(make(entry.fds[-1]))
+                    made += 1
             except OSError:
                 pass
+            if made:
+                self._slow = (time.perf_counter() - started) / made > SLOW_FILE_SECONDS
             return
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            return  # the thread is handing files over: the next create makes its own if it must
+        try:
             missing = count - len(entry.spare) - entry.pending
             if missing <= 0:
                 return
@@ -407,6 +426,8 @@ class FolderCache:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="engine log files", daemon=True)
                 self._thread.start()
+        finally:
+            self._lock.release()
 
     def _work(self) -> None:
         """The cache's thread: make the files each job asks for, and hand them to its entry (or close
@@ -419,6 +440,7 @@ class FolderCache:
                     return
                 entry, fd, make, count = self._jobs.pop(0)
             made: list[Unnamed] = []
+            started = time.perf_counter()
             try:
                 while len(made) < count:
                     made.append(make(fd))
@@ -428,6 +450,8 @@ class FolderCache:
                 _log.exception("making log files ahead in %s failed", entry.folder.path)
             finally:
                 os.close(fd)
+                if made:  # fast again: the loop makes them itself, a thread's wake would cost more
+                    self._slow = (time.perf_counter() - started) / len(made) > SLOW_FILE_SECONDS
                 with self._lock:
                     entry.pending -= count
                     if entry.closed:
