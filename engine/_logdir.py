@@ -102,6 +102,16 @@ def _check_owner(fd: int, where: str) -> None:
         )
 
 
+def _exists(fd: int, name: str) -> bool:
+    """Whether anything (a link too, not followed) is at ``name`` in the folder ``fd``: one ``lstat``,
+    cheaper than an ``O_EXCL`` open that fails."""
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _write_gitignore(fd: int) -> bool:
     """Write ``.gitignore`` (``*``) in the folder ``fd`` unless one is there; whether this call wrote it."""
     try:
@@ -480,8 +490,8 @@ class FolderCache:
             leaf = entry.fds[-1]
             if stat.S_IMODE(os.fstat(leaf).st_mode) != 0o700:
                 os.fchmod(leaf, 0o700)
-            if _write_gitignore(leaf):  # removed since: written again, and undone with a failed create
-                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))
+            if not _exists(leaf, GITIGNORE) and _write_gitignore(leaf):  # removed since: written again,
+                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))  # undone with a failed create
         except OSError:
             return None
         return folder

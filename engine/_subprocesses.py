@@ -77,8 +77,14 @@ def _now() -> datetime:
 
 def _log_base(directory: str, project: Project) -> str | None:
     """Where the walk to the log folder ``directory`` starts: the project directory when it is inside."""
-    inside = os.path.commonpath([directory, project.directory]) == project.directory
-    return project.directory if inside else None
+    return _base_of(directory, project.directory)
+
+
+@functools.lru_cache(maxsize=256)
+def _base_of(directory: str, project_directory: str) -> str | None:
+    """:func:`_log_base` of two paths, kept (a pure function of the strings, asked at every create)."""
+    inside = os.path.commonpath([directory, project_directory]) == project_directory
+    return project_directory if inside else None
 
 
 def _create_logs(directory: str, base: str | None, folders: FolderCache) -> LogPair:
