@@ -270,11 +270,13 @@ def test_guardian_reads_the_lines_of_many_runs_in_a_few_wakes_and_acts_on_the_la
             time.sleep(0.004)
         woken = switches() - before
         assert woken < 40, woken  # one wake per 0.2 s at most, with a few of Python's own
+        starts = {}
         for proc in (kept, dropped):
             info = read_proc(proc.pid)
             assert info is not None
+            starts[proc.pid] = info.start_time
             os.write(write, f"+ {proc.pid} {proc.pid} {info.start_time} none:1\n".encode())
-        os.write(write, f"- {dropped.pid} {info.start_time}\n".encode())  # ``dropped``, the last one
+        os.write(write, f"- {dropped.pid} {starts[dropped.pid]}\n".encode())
         os.close(write)
         write = -1
         assert guardian.wait(timeout=10) == 0
