@@ -41,7 +41,7 @@ _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _log = logging.getLogger("engine.subprocesses")
 
 #: A file made ahead that took longer than this (wall time) has the next ones made by the cache's thread.
-SLOW_FILE_SECONDS: Final = 50e-6
+SLOW_FILE_SECONDS: Final = 20e-6
 
 
 class LogGoneError(FileNotFoundError):
