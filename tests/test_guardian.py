@@ -269,7 +269,7 @@ def test_guardian_reads_the_lines_of_many_runs_in_a_few_wakes_and_acts_on_the_la
             os.write(write, f"+ {10**6 + i} {10**6 + i} 1 x:{i}\n- {10**6 + i} 1\n".encode())
             time.sleep(0.004)
         woken = switches() - before
-        assert woken < 50, woken  # one wake per 0.05 s at most (about 15), with a few of Python's own
+        assert woken < 40, woken  # one wake per 0.1 s at most (about 8), with a few of Python's own
         starts = {}
         for proc in (kept, dropped):
             info = read_proc(proc.pid)
@@ -291,3 +291,33 @@ def test_guardian_reads_the_lines_of_many_runs_in_a_few_wakes_and_acts_on_the_la
                 proc.wait()
         assert guardian.stdout is not None
         guardian.stdout.close()
+
+
+def test_guardian_sees_the_end_of_the_pipe_at_once_between_batches(tmp_path: Path) -> None:
+    """Between two batches the guardian waits for the engine's end closing only: a stop right after a
+    line is seen at once, not a batch later (an engine's stop waits for its guardian). Here with batches
+    of 5 s."""
+    state = tmp_path / "state"
+    state.mkdir()
+    records_dir(str(state))
+    code = (
+        "import sys; from engine import _guardian as g; g.BATCH_SECONDS = 5.0; sys.exit(g.main(sys.argv[1:]))"
+    )
+    read, write = os.pipe()
+    guardian = subprocess.Popen([sys.executable, "-c", code, str(state), "0.2", "1.0"], stdin=read, cwd=ROOT)
+    os.close(read)
+    try:
+        time.sleep(0.5)
+        os.write(write, b"+ 999999 999999 1 x:1\n- 999999 1\n")  # read at once, then a batch's wait
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        os.close(write)
+        write = -1
+        assert guardian.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 2.0  # not the 5 s batch
+    finally:
+        if write >= 0:
+            os.close(write)
+        if guardian.poll() is None:
+            guardian.kill()
+            guardian.wait()
