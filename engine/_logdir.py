@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Final, final
 
@@ -34,6 +37,11 @@ __all__ = ["GITIGNORE", "FolderCache", "LogFolder", "LogGoneError", "Unnamed"]
 GITIGNORE: Final = ".gitignore"
 _IGNORE_ALL: Final = b"# written by gadget-engine: logs may hold secrets\n*\n"
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_log = logging.getLogger("engine.subprocesses")
+
+#: A file made ahead that took longer than this (wall time) has the next ones made by the cache's thread.
+SLOW_FILE_SECONDS: Final = 20e-6
 
 
 class LogGoneError(FileNotFoundError):
@@ -92,6 +100,16 @@ def _check_owner(fd: int, where: str) -> None:
             f"the log folder {where} is owned by uid {owner}, not by this engine's uid {euid}; "
             "the engine writes logs only into folders of its own user: remove it or change its owner"
         )
+
+
+def _exists(fd: int, name: str) -> bool:
+    """Whether anything (a link too, not followed) is at ``name`` in the folder ``fd``: one ``lstat``,
+    cheaper than an ``O_EXCL`` open that fails."""
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _write_gitignore(fd: int) -> bool:
@@ -278,8 +296,12 @@ class _Opened:
     identities: tuple[tuple[int, int], ...]
     #: Unnamed files made ahead in the log folder (``FolderCache.prepare``), with their identities.
     spare: list[Unnamed] = attrs.field(factory=list)
+    #: Files the background maker is making for this entry now (``FolderCache`` with ``background``).
+    pending: int = 0
+    closed: bool = False
 
     def close(self) -> None:
+        self.closed = True
         for fd, _ in self.spare:
             os.close(fd)
         self.spare.clear()
@@ -289,6 +311,8 @@ class _Opened:
 
 #: An unnamed (``O_TMPFILE``) file's descriptor and its ``(st_dev, st_ino)``.
 Unnamed = tuple[int, tuple[int, int]]
+#: A job of the cache's thread: the entry, the thread's own descriptor of its folder, the maker, a count.
+_Job = tuple[_Opened, int, Callable[[int], Unnamed], int]
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
@@ -307,12 +331,32 @@ class FolderCache:
     when they were changed or removed since, as a walk does. A check that fails drops the entry and walks
     again (:meth:`LogFolder.make_opened`), which reports a link or a stranger's folder as before.
 
+    With ``background``, :meth:`prepare` hands the making of the files ahead to a thread of the cache's
+    own while making them is slow: a file is a filesystem allocation that costs 5 us on a quiet ext4 and
+    100-400 us where other processes churn files in the same block groups (``analysis.md``), work the
+    engine's loop need not wait for; below :data:`SLOW_FILE_SECONDS` a file the loop makes itself costs
+    less than waking the thread. The thread holds a descriptor of its own of the folder (the cache may
+    close its entry meanwhile: the files are then closed, never handed out), starts at the first job and
+    ends with :meth:`close`. The loop never waits for it (a lock the thread holds is not waited for:
+    nothing is handed over then), and nothing depends on it: a create that finds no file made ahead makes
+    its own.
+
     Attributes:
         limit: how many folders are kept open (the least recently used is closed past it).
+        background: make the files ahead in the cache's thread instead of in :meth:`prepare`.
     """
 
     limit: int = 32
+    background: bool = False
     _entries: dict[tuple[str, str | None], _Opened] = attrs.field(init=False, factory=dict)
+    #: Guards what the thread shares: each entry's ``spare``, ``pending`` and ``closed``, and the jobs.
+    _lock: threading.Condition = attrs.field(init=False, factory=threading.Condition, repr=False)
+    _jobs: list[_Job] = attrs.field(init=False, factory=list, repr=False)
+    _thread: threading.Thread | None = attrs.field(init=False, default=None, repr=False)
+    _stopping: bool = attrs.field(init=False, default=False, repr=False)
+    #: Whether the last files made took more than :data:`SLOW_FILE_SECONDS` each: only then does the
+    #: thread make them (on a quiet filesystem a file costs less than waking a thread).
+    _slow: bool = attrs.field(init=False, default=False, repr=False)
 
     def __repr__(self) -> str:
         return f"<FolderCache {len(self._entries)} open>"
@@ -331,14 +375,17 @@ class FolderCache:
             checked = self._check(entry)
             if checked is not None:
                 self._entries[key] = entry  # the most recently used last
-                spare, entry.spare = entry.spare, []
+                spare: list[Unnamed] = []
+                if self._lock.acquire(blocking=False):  # busy: the thread is handing files over, no wait
+                    spare, entry.spare = entry.spare, []
+                    self._lock.release()
                 try:
                     return checked, os.dup(entry.fds[-1]), spare
                 except BaseException:
                     for fd, _ in spare:
                         os.close(fd)
                     raise
-            entry.close()
+            self._close_entry(entry)
         folder, fd = LogFolder.make_opened(directory, base=base)
         if not folder.made and not folder.wrote_ignores:  # nothing of this call's to undo: kept for the next
             try:
@@ -353,15 +400,79 @@ class FolderCache:
         """Make ``count`` unnamed files ahead in the cached folder (none when it is not cached), with
         ``make`` (given the folder's descriptor), for the next :meth:`open`. Called once a child is
         spawned, so that the next child's files are made while this one starts; a failure is ignored
-        (the next create makes its own). A crash leaves nothing: the files have no name."""
+        (the next create makes its own). A crash leaves nothing: the files have no name.
+
+        With :attr:`background`, the files are made in the cache's thread and this returns at once (the
+        files that are still being made when the next :meth:`open` comes serve the one after it).
+        """
         entry = self._entries.get((directory, base))
         if entry is None or not entry.folder.parts:
             return
+        if not (self.background and self._slow):
+            made = 0
+            started = time.perf_counter()
+            try:
+                while len(entry.spare) + entry.pending < count:
+                    entry.spare.append(make(entry.fds[-1]))
+                    made += 1
+            except OSError:
+                pass
+            if made:
+                self._slow = (time.perf_counter() - started) / made > SLOW_FILE_SECONDS
+            return
+        if not self._lock.acquire(blocking=False):
+            return  # the thread is handing files over: the next create makes its own if it must
         try:
-            while len(entry.spare) < count:
-                entry.spare.append(make(entry.fds[-1]))
-        except OSError:
-            pass
+            missing = count - len(entry.spare) - entry.pending
+            if missing <= 0:
+                return
+            try:
+                fd = os.dup(entry.fds[-1])  # the thread's own: valid whatever happens to the entry
+            except OSError:
+                return
+            entry.pending += missing
+            self._jobs.append((entry, fd, make, missing))
+            self._lock.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="engine log files", daemon=True)
+                self._thread.start()
+        finally:
+            self._lock.release()
+
+    def _work(self) -> None:
+        """The cache's thread: make the files each job asks for, and hand them to its entry (or close
+        them, when the entry was closed meanwhile), until :meth:`close`."""
+        while True:
+            with self._lock:
+                while not self._jobs and not self._stopping:
+                    self._lock.wait()
+                if not self._jobs:
+                    return
+                entry, fd, make, count = self._jobs.pop(0)
+            made: list[Unnamed] = []
+            started = time.perf_counter()
+            try:
+                while len(made) < count:
+                    made.append(make(fd))
+            except OSError:
+                pass  # the next create makes its own
+            except Exception:
+                _log.exception("making log files ahead in %s failed", entry.folder.path)
+            finally:
+                os.close(fd)
+                if made:  # fast again: the loop makes them itself, a thread's wake would cost more
+                    self._slow = (time.perf_counter() - started) / len(made) > SLOW_FILE_SECONDS
+                with self._lock:
+                    entry.pending -= count
+                    if entry.closed:
+                        for opened, _ in made:
+                            os.close(opened)
+                    else:
+                        entry.spare.extend(made)
+
+    def _close_entry(self, entry: _Opened) -> None:
+        with self._lock:
+            entry.close()
 
     def _check(self, entry: _Opened) -> LogFolder | None:
         """The entry's folder when it is still where it was walked to (see the class), else ``None``."""
@@ -379,8 +490,8 @@ class FolderCache:
             leaf = entry.fds[-1]
             if stat.S_IMODE(os.fstat(leaf).st_mode) != 0o700:
                 os.fchmod(leaf, 0o700)
-            if _write_gitignore(leaf):  # removed since: written again, and undone with a failed create
-                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))
+            if not _exists(leaf, GITIGNORE) and _write_gitignore(leaf):  # removed since: written again,
+                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))  # undone with a failed create
         except OSError:
             return None
         return folder
@@ -402,10 +513,23 @@ class FolderCache:
         self._entries[key] = _Opened(folder, tuple(fds), identities)
         while len(self._entries) > self.limit:
             oldest = next(iter(self._entries))
-            self._entries.pop(oldest).close()
+            self._close_entry(self._entries.pop(oldest))
 
     def close(self) -> None:
-        """Close every cached folder's descriptors."""
-        entries, self._entries = list(self._entries.values()), {}
-        for entry in entries:
-            entry.close()
+        """Close every cached folder's descriptors and the files made ahead; end the cache's thread
+        (after the job it is on: a few file creations). The cache can be used again afterwards."""
+        with self._lock:
+            self._stopping = True
+            jobs, self._jobs = self._jobs, []
+            thread, self._thread = self._thread, None
+            for entry, fd, _, count in jobs:
+                os.close(fd)
+                entry.pending -= count
+            self._lock.notify_all()
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            self._stopping = False
+            entries, self._entries = list(self._entries.values()), {}
+            for entry in entries:
+                entry.close()

@@ -178,9 +178,22 @@ def _encoded(text: str | bytes) -> bytes:
 
 def _env_entries(env: Environment) -> tuple[list[bytes], str | None]:
     """``NAME=value`` entries of ``env`` and its ``PATH`` (for :func:`resolve_executable`)."""
-    entries = [_encoded(k) + b"=" + _encoded(v) for k, v in env.items()]
+    entries: list[bytes]
+    try:  # the supervisor's own environment is bytes throughout: joined without a call per variable
+        entries = [k + b"=" + v for k, v in env.items()]  # type: ignore[operator,misc]  # str: TypeError
+    except TypeError:
+        entries = [_encoded(k) + b"=" + _encoded(v) for k, v in env.items()]
     path = env.get("PATH", env.get(b"PATH"))  # type: ignore[call-overload]  # a str or a bytes key
     return entries, None if path is None else os.fsdecode(path)
+
+
+def _bad_cwd(cwd: str) -> SpawnError:
+    return SpawnError(
+        f"working directory {cwd!r} does not exist or is not a directory",
+        errno=errno_mod.ENOENT,
+        path=cwd,
+        reason="bad cwd",
+    )
 
 
 def spawn_process(
@@ -212,15 +225,13 @@ def spawn_process(
             the cwd is not a directory. Nothing is left running.
         OSError: ``ENOSYS`` when no C library can be loaded.
     """
-    if not os.path.isdir(cwd):
-        raise SpawnError(
-            f"working directory {cwd!r} does not exist or is not a directory",
-            errno=errno_mod.ENOENT,
-            path=cwd,
-            reason="bad cwd",
-        )
     entries, path_var = _env_entries(env)
-    path = resolve_executable(argv[0], cwd, path_var)
+    try:
+        path = resolve_executable(argv[0], cwd, path_var)
+    except SpawnError:
+        if not os.path.isdir(cwd):
+            raise _bad_cwd(cwd) from None
+        raise
     libc = _libc.require()
     attr = _spawn_attr()
 
@@ -249,5 +260,9 @@ def spawn_process(
     finally:
         libc.posix_spawn_file_actions_destroy(fa)
     if rc != 0:
+        # The child's chdir fails as its exec would (ENOENT, ENOTDIR): told apart here, on the error path
+        # only, instead of a look at the directory before every spawn.
+        if not os.path.isdir(cwd):
+            raise _bad_cwd(cwd)
         raise describe_exec_failure(rc, argv[0], path)
     return pid.value

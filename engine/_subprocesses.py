@@ -78,8 +78,14 @@ def _now() -> datetime:
 
 def _log_base(directory: str, project: Project) -> str | None:
     """Where the walk to the log folder ``directory`` starts: the project directory when it is inside."""
-    inside = os.path.commonpath([directory, project.directory]) == project.directory
-    return project.directory if inside else None
+    return _base_of(directory, project.directory)
+
+
+@functools.lru_cache(maxsize=256)
+def _base_of(directory: str, project_directory: str) -> str | None:
+    """:func:`_log_base` of two paths, kept (a pure function of the strings, asked at every create)."""
+    inside = os.path.commonpath([directory, project_directory]) == project_directory
+    return project_directory if inside else None
 
 
 def _create_logs(directory: str, base: str | None, folders: FolderCache) -> LogPair:
@@ -124,7 +130,7 @@ class SubProcessService:
     _closed: bool = attrs.field(init=False, default=False)
     #: The projects' log folders, walked once and kept open (checked again at each create) while the
     #: service has records.
-    _folders: FolderCache = attrs.field(init=False, factory=FolderCache)
+    _folders: FolderCache = attrs.field(init=False, factory=lambda: FolderCache(background=True))
     #: Awaited with each ``notify_on_exit`` record's own final exit (the engine records a fired event).
     on_final_exit: ExitHandler | None = attrs.field(init=False, default=None)
 
@@ -157,7 +163,7 @@ class SubProcessService:
         ``subproc-<pid>-<n>.*`` first. The folders under the project are reached without following links
         and must be the engine user's own (``docs/security.md``); a project's folder is walked once and
         checked again at each create while the service has records, and the next create's two unnamed
-        files are made right after each spawn, while the child starts.
+        files are made after each spawn by a thread of the service's own (``FolderCache``), off the loop.
 
         A failure at any step leaves nothing of this call: after the spawn (a rename that fails) the
         child is killed at once (``cancel(force=True)``, shielded), and the files and the folders this
@@ -224,7 +230,7 @@ class SubProcessService:
                 spec = SpawnSpec(argv=argv, cwd=project.directory, env=extra_env, scope_key=project.scope_key)
                 run, pipe = await self._spawn(spec, logs, stdin=stdin, undo=undo)
                 logs.rename(run.pid, (sp._logs for sp in self._records))
-                # The next create's two files, made now while this child starts (off the spawn's path).
+                # The next create's two files, made by the folder cache's thread while this child runs.
                 LogPair.prepare(directory, base=base, folders=self._folders)
                 sp = SubProcess(
                     first_pid=run.pid,

@@ -236,3 +236,88 @@ async def test_end_processes_escalates_and_never_touches_a_stranger(tmp_path: Pa
         for proc in (stubborn, polite, stranger):
             proc.kill()
             proc.wait()
+
+
+def test_guardian_reads_the_lines_of_many_runs_in_a_few_wakes_and_acts_on_the_last(tmp_path: Path) -> None:
+    """The guardian reads its pipe in batches (``_guardian.BATCH_SECONDS``): 300 lines written one by one
+    over about 0.6 s wake it a few times, not 300; a group registered by the very last lines before the
+    end of the pipe is still ended, and one registered then dropped is left alone."""
+    from engine._guardian import BOOTSTRAP
+
+    state = tmp_path / "state"
+    state.mkdir()
+    records_dir(str(state))
+    kept = subprocess.Popen(["sleep", mark("331.7")], start_new_session=True)
+    dropped = subprocess.Popen(["sleep", mark("331.8")], start_new_session=True)
+    read, write = os.pipe()
+    guardian = subprocess.Popen(
+        [sys.executable, "-c", BOOTSTRAP, str(ROOT / "engine"), str(state), "0.2", "1.0"],
+        stdin=read,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    os.close(read)
+    try:
+        time.sleep(0.3)  # started and waiting on the pipe
+
+        def switches() -> int:
+            status = Path(f"/proc/{guardian.pid}/status").read_text()
+            return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+        before = switches()
+        for i in range(150):  # registered and dropped at once, as short runs are
+            os.write(write, f"+ {10**6 + i} {10**6 + i} 1 x:{i}\n- {10**6 + i} 1\n".encode())
+            time.sleep(0.004)
+        woken = switches() - before
+        assert woken < 40, woken  # one wake per 0.1 s at most (about 8), with a few of Python's own
+        starts = {}
+        for proc in (kept, dropped):
+            info = read_proc(proc.pid)
+            assert info is not None
+            starts[proc.pid] = info.start_time
+            os.write(write, f"+ {proc.pid} {proc.pid} {info.start_time} none:1\n".encode())
+        os.write(write, f"- {dropped.pid} {starts[dropped.pid]}\n".encode())
+        os.close(write)
+        write = -1
+        assert guardian.wait(timeout=10) == 0
+        assert kept.wait(timeout=5) == -signal.SIGINT
+        assert dropped.poll() is None
+    finally:
+        if write >= 0:
+            os.close(write)
+        for proc in (kept, dropped, guardian):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert guardian.stdout is not None
+        guardian.stdout.close()
+
+
+def test_guardian_sees_the_end_of_the_pipe_at_once_between_batches(tmp_path: Path) -> None:
+    """Between two batches the guardian waits for the engine's end closing only: a stop right after a
+    line is seen at once, not a batch later (an engine's stop waits for its guardian). Here with batches
+    of 5 s."""
+    state = tmp_path / "state"
+    state.mkdir()
+    records_dir(str(state))
+    code = (
+        "import sys; from engine import _guardian as g; g.BATCH_SECONDS = 5.0; sys.exit(g.main(sys.argv[1:]))"
+    )
+    read, write = os.pipe()
+    guardian = subprocess.Popen([sys.executable, "-c", code, str(state), "0.2", "1.0"], stdin=read, cwd=ROOT)
+    os.close(read)
+    try:
+        time.sleep(0.5)
+        os.write(write, b"+ 999999 999999 1 x:1\n- 999999 1\n")  # read at once, then a batch's wait
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        os.close(write)
+        write = -1
+        assert guardian.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 2.0  # not the 5 s batch
+    finally:
+        if write >= 0:
+            os.close(write)
+        if guardian.poll() is None:
+            guardian.kill()
+            guardian.wait()

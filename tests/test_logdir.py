@@ -380,6 +380,61 @@ def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Pat
     assert _open_fds() == before
 
 
+@pytest.mark.parametrize("slow", [True, False])
+def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_while_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow: bool
+) -> None:
+    """With ``background``, once making a file took longer than ``SLOW_FILE_SECONDS``, ``prepare`` returns
+    at once and the cache's thread makes the files (unnamed, 0600, in the very folder); the next ``open``
+    hands them over; ``close`` ends the thread and closes what it made, also a job still queued or under
+    way: no descriptor and no thread is left. While files are fast to make, no thread is started."""
+    import threading
+
+    from engine import _logdir
+    from engine._logdir import FolderCache
+    from engine._logpair import make_unnamed
+
+    monkeypatch.setattr(_logdir, "SLOW_FILE_SECONDS", -1.0 if slow else 10.0)
+
+    project = tmp_path / "p"
+    project.mkdir()
+    logs = project / ".gadget" / "subprocess-logs"
+    LogFolder.make(str(logs), base=str(project))
+    before = _open_fds()
+    cache = FolderCache(background=True)
+    folder, fd, spare = cache.open(str(logs), base=str(project))
+    os.close(fd)
+    assert spare == []
+    ident = (logs.stat().st_dev, logs.stat().st_ino)
+    for _ in range(3):
+        cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)
+        cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)  # no second job
+        deadline = time.monotonic() + 10
+        while True:
+            folder, fd, spare = cache.open(str(logs), base=str(project))
+            os.close(fd)
+            if spare or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert len(spare) == 2 and folder.identity == ident
+        for opened, identity in spare:
+            info = os.fstat(opened)
+            assert (info.st_dev, info.st_ino) == identity and stat.S_IMODE(info.st_mode) == 0o600
+            assert info.st_nlink == 0  # unnamed
+            os.close(opened)
+    assert bool([t for t in threading.enumerate() if t.name == "engine log files"]) == slow
+    assert os.listdir(logs) == [".gitignore"]
+    cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)  # queued or under way: closed
+    cache.close()
+    assert not [t for t in threading.enumerate() if t.name == "engine log files"]
+    assert _open_fds() == before
+    folder, fd, spare = cache.open(str(logs), base=str(project))  # usable again after close
+    os.close(fd)
+    cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)
+    cache.close()
+    assert _open_fds() == before
+
+
 def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> None:
     """Files made ahead (``FolderCache.prepare``) and a pair created but never named have no name: a
     process that dies there leaves nothing in the log folder."""

@@ -83,3 +83,21 @@ async def test_spawn_shell_command_runs_through_sh(supervisor: Supervisor, tmp_p
     with trio.fail_after(10):
         assert (await run.wait()).exit_code == 5
     assert out.read_text() == "a|b c|"
+
+
+@pytest.mark.parametrize("program", ["true", "./no-such-program", "no-such-program-anywhere"])
+@pytest.mark.parametrize("cwd_kind", ["missing", "a file"])
+async def test_spawn_in_a_bad_cwd_says_so_whatever_the_program(
+    supervisor: Supervisor, tmp_path: Path, program: str, cwd_kind: str
+) -> None:
+    """The working directory is looked at only when the spawn failed (the child's ``chdir`` fails as its
+    exec would); the error still names the directory, not the program, and nothing is left running."""
+    cwd = tmp_path / "cwd"
+    if cwd_kind == "a file":
+        cwd.write_text("not a folder")
+    before = len(supervisor.runs())
+    with pytest.raises(SpawnError) as caught:
+        await supervisor.spawn(SpawnSpec(argv=(program,), cwd=str(cwd)))
+    assert caught.value.reason == "bad cwd" and caught.value.errno == errno.ENOENT
+    assert "working directory" in str(caught.value) and str(cwd) in str(caught.value)
+    assert len(supervisor.runs()) == before
