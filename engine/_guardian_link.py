@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sys
 from typing import final
@@ -21,6 +22,11 @@ from ._sweep import GroupRecord, records_dir, remove_token, write_token
 __all__ = ["GuardianLink"]
 
 _LOG = "guardian.log"
+#: The pipe's capacity, in bytes, asked for (``F_SETPIPE_SZ``; Linux's default is 64 KiB): the guardian
+#: reads in batches (``_guardian.BATCH_SECONDS``) and starts in the background, and the engine's writes
+#: are plain blocking ``write``s from its loop, so the lines of a ``kill_all`` of 1000 runs (about 100
+#: bytes each) must fit while it sleeps. 1 MiB is the default most an unprivileged user may ask for.
+PIPE_BYTES = 1 << 20
 
 
 def _batch_scheduling(pid: int) -> None:
@@ -57,6 +63,8 @@ class GuardianLink:
         """Start the guardian process (it loads in the background; lines wait in the pipe)."""
         records_dir(self.state_dir)
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        with contextlib.suppress(OSError):  # refused (a lower pipe-max-size): the default 64 KiB it is
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         log = os.open(
             os.path.join(self.state_dir, _LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
         )

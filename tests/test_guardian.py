@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -321,3 +322,25 @@ def test_guardian_sees_the_end_of_the_pipe_at_once_between_batches(tmp_path: Pat
         if guardian.poll() is None:
             guardian.kill()
             guardian.wait()
+
+
+async def test_the_guardians_pipe_holds_a_kill_all_of_lines_while_it_sleeps(tmp_path: Path) -> None:
+    """The engine writes to the guardian from its loop with plain blocking writes, and the guardian reads
+    in batches: the pipe is asked for 1 MiB (``PIPE_BYTES``), room for a ``kill_all`` of 1000 runs'
+    lines, so the loop never waits for the guardian's next batch."""
+    from engine._guardian_link import PIPE_BYTES, GuardianLink
+
+    state = tmp_path / "state"
+    state.mkdir()
+    link = GuardianLink(str(state), 0.2, 1.0)
+    link.start()
+    try:
+        assert link.pid is not None
+        fd = os.open(f"/proc/{link.pid}/fd/0", os.O_RDONLY | os.O_NONBLOCK)  # the guardian's end of it
+        try:
+            assert fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) >= PIPE_BYTES
+        finally:
+            os.close(fd)
+    finally:
+        with trio.fail_after(10):
+            await link.close()
