@@ -232,26 +232,23 @@ class CgroupContainment:
         placement.kill()
 
     def release(self, placement: Placement) -> None:
-        if placement is not None:
-            try:  # no look first: the kernel refuses (EBUSY) while a live process is in it
-                removed = placement.remove()
-            except OSError:
-                removed = False
-            if removed:
-                self.watcher.forget(placement, removed=True)
-            # else a survivor keeps it, watched still; the next start-up sweep ends it
-        if placement is not None and not placement.watched:
-            self.pool.fill()  # housekeeping after a run: the next runs' leaves, off their spawn's path
+        if placement is not None:  # no look first: the kernel refuses (EBUSY) while a live process is in it
+            self._released([placement], remove_leaves([placement]))
 
     async def release_many(self, placements: list[Placement]) -> None:
         leaves = [leaf for leaf in placements if leaf is not None]
         if len(leaves) < _THREAD_RELEASES_FROM:
-            for leaf in leaves:
-                self.release(leaf)
-            return
-        # An rmdir of a leaf costs some 30-60 us of kernel time: a kill_all's thousand go to a worker
-        # thread, overlapping the ends of the runs still finishing.
-        removed = await trio.to_thread.run_sync(remove_leaves, leaves)
+            removed = remove_leaves(leaves)
+        else:
+            # An rmdir of a leaf costs some 30-60 us of kernel time: a kill_all's thousand go to a worker
+            # thread, overlapping the ends of the runs still finishing.
+            removed = await trio.to_thread.run_sync(remove_leaves, leaves)
+        self._released(leaves, removed)
+
+    def _released(self, leaves: list[Leaf], removed: list[bool]) -> None:
+        """After the removal of ``leaves``: forget the watches of those gone (a survivor keeps its leaf,
+        watched still; the next start-up sweep ends it), then make the next runs' leaves, off their spawn's
+        path."""
         for leaf, gone in zip(leaves, removed, strict=True):
             if gone:
                 self.watcher.forget(leaf, removed=True)
