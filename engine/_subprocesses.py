@@ -471,46 +471,43 @@ class SubProcessService:
         After the leader's own exit, what is left of its tree (SP-03's drain) is ended at once. A restart
         pending is called off: nothing a caller ends comes back.
         """
+        mine = self._take_stop(sp, _now())
+        if mine is None:
+            await trio.lowlevel.checkpoint()
+            return False
+        try:
+            await self._supervisor.cancel(sp._run)
+        finally:
+            if mine:
+                sp._changed_at = _now()
+        return mine
+
+    async def _stop_many(self, records: list[SubProcess]) -> None:
+        """:meth:`_stop` of every record, from this one task (``Supervisor.cancel_many``)."""
+        now = _now()
+        taken = [(sp, self._take_stop(sp, now)) for sp in records]
+        try:
+            await self._supervisor.cancel_many([sp._run for sp, mine in taken if mine is not None])
+        finally:
+            now = _now()
+            for sp, mine in taken:
+                if mine:
+                    sp._changed_at = now
+
+    @staticmethod
+    def _take_stop(sp: SubProcess, now: datetime) -> bool | None:
+        """The start of a stop of ``sp``: it ends on purpose and a restart pending is called off. Whether
+        its tree is this call's to end (``True``, marked stopping at ``now``), another's to end that this
+        call waits for too (``False``: another call is ending it, or the leader exited and its tree
+        drains), or already over (``None``)."""
         sp._ended_on_purpose = True
         if sp._backoff is not None:
             sp._backoff.cancel()
         if sp._stopping or sp.exit is not None:
-            if not sp.ended:  # another call is ending it, or the leader exited and its tree drains
-                await self._supervisor.cancel(sp._run)
-            else:
-                await trio.lowlevel.checkpoint()
-            return False
+            return None if sp.ended else False
         sp._stopping = True
-        sp._changed_at = _now()
-        try:
-            await self._supervisor.cancel(sp._run)
-        finally:
-            sp._changed_at = _now()
+        sp._changed_at = now
         return True
-
-    async def _stop_many(self, records: list[SubProcess]) -> None:
-        """:meth:`_stop` of every record, from this one task (``Supervisor.cancel_many``)."""
-        runs: list[ManagedRun] = []
-        stopping: list[SubProcess] = []
-        now = _now()
-        for sp in records:
-            sp._ended_on_purpose = True
-            if sp._backoff is not None:
-                sp._backoff.cancel()
-            if sp._stopping or sp.exit is not None:
-                if not sp.ended:  # another call is ending it, or the leader exited and its tree drains
-                    runs.append(sp._run)
-                continue
-            sp._stopping = True
-            sp._changed_at = now
-            stopping.append(sp)
-            runs.append(sp._run)
-        try:
-            await self._supervisor.cancel_many(runs)
-        finally:
-            now = _now()
-            for sp in stopping:
-                sp._changed_at = now
 
     async def _delete_logs(self, records: list[SubProcess], deleted: set[int]) -> None:
         """Delete the logs of ``records`` (being killed) in one worker-thread call, under the log lock as
