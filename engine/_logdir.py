@@ -409,16 +409,7 @@ class FolderCache:
         if entry is None or not entry.folder.parts:
             return
         if not (self.background and self._slow):
-            made = 0
-            started = time.perf_counter()
-            try:
-                while len(entry.spare) + entry.pending < count:
-                    entry.spare.append(make(entry.fds[-1]))
-                    made += 1
-            except OSError:
-                pass
-            if made:
-                self._slow = (time.perf_counter() - started) / made > SLOW_FILE_SECONDS
+            self._make_into(entry.spare, count - entry.pending, make, entry.fds[-1])
             return
         if not self._lock.acquire(blocking=False):
             return  # the thread is handing files over: the next create makes its own if it must
@@ -450,18 +441,12 @@ class FolderCache:
                     return
                 entry, fd, make, count = self._jobs.pop(0)
             made: list[Unnamed] = []
-            started = time.perf_counter()
             try:
-                while len(made) < count:
-                    made.append(make(fd))
-            except OSError:
-                pass  # the next create makes its own
+                self._make_into(made, count, make, fd)
             except Exception:
                 _log.exception("making log files ahead in %s failed", entry.folder.path)
             finally:
                 os.close(fd)
-                if made:  # fast again: the loop makes them itself, a thread's wake would cost more
-                    self._slow = (time.perf_counter() - started) / len(made) > SLOW_FILE_SECONDS
                 with self._lock:
                     entry.pending -= count
                     if entry.closed:
@@ -469,6 +454,23 @@ class FolderCache:
                             os.close(opened)
                     else:
                         entry.spare.extend(made)
+
+    def _make_into(
+        self, made: list[Unnamed], count: int, make: Callable[[int], Unnamed], folder_fd: int
+    ) -> None:
+        """Make files with ``make`` in the folder ``folder_fd`` until ``made`` holds ``count`` (fewer when one
+        fails: the next create makes its own), and note whether making one was slow: only then does the
+        thread make them (fast again: the loop makes them itself, a thread's wake would cost more)."""
+        before = len(made)
+        started = time.perf_counter()
+        try:
+            while len(made) < count:
+                made.append(make(folder_fd))
+        except OSError:
+            pass
+        finally:
+            if len(made) > before:
+                self._slow = (time.perf_counter() - started) / (len(made) - before) > SLOW_FILE_SECONDS
 
     def _close_entry(self, entry: _Opened) -> None:
         with self._lock:
