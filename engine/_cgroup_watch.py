@@ -12,11 +12,9 @@ missed.
 
 from __future__ import annotations
 
-import os
-import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Final, final
+from typing import final
 
 import attrs
 import trio
@@ -26,13 +24,6 @@ from ._cgroup import Leaf
 from ._errors import unwrap_single
 
 __all__ = ["LeafWatcher", "open_leaf_watcher"]
-
-#: One inotify event's fixed part (``struct inotify_event``: wd, mask, cookie, len), then ``len`` bytes of
-#: name.
-_EVENT: Final = struct.Struct("iIII")
-_IGNORED: Final = int(flags.IGNORED)
-#: How much one read of the inotify descriptor takes at most (some 4000 events without names).
-_READ_BYTES: Final = 65536
 
 
 @attrs.define(eq=False)
@@ -129,22 +120,13 @@ class LeafWatcher:
         task_status.started()
         while True:
             await trio.lowlevel.wait_readable(fd)
-            try:
-                data = os.read(fd, _READ_BYTES)  # whole events only; what does not fit is read next time
-            except BlockingIOError:
-                continue
-            # Parsed here, names skipped (a watch on a file has none): a kill_all of 1000 leaves brings
-            # 2000 events (each leaf emptied, then removed).
-            pos = 0
-            while pos < len(data):
-                wd, mask, _cookie, size = _EVENT.unpack_from(data, pos)
-                pos += _EVENT.size + size
-                found = self._by_wd.get(wd)
+            for event in self._inotify.read(timeout=0):
+                found = self._by_wd.get(event.wd)
                 if found is None:
                     continue
-                if mask & _IGNORED:  # the leaf was removed: the kernel dropped the watch
+                if event.mask & flags.IGNORED:  # the leaf was removed: the kernel dropped the watch
                     found.removed = True
-                    del self._by_wd[wd]
+                    del self._by_wd[event.wd]
                     if self._by_path.get(found.path) is found:
                         del self._by_path[found.path]
                 found.bump()
