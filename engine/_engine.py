@@ -354,8 +354,8 @@ async def _open_services(
 def _engine_id(state_dir: str) -> str:
     """The engine's id: generated once and kept in ``<state_dir>/engine-id``, so it survives host renames."""
     path = os.path.join(state_dir, _ENGINE_ID)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:  # a regular file of ours: a link is refused, a FIFO planted there does not block the start
+        fd = open_own_file(path, os.O_RDONLY, what="the engine id")
     except FileNotFoundError:
         pass
     else:

@@ -116,6 +116,10 @@ async def test_state_dir_writable_by_others_is_refused_with_the_fix(tmp_path: Pa
         ("engine.sock.path", lambda p, t: os.symlink(t, p)),
         ("guardian.log", lambda p, t: os.mkfifo(p)),
         ("engine.sock", lambda p, t: p.write_text("not a socket")),
+        # A FIFO blocked the open of these, and the start with it (found by a new user)
+        ("lock", lambda p, t: os.mkfifo(p)),
+        ("engine-id", lambda p, t: os.mkfifo(p)),
+        ("engine-id", lambda p, t: os.symlink(t, p)),
     ],
 )
 async def test_entries_of_the_state_dir_are_checked_before_use(
@@ -128,10 +132,18 @@ async def test_entries_of_the_state_dir_are_checked_before_use(
     target.chmod(0o644)
     assert callable(make)
     make(state / name, target)
-    with pytest.raises(UntrustedPathError, match=str(state / name)):
+    with trio.fail_after(10), pytest.raises(UntrustedPathError, match=str(state / name)):
         async with open_engine(config(state)):
             pass
     assert target.read_text() == "outside" and stat.S_IMODE(target.stat().st_mode) == 0o644
+    status = subprocess.run(  # a client looks at the lock too: a FIFO there never blocks it
+        [sys.executable, "-m", "engine", "--state-dir", str(state), "status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert status.returncode in (1, 3) and "Traceback" not in status.stderr, status.stderr
 
 
 async def test_store_linked_elsewhere_is_refused_and_the_target_keeps_its_mode(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import stat
 from typing import Final
 
 from .._errors import UntrustedPathError
-from .._trust import read_pointer
+from .._trust import open_own_file, read_pointer
 
 __all__ = [
     "SOCKET_NAME",
@@ -139,8 +139,10 @@ def lock_holder(state_dir: str) -> int | None:
     """
     path = os.path.join(state_dir, "lock")
     try:
-        info = os.stat(path)
-        with open(path, encoding="ascii") as f:
+        # A regular file of ours only: a FIFO planted there blocked the open (the engine refuses it).
+        fd = open_own_file(path, os.O_RDONLY, what="the state directory's lock")
+        with open(fd, encoding="ascii") as f:
+            info = os.fstat(f.fileno())
             written = f.read().strip()
         with open("/proc/locks", encoding="ascii") as f:
             lines = f.readlines()
