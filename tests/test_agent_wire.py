@@ -30,7 +30,12 @@ def _free_port() -> int:
 
 def test_rpc_create_ready_input_wait_and_read_log_new_and_grep(served: Served, project: Path) -> None:
     with served.client() as client:
-        code = "import sys; print('name?', flush=True); print('hello', sys.stdin.readline().strip())"
+        # one write of the whole line: print() writes the text and the newline apart when unbuffered
+        # (PYTHONUNBUFFERED=1 here), and readiness may match the prompt between the two
+        code = (
+            "import sys; sys.stdout.write('name?\\n'); sys.stdout.flush(); "
+            "print('hello', sys.stdin.readline().strip())"
+        )
         summary = client.call(
             "subprocess.create",
             project=str(project),
