@@ -115,8 +115,15 @@ def check_stat(info: os.stat_result, path: str, kind: Kind, what: str, fix: str)
 
 
 def _state_fix(state_dir: str) -> str:
-    if not os.path.isdir(state_dir):  # chmod cannot make a folder of a file
+    """The fix the message offers for the state directory, from what is wrong with it."""
+    try:
+        info = os.stat(state_dir)
+    except OSError:
+        return "use another --state-dir"
+    if not stat.S_ISDIR(info.st_mode):  # chmod cannot make a folder of a file
         return "give a folder, or use another --state-dir"
+    if info.st_uid != os.geteuid():  # chmod by its owner would not make it ours
+        return "use another --state-dir, or run the engine as the folder's owner"
     return f"run `chmod 700 {state_dir}` as its owner, or use another --state-dir"
 
 
