@@ -210,7 +210,11 @@ async def test_root_engine_refuses_a_state_dir_of_another_user_and_never_runs_it
     await _plant_on_exit_job(state, ran)
     chown_tree(state, NOBODY)
     with pytest.raises(
-        UntrustedPathError, match=r"owned by uid 65534, not by this engine's uid 0; use another --state-dir, or run the engine as the folder's owner"
+        UntrustedPathError,
+        match=(
+            r"owned by uid 65534, not by this engine's uid 0; "
+            r"use another --state-dir, or run the engine as the folder's owner"
+        ),
     ):
         async with open_engine(config(state)):
             pass
