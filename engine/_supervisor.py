@@ -547,8 +547,14 @@ class Supervisor:
                     fds.append(target)
             pid = self._containment.spawn(
                 placement,
-                lambda: spawn_process(
-                    argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1], stdin_fd=spec.stdin
+                lambda cgroup_fd: spawn_process(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    stdout_fd=fds[0],
+                    stderr_fd=fds[1],
+                    stdin_fd=spec.stdin,
+                    cgroup_fd=cgroup_fd,
                 ),
             )
         except BaseException:
