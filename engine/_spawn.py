@@ -34,6 +34,7 @@ __all__ = [
     "resolve_executable",
     "spawn_process",
     "spawns_into_cgroup",
+    "start_time_of",
 ]
 
 # glibc's flag values (<spawn.h>); musl uses the same numbers.
@@ -269,6 +270,32 @@ def spawn_process(
     return pid
 
 
+#: Nanoseconds per clock tick of ``/proc/<pid>/stat`` start times (``None``: not a whole number).
+_TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK") if 10**9 % os.sysconf("SC_CLK_TCK") == 0 else None
+#: The start time of the last child the compiled spawn started, ``(pid, clock ticks since boot)``.
+_last_start: tuple[int, int] = (0, 0)
+
+
+def _note_start(pid: int, before_ns: int, after_ns: int) -> None:
+    """Keep the start time of child ``pid`` when the clock readings around its clone fall in one tick.
+
+    The kernel stamps a new process with ``CLOCK_BOOTTIME`` inside the clone and shows it in
+    ``/proc/<pid>/stat`` cut to whole ticks: readings before and after the clone in the same tick name
+    that tick. (They straddle a tick boundary in a few spawns out of a hundred: ``/proc`` is read then.)
+    """
+    global _last_start
+    if _TICK_NS is not None and before_ns >= 0 and before_ns // _TICK_NS == after_ns // _TICK_NS:
+        _last_start = (pid, before_ns // _TICK_NS)
+
+
+def start_time_of(pid: int) -> int | None:
+    """The start time (clock ticks since boot, as ``/proc/<pid>/stat`` field 22 says) of ``pid``, when
+    it is the child the last :func:`spawn_process` started and the compiled spawn could tell it without a
+    read of ``/proc`` (about 40 us while the child is still in its ``exec``); else ``None``."""
+    known, ticks = _last_start
+    return ticks if known == pid else None
+
+
 def spawns_into_cgroup() -> bool:
     """Whether :func:`spawn_process` can start a child straight in a cgroup (``cgroup_fd``)."""
     return _spawn_direct.direct_spawn() is not None
@@ -297,6 +324,7 @@ def _spawn_compiled(
     ``None`` when ``cgroup_fd`` was given and no child could be made there. Without ``cgroup_fd``, a
     kernel found lacking what the compiled spawn needs turns it off and ``posix_spawn`` runs instead."""
     pid = ctypes.c_int(0)
+    boottimes = (ctypes.c_int64 * 2)()
     rc = direct(
         os.fsencode(path),
         _blob([os.fsencode(a) for a in argv], "argv"),
@@ -309,7 +337,10 @@ def _spawn_compiled(
         -1 if stderr_fd is None else stderr_fd,
         -1 if cgroup_fd is None else cgroup_fd,
         ctypes.byref(pid),
+        boottimes,
     )
+    if rc == 0:
+        _note_start(pid.value, boottimes[0], boottimes[1])
     if rc >= 0:
         return rc, pid.value
     if -rc in _spawn_direct.UNSUPPORTED:

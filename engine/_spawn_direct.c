@@ -32,6 +32,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef CLONE_VM
@@ -171,6 +172,17 @@ static int child_main(void *arg) {
     return fail(a, errno);
 }
 
+/* The version of gadget_spawn's arguments: engine/_spawn_direct.py loads no library of another (a library
+ * left from an older build would be called with arguments it does not take). */
+int gadget_spawn_abi(void) { return 2; }
+
+/* CLOCK_BOOTTIME in ns: the clock the kernel stamps a new process's start with (in copy_process). */
+static int64_t boottime(void) {
+    struct timespec ts;
+    if (clock_gettime(CLOCK_BOOTTIME, &ts) != 0) return -1;
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 /* Pointers to the n NUL-terminated strings laid end to end in blob, and a NULL; NULL when out of memory. */
 static char **split(const char *blob, int n) {
     char **out = malloc(((size_t)n + 1) * sizeof(char *));
@@ -188,15 +200,17 @@ static char **split(const char *blob, int n) {
  * in cwd, with stdin_fd, stdout_fd and stderr_fd (-1: /dev/null), born in the cgroup of the directory
  * descriptor cgroup_fd (-1: the caller's cgroup).
  *
- * Returns 0 and the pid in *pid_out; a positive error number when a step in the child failed (the child
+ * Returns 0 and the pid in *pid_out; boottime_ns[0] and [1] are CLOCK_BOOTTIME read right before and right
+ * after the clone, so the child's start (its start_boottime) lies between them. Else a positive error number when a step in the child failed (the child
  * is reaped; nothing is left); a negative one when no child was made: -ENOSYS, -E2BIG or -EINVAL when
  * the kernel lacks what this needs (the caller falls back), else the clone's error.
  */
 int gadget_spawn(const char *path, const char *argv_blob, int argc, const char *env_blob, int envc,
-                 const char *cwd, int stdin_fd, int stdout_fd, int stderr_fd, int cgroup_fd, int *pid_out) {
+                 const char *cwd, int stdin_fd, int stdout_fd, int stderr_fd, int cgroup_fd, int *pid_out,
+                 int64_t *boottime_ns) {
 #if !defined(HAVE_GADGET_CLONE3)
     (void)path, (void)argv_blob, (void)argc, (void)env_blob, (void)envc, (void)cwd;
-    (void)stdin_fd, (void)stdout_fd, (void)stderr_fd, (void)cgroup_fd, (void)pid_out;
+    (void)stdin_fd, (void)stdout_fd, (void)stderr_fd, (void)cgroup_fd, (void)pid_out, (void)boottime_ns;
     return -ENOSYS;
 #else
     _Alignas(16) char stack[CHILD_STACK_BYTES];
@@ -224,7 +238,9 @@ int gadget_spawn(const char *path, const char *argv_blob, int argc, const char *
     uint64_t all = ~(uint64_t)0, old = 0;
     int saved_errno = errno;
     raw(SYS_rt_sigprocmask, SIG_SETMASK, (long)&all, (long)&old, 8);
+    boottime_ns[0] = boottime();
     long pid = gadget_clone3(&args, sizeof args, child_main, &a);
+    boottime_ns[1] = boottime();
     raw(SYS_rt_sigprocmask, SIG_SETMASK, (long)&old, 0, 8);
     free(argv);
     free(envp);

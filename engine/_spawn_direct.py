@@ -24,16 +24,20 @@ import os
 import stat
 from collections.abc import Callable
 
-__all__ = ["LIBRARY", "UNSUPPORTED", "DirectSpawn", "direct_spawn", "turn_off"]
+__all__ = ["ABI", "LIBRARY", "UNSUPPORTED", "DirectSpawn", "direct_spawn", "turn_off"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The compiled library, looked for here only.
 LIBRARY = os.path.join(_HERE, "_spawn_direct.bin")
 
+#: The version of ``gadget_spawn``'s arguments this module calls it with (``gadget_spawn_abi``).
+ABI = 2
+
 #: ``gadget_spawn``'s answers (negated) meaning "this kernel cannot do it": no child was made.
 UNSUPPORTED = frozenset({errno.ENOSYS, errno.E2BIG, errno.EINVAL})
 
-#: ``(path, argv blob, argc, env blob, envc, cwd, stdin, stdout, stderr, cgroup fd, pid out) -> rc``.
+#: ``(path, argv blob, argc, env blob, envc, cwd, stdin, stdout, stderr, cgroup fd, pid out, boot times)
+#: -> rc``.
 DirectSpawn = Callable[..., int]
 
 _off = False
@@ -62,8 +66,12 @@ def _load() -> DirectSpawn | None:
     try:
         lib = ctypes.CDLL(LIBRARY)
         spawn = lib.gadget_spawn
+        abi = lib.gadget_spawn_abi
     except (OSError, AttributeError):
         return None
+    abi.restype, abi.argtypes = ctypes.c_int, []
+    if abi() != ABI:
+        return None  # left from another build: its arguments are not these
     c_int, c_char_p = ctypes.c_int, ctypes.c_char_p
     spawn.restype = c_int
     spawn.argtypes = [
@@ -77,7 +85,8 @@ def _load() -> DirectSpawn | None:
         c_int,
         c_int,
         c_int,  # the cgroup directory's descriptor (-1: the engine's own cgroup)
-        ctypes.POINTER(c_int),
+        ctypes.POINTER(c_int),  # the pid
+        ctypes.POINTER(ctypes.c_int64),  # CLOCK_BOOTTIME before and after the clone
     ]
     return spawn
 

@@ -17,7 +17,7 @@ import trio
 from engine import SpawnError, SpawnSpec, _spawn_direct, open_supervisor
 from engine._cgroup import EngineCgroup, find_cgroup2
 from engine._procfs import engine_children
-from engine._spawn import CgroupSpawnRefusedError, spawn_process, spawns_into_cgroup
+from engine._spawn import CgroupSpawnRefusedError, spawn_process, spawns_into_cgroup, start_time_of
 
 from .children import open_fds
 
@@ -263,3 +263,35 @@ async def test_a_supervisor_run_is_contained_on_the_compiled_path(containment: s
         with trio.fail_after(10):
             exit = await sup.cancel(run)
         assert exit.signal == signal.SIGINT
+
+
+@needs_compiled
+def test_the_start_time_told_without_proc_is_the_one_proc_shows(tmp_path: Path) -> None:
+    told = 0
+    for _ in range(50):
+        pid = spawn_process(
+            ["sleep", "30"], cwd=str(tmp_path), env=dict(os.environ), stdout_fd=None, stderr_fd=None
+        )
+        try:
+            start = start_time_of(pid)
+            if start is not None:
+                told += 1
+                assert start == int(_stat_fields(pid)[19])
+        finally:
+            _reap(pid)
+        assert start_time_of(pid + 1) is None  # only the last child's is known
+    assert told >= 25  # the clock readings straddle a tick in a few spawns out of a hundred
+
+
+@needs_compiled
+def test_a_library_of_another_build_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called with arguments it does not take, a stale library would misreport; it is not used at all."""
+    monkeypatch.setattr(_spawn_direct, "ABI", _spawn_direct.ABI + 1)
+    _spawn_direct._load.cache_clear()
+    try:
+        assert _spawn_direct.direct_spawn() is None
+        assert not spawns_into_cgroup()
+    finally:
+        monkeypatch.undo()
+        _spawn_direct._load.cache_clear()
+    assert _spawn_direct.direct_spawn() is not None
