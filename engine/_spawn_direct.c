@@ -73,7 +73,7 @@ struct gadget_ksigaction {
     uint64_t mask;
 };
 
-enum { CHILD_STACK_BYTES = 64 * 1024, KERNEL_NSIG = 64 };
+enum { CHILD_STACK_BYTES = 32 * 1024, KERNEL_NSIG = 64 };  /* the child calls a few syscall wrappers only */
 
 struct child_args {
     const char *path;
