@@ -200,6 +200,12 @@ def _bad_cwd(cwd: str) -> SpawnError:
     )
 
 
+#: Nanoseconds per clock tick of ``/proc/<pid>/stat`` start times (``None``: not a whole number).
+_TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK") if 10**9 % os.sysconf("SC_CLK_TCK") == 0 else None
+#: The start time of the last child the compiled spawn started, ``(pid, clock ticks since boot)``.
+_last_start: tuple[int, int] = (0, 0)
+
+
 class CgroupSpawnRefusedError(EngineError, OSError):
     """The compiled spawn could not start the child in the cgroup asked for (no child was made): the
     caller spawns again with this process moved into the cgroup, which reports the cause as before."""
@@ -248,6 +254,8 @@ def spawn_process(
         if not os.path.isdir(cwd):
             raise _bad_cwd(cwd) from None
         raise
+    global _last_start
+    _last_start = (0, 0)  # known for this child only: never a start time of an earlier one with its pid
     direct = _spawn_direct.direct_spawn()
     outcome: tuple[int, int] | None
     if direct is not None:
@@ -268,12 +276,6 @@ def spawn_process(
             raise _bad_cwd(cwd)
         raise describe_exec_failure(err, argv[0], path)
     return pid
-
-
-#: Nanoseconds per clock tick of ``/proc/<pid>/stat`` start times (``None``: not a whole number).
-_TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK") if 10**9 % os.sysconf("SC_CLK_TCK") == 0 else None
-#: The start time of the last child the compiled spawn started, ``(pid, clock ticks since boot)``.
-_last_start: tuple[int, int] = (0, 0)
 
 
 def _note_start(pid: int, before_ns: int, after_ns: int) -> None:
