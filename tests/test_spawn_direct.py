@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import platform
+import shutil
 import signal
 import stat
 import time
@@ -295,3 +297,51 @@ def test_a_library_of_another_build_is_not_loaded(monkeypatch: pytest.MonkeyPatc
         monkeypatch.undo()
         _spawn_direct._load.cache_clear()
     assert _spawn_direct.direct_spawn() is not None
+
+
+def test_the_compiled_spawn_is_built_wherever_a_c_compiler_is_found() -> None:
+    compiler = os.environ.get("CC", "").strip() or next(
+        (found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), None
+    )
+    if compiler is None or platform.machine() != "x86_64":
+        pytest.skip("no C compiler on PATH, or not x86-64: the engine spawns through posix_spawn")
+    assert os.path.exists(_spawn_direct.LIBRARY), (
+        f"{_spawn_direct.LIBRARY} is missing although a C compiler is found: the install's build step "
+        "(setup.py build_shim) failed; run `rm -f .venv/.installed-stamp; make setup` and read its warning"
+    )
+    assert _spawn_direct.direct_spawn() is not None, (
+        f"{_spawn_direct.LIBRARY} is built but not loaded: it or its folder is writable by group or others, "
+        "owned by another user, or left from another build (`rm -f .venv/.installed-stamp; make setup`)"
+    )
+
+
+@needs_compiled
+@pytest.mark.parametrize("mode", [0o775, 0o757])
+def test_a_library_others_can_write_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    planted = tmp_path / "_spawn_direct.bin"
+    shutil.copy(_spawn_direct.LIBRARY, planted)
+    monkeypatch.setattr(_spawn_direct, "LIBRARY", str(planted))
+    monkeypatch.setattr(_spawn_direct, "_HERE", str(tmp_path))
+    tmp_path.chmod(0o755)
+    planted.chmod(0o755)
+    try:
+        _spawn_direct._load.cache_clear()
+        assert _spawn_direct.direct_spawn() is not None  # the copy alone is fine
+        planted.chmod(mode)
+        _spawn_direct._load.cache_clear()
+        assert _spawn_direct.direct_spawn() is None
+        planted.chmod(0o755)
+        tmp_path.chmod(0o777 | stat.S_ISVTX)  # a folder others can write to
+        _spawn_direct._load.cache_clear()
+        assert _spawn_direct.direct_spawn() is None
+        tmp_path.chmod(0o755)
+        link = tmp_path / "link"
+        link.symlink_to(planted)
+        monkeypatch.setattr(_spawn_direct, "LIBRARY", str(link))
+        _spawn_direct._load.cache_clear()
+        assert _spawn_direct.direct_spawn() is None  # a symbolic link is not followed
+    finally:
+        monkeypatch.undo()
+        _spawn_direct._load.cache_clear()
