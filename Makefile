@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-$(STAMP): pyproject.toml setup.py engine/cron/_shim.c
+$(STAMP): pyproject.toml setup.py engine/cron/_shim.c engine/_spawn_direct.c
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'

@@ -1,10 +1,12 @@
-"""The one build step pyproject.toml cannot say: the compiled exit-recording shim.
+"""The one build step pyproject.toml cannot say: the compiled exit-recording shim and the compiled spawn.
 
 ``engine/cron/_shim.c`` is compiled with the C compiler found (``$CC``, else ``cc``, ``gcc``, ``clang``)
-into ``engine/cron/_shim.bin``: into the build folder for a wheel (``pip install .``), into the source tree
+into ``engine/cron/_shim.bin``, and ``engine/_spawn_direct.c`` into the shared library
+``engine/_spawn_direct.bin``: into the build folder for a wheel (``pip install .``), into the source tree
 for an editable install (``pip install -e .``, ``make setup``), where the package is read from. Where no
-compiler is found, or it fails, the install goes on without it and the engine runs the Perl shim, else
-the Python one (``engine/cron/_shell.py``). Everything else is in pyproject.toml.
+compiler is found, or it fails, the install goes on without them: the engine runs the Perl shim, else the
+Python one (``engine/cron/_shell.py``), and spawns through glibc's ``posix_spawn`` (``engine/_spawn.py``).
+Everything else is in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ from setuptools.dist import Distribution
 SOURCE = os.path.join("engine", "cron", "_shim.c")
 TARGET = os.path.join("engine", "cron", "_shim.bin")
 FLAGS = ("-O2", "-Wall", "-Wextra", "-Werror")
+#: The compiled spawn: a shared library loaded with ctypes (named ``.bin``: a ``.so`` of the name of a
+#: module next to it would be taken for an extension module).
+SPAWN_SOURCE = os.path.join("engine", "_spawn_direct.c")
+SPAWN_TARGET = os.path.join("engine", "_spawn_direct.bin")
+SPAWN_FLAGS = (*FLAGS, "-shared", "-fPIC")
+#: What is compiled: ``(source, target, flags, what it is)``.
+BUILDS = (
+    (SOURCE, TARGET, FLAGS, "the exit-recording shim (perl or Python runs it)"),
+    (SPAWN_SOURCE, SPAWN_TARGET, SPAWN_FLAGS, "the compiled spawn (posix_spawn is used)"),
+)
 
 
 def find_compiler() -> list[str] | None:
@@ -36,9 +48,10 @@ def find_compiler() -> list[str] | None:
 
 
 class BuildShim(Command):
-    """Compile the exit-recording shim; a missing or failing compiler is a warning, never a failure."""
+    """Compile the exit-recording shim and the compiled spawn; a missing or failing compiler is a warning,
+    never a failure."""
 
-    description = "compile engine/cron/_shim.c (optional: the engine falls back on perl, then Python)"
+    description = "compile engine/cron/_shim.c and engine/_spawn_direct.c (optional: the engine falls back)"
     user_options: ClassVar[list[tuple[str, str | None, str]]] = []
 
     def initialize_options(self) -> None:
@@ -48,46 +61,47 @@ class BuildShim(Command):
     def finalize_options(self) -> None:
         self.set_undefined_options("build_py", ("build_lib", "build_lib"))
 
-    def _target(self) -> str:
-        return TARGET if self.editable_mode else os.path.join(self.build_lib or "build", TARGET)
+    def _target(self, target: str) -> str:
+        return target if self.editable_mode else os.path.join(self.build_lib or "build", target)
 
     def run(self) -> None:
-        target = self._target()
-        if not self._compile(target) and os.path.exists(target):
-            os.unlink(target)  # built from another source: never left behind, never shipped
+        for source, target, flags, what in BUILDS:
+            built = self._target(target)
+            if not self._compile(source, built, flags, what) and os.path.exists(built):
+                os.unlink(built)  # built from another source: never left behind, never shipped
 
-    def _compile(self, target: str) -> bool:
-        """Compile into ``target`` (through a temp name, so a running engine sees the old one or the new one);
-        whether it was compiled."""
+    def _compile(self, source: str, target: str, flags: tuple[str, ...], what: str) -> bool:
+        """Compile ``source`` into ``target`` (through a temp name, so a running engine sees the old one or
+        the new one); whether it was compiled."""
         compiler = find_compiler()
         if compiler is None:
-            self.warn("no C compiler found: the exit-recording shim is not compiled (perl or Python runs it)")
+            self.warn(f"no C compiler found: {what} is not compiled")
             return False
         os.makedirs(os.path.dirname(target), exist_ok=True)
         partial = f"{target}.tmp.{os.getpid()}"
-        argv = [*compiler, *FLAGS, "-o", partial, SOURCE]
+        argv = [*compiler, *flags, "-o", partial, source]
         try:
             done = subprocess.run(argv, capture_output=True, text=True, check=False)
         except OSError as exc:
-            self.warn(f"cannot run {argv[0]}: {exc}; the exit-recording shim is not compiled")
+            self.warn(f"cannot run {argv[0]}: {exc}; {what} is not compiled")
             return False
         if done.returncode != 0:
-            self.warn(f"{shlex.join(argv)} failed; the exit-recording shim is not compiled:\n{done.stderr}")
+            self.warn(f"{shlex.join(argv)} failed; {what} is not compiled:\n{done.stderr}")
             if os.path.exists(partial):
                 os.unlink(partial)
             return False
-        os.chmod(partial, 0o755)  # whatever the umask: the engine runs it only when no one else can write it
+        os.chmod(partial, 0o755)  # whatever the umask: the engine uses it only when no one else can write it
         os.replace(partial, target)
         return True
 
     def get_source_files(self) -> list[str]:
-        return [SOURCE]
+        return [source for source, _, _, _ in BUILDS]
 
     def get_outputs(self) -> list[str]:
-        return [self._target()]
+        return [self._target(target) for _, target, _, _ in BUILDS]
 
     def get_output_mapping(self) -> dict[str, str]:
-        return {self._target(): SOURCE}
+        return {self._target(target): source for source, target, _, _ in BUILDS}
 
 
 class BinaryDistribution(Distribution):

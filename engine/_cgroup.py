@@ -6,12 +6,14 @@ cgroup. Nothing a process does (double fork, ``setsid``, a scrubbed environment)
 leaf; only a write to a ``cgroup.procs`` file moves it, and the engine never does that for a child. This
 is systemd's ``KillMode=control-group`` without systemd, per run.
 
-The child is *born* in its leaf: the engine moves itself into the leaf, spawns (``posix_spawn`` returns
-once the child has exec'd), and moves itself back (:meth:`EngineCgroup.spawn_in`). glibc 2.36 has no
-``posix_spawnattr_setcgroup_np``, and a shell wrapper writing to ``cgroup.procs`` would turn ``exec``
-errors into exit 127. The two moves cost about 0.07 ms each; spawns are serialised by a lock, and the
-engine forks nothing else meanwhile (in an embedding host, the host process is moved for that moment
-too: documented in ``docs/guide-escalation.md``).
+The child is *born* in its leaf (:meth:`EngineCgroup.spawn_in`): started there by ``clone3`` with
+``CLONE_INTO_CGROUP`` where the compiled spawn was built (``_spawn_direct``). Else the engine moves itself
+into the leaf, spawns (``posix_spawn`` returns once the child has exec'd), and moves itself back: glibc
+2.36 has no ``posix_spawnattr_setcgroup_np``, and a shell wrapper writing to ``cgroup.procs`` would turn
+``exec`` errors into exit 127. The two moves cost about 0.07 ms each on a quiet machine (each takes the
+kernel's global lock on every process's cgroup for writing: 0.7 ms under load); those spawns are
+serialised by a lock, and the engine forks nothing else meanwhile (in an embedding host, the host process
+is moved for that moment too: documented in ``docs/guide-escalation.md``).
 
 Everything here is synchronous and standard library only, so the guardian (which imports no Trio) and
 the start-up sweep use it too. Waiting for a leaf to empty, without polling, is ``_cgroup_watch``.
@@ -391,8 +393,12 @@ class EngineCgroup:
         """Every leaf under the parent now."""
         return list(_leaves(self.path, self.cgroup2))
 
-    def spawn_in(self, leaf: Leaf, spawn: Callable[[], int]) -> int:
-        """Run ``spawn`` (a ``posix_spawn``) with this process moved into ``leaf``: the child is born there.
+    def spawn_in(self, leaf: Leaf, spawn: Callable[[int | None], int]) -> int:
+        """Run ``spawn`` so that the child is born in ``leaf``.
+
+        ``spawn`` takes a descriptor of the leaf's directory, for a spawn straight into it
+        (``CLONE_INTO_CGROUP``, ``_spawn_direct``), when that can be done here; else ``None``, and it runs
+        with this process moved into the leaf (and back after, whatever happened), as before.
 
         Returns:
             What ``spawn`` returned (the child's pid).
@@ -401,6 +407,19 @@ class EngineCgroup:
             CgroupError: the leaf cannot be entered (it was removed, or the hierarchy is read-only now).
             Whatever ``spawn`` raises (``SpawnError``); this process is back in its own cgroup either way.
         """
+        from ._spawn import CgroupSpawnRefusedError, spawns_into_cgroup  # here: the guardian needs no ctypes
+
+        if spawns_into_cgroup():
+            try:
+                fd = os.open(leaf.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise CgroupError(exc.errno, f"cannot enter the cgroup {leaf.path}: {exc.strerror}") from None
+            try:
+                return spawn(fd)
+            except CgroupSpawnRefusedError:
+                pass  # the move below says why, or works (the compiled spawn is off now)
+            finally:
+                os.close(fd)
         with self._lock:
             try:
                 fd = os.open(os.path.join(leaf.path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
@@ -409,7 +428,7 @@ class EngineCgroup:
             try:
                 os.write(fd, b"0")
                 try:
-                    return spawn()
+                    return spawn(None)
                 finally:
                     os.write(self._home_procs, b"0")
             finally:

@@ -75,8 +75,9 @@ class Containment(Protocol):
         """Make the run's place before it is spawned (its leaf); ``watched`` for on-exit commands."""
         ...
 
-    def spawn(self, placement: Placement, spawn: Callable[[], int]) -> int:
-        """Run ``spawn`` (it returns the child's pid) so that the child is born in ``placement``."""
+    def spawn(self, placement: Placement, spawn: Callable[[int | None], int]) -> int:
+        """Run ``spawn`` (it returns the child's pid) so that the child is born in ``placement``; it is
+        given a descriptor of the cgroup to start the child in, or ``None`` (``EngineCgroup.spawn_in``)."""
         ...
 
     def tree(
@@ -131,8 +132,8 @@ class ProcessGroupContainment:
     def place(self, run_id: int, *, watched: bool) -> Placement:
         return None
 
-    def spawn(self, placement: Placement, spawn: Callable[[], int]) -> int:
-        return spawn()
+    def spawn(self, placement: Placement, spawn: Callable[[int | None], int]) -> int:
+        return spawn(None)
 
     def tree(
         self,
@@ -199,7 +200,7 @@ class CgroupContainment:
             return self.cgroup.leaf(f"w-{run_id}-{self.token}")
         return self.pool.take(f"r{run_id}-{self.token}")
 
-    def spawn(self, placement: Placement, spawn: Callable[[], int]) -> int:
+    def spawn(self, placement: Placement, spawn: Callable[[int | None], int]) -> int:
         assert placement is not None
         return self.cgroup.spawn_in(placement, spawn)
 

@@ -135,8 +135,21 @@ class LeafTree(ProcessTree):
             self._reap_leaf_zombies()
         return sorted(alive)
 
+    async def quiet_read(self) -> None:
+        """After the leader exited: one look at the leaf (``cgroup.events``), and no read of the engine's
+        children. ``populated 0`` is the kernel's word that nothing of the run is alive (the leaf holds
+        its whole tree), so :meth:`leftovers` needs nothing more; the zombies it handed to the engine are
+        reaped by the look that decides the tree is gone (:meth:`gone`), as before.
+
+        Cancellation: not a checkpoint.
+        """
+        self.mark_quiet()
+
     def leftovers(self) -> bool:
-        """After the leader exited: whether a process is still in the leaf."""
+        """After the leader exited: whether a process is still in the leaf (not read again once the leaf
+        was seen empty: an empty leaf stays empty)."""
+        if self.quiet_at is not None:
+            return False
         self._seen = self.watcher.generation(self.leaf)
         return self.leaf.populated()
 

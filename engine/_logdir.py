@@ -361,10 +361,13 @@ class FolderCache:
     def __repr__(self) -> str:
         return f"<FolderCache {len(self._entries)} open>"
 
-    def open(self, directory: str, *, base: str | None = None) -> tuple[LogFolder, int, list[Unnamed]]:
+    def open(
+        self, directory: str, *, base: str | None = None, want: int | None = None
+    ) -> tuple[LogFolder, int, list[Unnamed]]:
         """:meth:`LogFolder.make_opened` through the cache: the folder, a descriptor of it that the
-        caller closes, and the unnamed files :meth:`prepare` made ahead in it (the caller's now; only
-        when the folder passed its check: they are in the very folder it names).
+        caller closes, and the unnamed files :meth:`prepare` made ahead in it, ``want`` of them at most
+        (``None``: all; the caller's now; only when the folder passed its check: they are in the very
+        folder it names).
 
         Raises:
             As :meth:`LogFolder.make_opened`.
@@ -377,7 +380,8 @@ class FolderCache:
                 self._entries[key] = entry  # the most recently used last
                 spare: list[Unnamed] = []
                 if self._lock.acquire(blocking=False):  # busy: the thread is handing files over, no wait
-                    spare, entry.spare = entry.spare, []
+                    cut = len(entry.spare) if want is None else want
+                    spare, entry.spare = entry.spare[:cut], entry.spare[cut:]
                     self._lock.release()
                 try:
                     return checked, os.dup(entry.fds[-1]), spare

@@ -38,6 +38,9 @@ _NO_TMPFILE = frozenset({errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENO
 
 _TMPFILE_FLAGS = os.O_TMPFILE | os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
 
+#: How many pairs of unnamed files :meth:`LogPair.prepare` keeps made ahead in a folder.
+PAIRS_AHEAD = 2
+
 
 def make_unnamed(folder_fd: int) -> tuple[int, tuple[int, int]]:
     """A new unnamed file in the folder ``folder_fd`` (``O_TMPFILE``, write-only, appending, close-on-exec,
@@ -132,7 +135,7 @@ class LogPair:
         """
         spare: list[Unnamed] = []
         if folders is not None:
-            folder, fd, spare = folders.open(directory, base=base)
+            folder, fd, spare = folders.open(directory, base=base, want=len(STREAMS))
         else:
             folder, fd = LogFolder.make_opened(directory, base=base)
         unnamed: list[int] = [opened for opened, _ in spare]
@@ -191,9 +194,14 @@ class LogPair:
 
     @staticmethod
     def prepare(directory: str, *, base: str | None = None, folders: FolderCache) -> None:
-        """Make the next pair's two files ahead, unnamed, in the cached folder (see
-        :meth:`FolderCache.prepare`): called right after a spawn, while the child starts."""
-        folders.prepare(directory, base=base, make=make_unnamed, count=len(STREAMS))
+        """Make the next pairs' files ahead, unnamed, in the cached folder (see
+        :meth:`FolderCache.prepare`): called right after a spawn, while the child starts.
+
+        Two pairs are kept ahead (:data:`PAIRS_AHEAD`): where the cache's thread makes them (a slow
+        filesystem), the next create takes the pair made during the last one while the thread makes the
+        one after, instead of making its own on the loop when the thread has not finished yet.
+        """
+        folders.prepare(directory, base=base, make=make_unnamed, count=PAIRS_AHEAD * len(STREAMS))
 
     def path(self, stream: Stream) -> str:
         """Where the ``stream`` file is now."""

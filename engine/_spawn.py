@@ -1,4 +1,4 @@
-"""Starting one child with a clean slate, through glibc's ``posix_spawn``.
+"""Starting one child with a clean slate: the compiled spawn (``_spawn_direct``), else ``posix_spawn``.
 
 Python's ``os.posix_spawn`` has ``setsid``, ``setsigdef`` and ``setsigmask`` but no way to change the
 child's working directory, and ``subprocess.Popen`` has a working directory but cannot reset an inherited
@@ -16,21 +16,25 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import fcntl
 import functools
 import os
 import signal
 import stat
 from collections.abc import Mapping, Sequence
 
-from . import _libc
-from ._errors import SpawnError
+from . import _libc, _spawn_direct
+from ._errors import EngineError, SpawnError
 
 __all__ = [
+    "CgroupSpawnRefusedError",
     "Environment",
     "describe_exec_failure",
     "engine_environment",
     "resolve_executable",
     "spawn_process",
+    "spawns_into_cgroup",
+    "start_time_of",
 ]
 
 # glibc's flag values (<spawn.h>); musl uses the same numbers.
@@ -196,6 +200,17 @@ def _bad_cwd(cwd: str) -> SpawnError:
     )
 
 
+#: Nanoseconds per clock tick of ``/proc/<pid>/stat`` start times (``None``: not a whole number).
+_TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK") if 10**9 % os.sysconf("SC_CLK_TCK") == 0 else None
+#: The start time of the last child the compiled spawn started, ``(pid, clock ticks since boot)``.
+_last_start: tuple[int, int] = (0, 0)
+
+
+class CgroupSpawnRefusedError(EngineError, OSError):
+    """The compiled spawn could not start the child in the cgroup asked for (no child was made): the
+    caller spawns again with this process moved into the cgroup, which reports the cause as before."""
+
+
 def spawn_process(
     argv: Sequence[str],
     *,
@@ -204,13 +219,15 @@ def spawn_process(
     stdout_fd: int | None,
     stderr_fd: int | None,
     stdin_fd: int | None = None,
+    cgroup_fd: int | None = None,
 ) -> int:
     """Start ``argv`` as the leader of a new session and return its pid.
 
     The child gets: stdin from ``/dev/null`` (or ``stdin_fd``); stdout and stderr on the given
     descriptors (``None`` means ``/dev/null``); every catchable signal at its default disposition and an
     empty signal mask; no other open descriptor; ``cwd`` as its working directory; exactly ``env`` as its
-    environment.
+    environment. Started by the compiled spawn where it was built (``_spawn_direct``), else by glibc's
+    ``posix_spawn``.
 
     Args:
         argv: the program and its arguments; ``argv[0]`` is resolved as :func:`resolve_executable` does.
@@ -219,10 +236,15 @@ def spawn_process(
         stdout_fd: descriptor the child's stdout is a copy of, or ``None``.
         stderr_fd: likewise for stderr.
         stdin_fd: descriptor the child's stdin is a copy of (the guardian's pipe), or ``None``.
+        cgroup_fd: a descriptor of the cgroup v2 directory the child is born in; only when
+            :func:`spawns_into_cgroup` (``None``: this process's cgroup).
 
     Raises:
         SpawnError: the executable is missing, not executable, a directory, has a missing interpreter, or
             the cwd is not a directory. Nothing is left running.
+        CgroupSpawnRefusedError: ``cgroup_fd`` was given and the child could not be started there (or the
+            compiled spawn turned out unusable meanwhile); nothing was started.
+        ValueError: an argument or a variable holds a NUL byte.
         OSError: ``ENOSYS`` when no C library can be loaded.
     """
     entries, path_var = _env_entries(env)
@@ -232,6 +254,128 @@ def spawn_process(
         if not os.path.isdir(cwd):
             raise _bad_cwd(cwd) from None
         raise
+    global _last_start
+    _last_start = (0, 0)  # known for this child only: never a start time of an earlier one with its pid
+    direct = _spawn_direct.direct_spawn()
+    outcome: tuple[int, int] | None
+    if direct is not None:
+        outcome = _spawn_compiled(direct, path, argv, entries, cwd, stdin_fd, stdout_fd, stderr_fd, cgroup_fd)
+    elif cgroup_fd is None:
+        outcome = _posix_spawn(path, argv, entries, cwd, stdin_fd, stdout_fd, stderr_fd)
+    else:
+        outcome = None
+    if outcome is None:
+        raise CgroupSpawnRefusedError(
+            errno_mod.EINVAL, "the child could not be started in the cgroup directly"
+        )
+    err, pid = outcome
+    if err != 0:
+        # The child's chdir fails as its exec would (ENOENT, ENOTDIR): told apart here, on the error path
+        # only, instead of a look at the directory before every spawn.
+        if not os.path.isdir(cwd):
+            raise _bad_cwd(cwd)
+        raise describe_exec_failure(err, argv[0], path)
+    return pid
+
+
+def _note_start(pid: int, before_ns: int, after_ns: int) -> None:
+    """Keep the start time of child ``pid`` when the clock readings around its clone fall in one tick.
+
+    The kernel stamps a new process with ``CLOCK_BOOTTIME`` inside the clone and shows it in
+    ``/proc/<pid>/stat`` cut to whole ticks: readings before and after the clone in the same tick name
+    that tick. (They straddle a tick boundary in a few spawns out of a hundred: ``/proc`` is read then.)
+    """
+    global _last_start
+    if _TICK_NS is not None and before_ns >= 0 and before_ns // _TICK_NS == after_ns // _TICK_NS:
+        _last_start = (pid, before_ns // _TICK_NS)
+
+
+def start_time_of(pid: int) -> int | None:
+    """The start time (clock ticks since boot, as ``/proc/<pid>/stat`` field 22 says) of ``pid``, when
+    it is the child the last :func:`spawn_process` started and the compiled spawn could tell it without a
+    read of ``/proc`` (about 40 us while the child is still in its ``exec``); else ``None``."""
+    known, ticks = _last_start
+    return ticks if known == pid else None
+
+
+def spawns_into_cgroup() -> bool:
+    """Whether :func:`spawn_process` can start a child straight in a cgroup (``cgroup_fd``)."""
+    return _spawn_direct.direct_spawn() is not None
+
+
+def _blob(items: Sequence[bytes], what: str) -> bytes:
+    """``items`` laid end to end, each ending in NUL (the compiled spawn splits them again)."""
+    blob = b"\0".join(items) + b"\0" if items else b""
+    if blob.count(0) != len(items):
+        raise ValueError(f"{what} must not hold a NUL byte")
+    return blob
+
+
+def _spawn_compiled(
+    direct: _spawn_direct.DirectSpawn,
+    path: str,
+    argv: Sequence[str],
+    entries: list[bytes],
+    cwd: str,
+    stdin_fd: int | None,
+    stdout_fd: int | None,
+    stderr_fd: int | None,
+    cgroup_fd: int | None,
+) -> tuple[int, int] | None:
+    """``(0, pid)``, or ``(error number, 0)`` when the exec or a step before it failed (nothing is left);
+    ``None`` when ``cgroup_fd`` was given and no child could be made there. Without ``cgroup_fd``, a
+    kernel found lacking what the compiled spawn needs turns it off and ``posix_spawn`` runs instead."""
+    pid = ctypes.c_int(0)
+    boottimes = (ctypes.c_int64 * 2)()
+    rc = direct(
+        os.fsencode(path),
+        _blob([os.fsencode(a) for a in argv], "argv"),
+        len(argv),
+        _blob(entries, "the environment"),
+        len(entries),
+        os.fsencode(cwd),
+        -1 if stdin_fd is None else stdin_fd,
+        -1 if stdout_fd is None else stdout_fd,
+        -1 if stderr_fd is None else stderr_fd,
+        -1 if cgroup_fd is None else cgroup_fd,
+        ctypes.byref(pid),
+        boottimes,
+    )
+    if rc == 0:
+        _note_start(pid.value, boottimes[0], boottimes[1])
+    if rc >= 0:
+        return rc, pid.value
+    if -rc in _spawn_direct.UNSUPPORTED:
+        _spawn_direct.turn_off()
+    if cgroup_fd is not None:
+        return None
+    if -rc in _spawn_direct.UNSUPPORTED:
+        return _posix_spawn(path, argv, entries, cwd, stdin_fd, stdout_fd, stderr_fd)
+    return -rc, 0  # the clone itself failed (EAGAIN, ENOMEM): as posix_spawn reports it
+
+
+def _posix_spawn(
+    path: str,
+    argv: Sequence[str],
+    entries: list[bytes],
+    cwd: str,
+    stdin_fd: int | None,
+    stdout_fd: int | None,
+    stderr_fd: int | None,
+) -> tuple[int, int]:
+    """glibc's ``posix_spawn`` with the file actions and attributes of :func:`spawn_process`:
+    ``(0, pid)`` or ``(error number, 0)``."""
+    sources = (stdin_fd, stdout_fd, stderr_fd)
+    if any(fd is not None and fd < 3 and fd != target for target, fd in enumerate(sources)):
+        # The file actions run in order: a source among 0-2 that an earlier action overwrites is copied
+        # out of the way first (an engine started with a standard descriptor closed gets low numbers).
+        moved = [None if fd is None else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3) for fd in sources]
+        try:
+            return _posix_spawn(path, argv, entries, cwd, *moved)
+        finally:
+            for fd in moved:
+                if fd is not None:
+                    os.close(fd)
     libc = _libc.require()
     attr = _spawn_attr()
 
@@ -259,10 +403,4 @@ def spawn_process(
         rc = libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), fa, attr, c_argv, c_env)
     finally:
         libc.posix_spawn_file_actions_destroy(fa)
-    if rc != 0:
-        # The child's chdir fails as its exec would (ENOENT, ENOTDIR): told apart here, on the error path
-        # only, instead of a look at the directory before every spawn.
-        if not os.path.isdir(cwd):
-            raise _bad_cwd(cwd)
-        raise describe_exec_failure(rc, argv[0], path)
-    return pid.value
+    return rc, pid.value

@@ -39,7 +39,7 @@ from ._procfs import (
     set_child_subreaper,
     sharing_children_reads,
 )
-from ._spawn import engine_environment, spawn_process
+from ._spawn import engine_environment, spawn_process, start_time_of
 from ._sweep import end_processes
 from ._termination import ProcessTree, wait_gone
 
@@ -547,8 +547,14 @@ class Supervisor:
                     fds.append(target)
             pid = self._containment.spawn(
                 placement,
-                lambda: spawn_process(
-                    argv, cwd=cwd, env=env, stdout_fd=fds[0], stderr_fd=fds[1], stdin_fd=spec.stdin
+                lambda cgroup_fd: spawn_process(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    stdout_fd=fds[0],
+                    stderr_fd=fds[1],
+                    stdin_fd=spec.stdin,
+                    cgroup_fd=cgroup_fd,
                 ),
             )
         except BaseException:
@@ -574,12 +580,15 @@ class Supervisor:
         self, spec: SpawnSpec, run_id: int, argv: tuple[str, ...], marker: str, placement: Placement, pid: int
     ) -> ManagedRun:
         pidfd = os.pidfd_open(pid)
-        info = read_proc(pid)
+        start_time = start_time_of(pid)
+        if start_time is None:
+            info = read_proc(pid)
+            start_time = info.start_time if info is not None else 0
         tree = self._containment.tree(
             placement,
             pid=pid,
             pidfd=pidfd,
-            start_time=info.start_time if info is not None else 0,
+            start_time=start_time,
             marker=marker,
             known_leaders=self._leaders,
         )

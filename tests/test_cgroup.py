@@ -52,8 +52,10 @@ def _own_cgroup() -> str:
     return next(line for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::"))
 
 
-def _spawn(argv: list[str], cwd: str) -> int:
-    return spawn_process(argv, cwd=cwd, env=dict(os.environ), stdout_fd=None, stderr_fd=None)
+def _spawn(argv: list[str], cwd: str, cgroup_fd: int | None = None) -> int:
+    return spawn_process(
+        argv, cwd=cwd, env=dict(os.environ), stdout_fd=None, stderr_fd=None, cgroup_fd=cgroup_fd
+    )
 
 
 def test_parent_is_named_after_the_state_dir_and_recorded(tmp_path: Path) -> None:
@@ -88,7 +90,7 @@ async def test_a_child_is_born_in_its_leaf_and_the_engine_goes_home(
 ) -> None:
     before = _own_cgroup()
     leaf = parent.leaf("r1-test")
-    pid = parent.spawn_in(leaf, lambda: _spawn(["sleep", "30"], str(tmp_path)))
+    pid = parent.spawn_in(leaf, lambda fd: _spawn(["sleep", "30"], str(tmp_path), fd))
     try:
         assert _own_cgroup() == before
         assert leaf.holds(pid) and leaf.procs() == [pid] and leaf.populated()
@@ -105,7 +107,7 @@ def test_a_spawn_error_stays_a_spawn_error_and_the_engine_goes_home(
     before = _own_cgroup()
     leaf = parent.leaf("r2-test")
     with pytest.raises(SpawnError, match="command not found"):
-        parent.spawn_in(leaf, lambda: _spawn(["definitely-not-a-command-308"], str(tmp_path)))
+        parent.spawn_in(leaf, lambda fd: _spawn(["definitely-not-a-command-308"], str(tmp_path), fd))
     assert _own_cgroup() == before
     assert not leaf.populated() and leaf.remove()
 
@@ -116,7 +118,7 @@ async def test_a_scrubbed_double_forked_daemon_cannot_leave_its_leaf(
 ) -> None:
     leaf = parent.leaf("r3-test")
     script = "setsid -f env -i sleep 7771.25; exec sleep 7771.5"
-    pid = parent.spawn_in(leaf, lambda: _spawn(["bash", "-c", script], str(tmp_path)))
+    pid = parent.spawn_in(leaf, lambda fd: _spawn(["bash", "-c", script], str(tmp_path), fd))
 
     def scrubbed_daemon() -> int | None:  # the sleep that env -i started: before its exec it is setsid's
         for p in leaf.procs():
@@ -145,7 +147,7 @@ async def test_a_scrubbed_double_forked_daemon_cannot_leave_its_leaf(
 async def test_cgroup_kill_ends_what_ignores_sigint(parent: EngineCgroup, tmp_path: Path) -> None:
     leaf = parent.leaf("r4-test")
     pid = parent.spawn_in(
-        leaf, lambda: _spawn(["bash", "-c", "trap '' INT; sleep 7772.5 & wait"], str(tmp_path))
+        leaf, lambda fd: _spawn(["bash", "-c", "trap '' INT; sleep 7772.5 & wait"], str(tmp_path), fd)
     )
     async with open_leaf_watcher() as watcher:
         with trio.fail_after(5):

@@ -457,3 +457,33 @@ def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> N
     done = subprocess.run([PY, "-c", code, str(logs), str(project)], check=False, timeout=60)
     assert done.returncode == -9
     assert os.listdir(logs) == [".gitignore"]
+
+
+def test_folder_cache_hands_out_only_the_files_asked_for_and_keeps_the_rest(tmp_path: Path) -> None:
+    """Two pairs made ahead: each create takes one pair, the next pair waits for the next create."""
+    from engine._logdir import FolderCache
+    from engine._logpair import make_unnamed
+
+    project = tmp_path / "p"
+    project.mkdir()
+    logs = project / ".gadget" / "subprocess-logs"
+    LogFolder.make(str(logs), base=str(project))
+    cache = FolderCache()
+    before = _open_fds()
+    _, fd, _ = cache.open(str(logs), base=str(project))
+    os.close(fd)
+    cache.prepare(str(logs), base=str(project), make=make_unnamed, count=4)
+    taken = []
+    for _ in range(2):
+        _, fd, spare = cache.open(str(logs), base=str(project), want=2)
+        os.close(fd)
+        assert len(spare) == 2
+        taken.extend(spare)
+    _, fd, spare = cache.open(str(logs), base=str(project), want=2)
+    os.close(fd)
+    assert spare == []
+    assert len({identity for _, identity in taken}) == 4  # four distinct files, none handed out twice
+    for opened, _ in taken:
+        os.close(opened)
+    cache.close()
+    assert _open_fds() == before
