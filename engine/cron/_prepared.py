@@ -1,0 +1,95 @@
+"""Claims made ahead: the claim of a due time built before it is due, so that at the due time only the
+store's writes are left to do.
+
+A claim (:func:`~engine.cron._claims.take_due`) is a pure function of the job and of the claim time
+``now``. Most of its cost does not depend on ``now``: the claimed job, its row text, the fire of a
+``SystemEvent`` and that fire's id. Shortly before a burst is due, the SQLite store makes each of them
+once (:func:`prepare_claim`) and keeps the result; at the claim it only puts ``now`` in
+(:func:`claim_prepared`), then writes.
+
+When a prepared claim may stand for a fresh one:
+
+- it was made from the very job the claim looks at (the store checks the parsed job's identity: any
+  change of the row gives another object, so an edit or a removal between the preparation and the due
+  time never fires a stale preparation);
+- the claim time is at or after the due time (the job is due) and before the next run the preparation
+  computed: in between, the claim's next run is that same one (a schedule's next run after ``t`` is the
+  first of its run times after ``t``; ``tests/test_cron_prepared.py`` holds this for every schedule
+  kind). Outside it, :func:`claim_prepared` says ``None`` and the store claims afresh.
+
+Nothing is written ahead: persist-before-fire and the exactly-once rules are the claim's, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+
+import attrs
+
+from ._claims import due_at, take_due
+from ._events import PENDING_FIRE_FIELDS, PendingFire
+from ._job import CronJob
+
+__all__ = ["PreparedClaim", "claim_prepared", "prepare_claim"]
+
+#: Stands for the claim time in a prepared row text (a value no job's text holds).
+_MARK = f"claim-time-{uuid.uuid4().hex}"
+_QUOTED_MARK = json.dumps(_MARK)
+
+
+@attrs.frozen
+class PreparedClaim:
+    """The claim of ``before``'s due time, made ahead (see the module's docstring).
+
+    Attributes:
+        before: the job it was made from (the store's parsed object: identity is the check).
+        due: the due time it claims.
+        job: the job as claimed at ``due``.
+        text_parts: the claimed job's row text, cut where the claim time goes (``last_run_at`` and
+            ``updated_at``).
+        fire: the ``SystemEvent`` fire logged with the claim (``None``: a ``Command`` to run).
+        fire_row: ``job_id, project`` and the fire's fields, the event's columns but ``acked``
+            (``None`` without a fire).
+    """
+
+    before: CronJob
+    due: datetime
+    job: CronJob
+    text_parts: tuple[str, str, str]
+    fire: PendingFire | None
+    fire_row: tuple[object, ...] | None
+
+    def valid_at(self, now: datetime) -> bool:
+        """Whether a claim at ``now`` gives the prepared claim (``now`` in ``[due, next run)``)."""
+        later = self.job.next_run_at
+        return self.due <= now and (later is None or now < later)
+
+
+def prepare_claim(job: CronJob) -> PreparedClaim | None:
+    """The claim of ``job``'s next due time, made now for later; ``None`` if it waits for none."""
+    due = due_at(job)
+    taken = None if due is None else take_due(job, due)
+    if due is None or taken is None:
+        return None
+    after, fire = taken
+    marked = after.to_dict()
+    marked["last_run_at"] = marked["updated_at"] = _MARK
+    head, *rest = json.dumps(marked).split(_QUOTED_MARK)
+    if len(rest) != 2:  # cannot happen (the mark is unique); claimed afresh then
+        return None
+    fire_row = None
+    if fire is not None:
+        fire_row = (job.id, job.project, *(getattr(fire, name) for name in PENDING_FIRE_FIELDS))
+    return PreparedClaim(job, due, after, (head, rest[0], rest[1]), fire, fire_row)
+
+
+def claim_prepared(prepared: PreparedClaim, now: datetime) -> tuple[CronJob, str] | None:
+    """The claimed job and its row text at ``now``, from ``prepared``: what ``take_due(prepared.before,
+    now)`` gives and the store would write; ``None`` when ``now`` is outside :meth:`~PreparedClaim.valid_at`.
+    """
+    if not prepared.valid_at(now):
+        return None
+    after = attrs.evolve(prepared.job, last_run_at=now, updated_at=now)
+    return after, json.dumps(now.isoformat()).join(prepared.text_parts)
