@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
+from typing import final
 
 import attrs
 
@@ -32,7 +34,7 @@ from ._claims import due_at, take_due
 from ._events import PENDING_FIRE_FIELDS, PendingFire
 from ._job import CronJob
 
-__all__ = ["PreparedClaim", "claim_prepared", "prepare_claim"]
+__all__ = ["ClaimsAhead", "PreparedClaim", "TakenClaim", "claim_prepared", "fire_row", "prepare_claim"]
 
 #: Stands for the claim time in a prepared row text (a value no job's text holds).
 _MARK = f"claim-time-{uuid.uuid4().hex}"
@@ -79,10 +81,13 @@ def prepare_claim(job: CronJob) -> PreparedClaim | None:
     head, *rest = json.dumps(marked).split(_QUOTED_MARK)
     if len(rest) != 2:  # cannot happen (the mark is unique); claimed afresh then
         return None
-    fire_row = None
-    if fire is not None:
-        fire_row = (job.id, job.project, *(getattr(fire, name) for name in PENDING_FIRE_FIELDS))
-    return PreparedClaim(job, due, after, (head, rest[0], rest[1]), fire, fire_row)
+    row = None if fire is None else fire_row(job, fire)
+    return PreparedClaim(job, due, after, (head, rest[0], rest[1]), fire, row)
+
+
+def fire_row(job: CronJob, fire: PendingFire) -> tuple[object, ...]:
+    """The event columns of ``job``'s claimed ``fire`` but ``acked``: ``job_id, project``, its fields."""
+    return (job.id, job.project, *(getattr(fire, name) for name in PENDING_FIRE_FIELDS))
 
 
 def claim_prepared(prepared: PreparedClaim, now: datetime) -> tuple[CronJob, str] | None:
@@ -93,3 +98,56 @@ def claim_prepared(prepared: PreparedClaim, now: datetime) -> tuple[CronJob, str
         return None
     after = attrs.evolve(prepared.job, last_run_at=now, updated_at=now)
     return after, json.dumps(now.isoformat()).join(prepared.text_parts)
+
+
+#: A claim as the store writes it: the job read, the job claimed, its row text, its fire (``None``: a
+#: ``Command``) and the fire's event columns but ``acked`` (``job_id, project``, the fire's fields).
+TakenClaim = tuple[CronJob, CronJob, str, PendingFire | None, tuple[object, ...] | None]
+
+
+@final
+@attrs.define(eq=False)
+class ClaimsAhead:
+    """The claims made ahead, by job id: what the SQLite store keeps between :meth:`prepare` (shortly
+    before a burst) and :meth:`take` (at its claim). Used from one thread at a time (the store's).
+
+    Attributes:
+        limit: the most claims kept (the earliest due); a claim beyond them is made at the due time.
+    """
+
+    limit: int
+    _ready: dict[str, PreparedClaim] = attrs.field(init=False, factory=dict)
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def prepare(self, jobs: Iterable[CronJob], until: datetime) -> None:
+        """Make the claims of those of ``jobs`` due by ``until``, earliest due first, at most
+        :attr:`limit`; a claim made before for the same job object is kept, the others are forgotten."""
+        soon = sorted(
+            (
+                (at, job.created_at, job.id, job)
+                for job in jobs
+                if (at := due_at(job)) is not None and at <= until
+            ),
+            key=lambda entry: entry[:3],
+        )
+        kept, self._ready = self._ready, {}
+        for _at, _created, job_id, job in soon[: self.limit]:
+            ready = kept.get(job_id)
+            if ready is None or ready.before is not job:
+                ready = prepare_claim(job)
+            if ready is not None:
+                self._ready[job_id] = ready
+
+    def take(self, job: CronJob, now: datetime) -> TakenClaim | None:
+        """The claim of ``job`` at ``now`` if one made ahead stands for it (made from this very object,
+        ``now`` within :meth:`PreparedClaim.valid_at`), else ``None`` (the caller claims afresh). The
+        claim made ahead is forgotten either way."""
+        ready = self._ready.pop(job.id, None)
+        if ready is None or ready.before is not job:
+            return None
+        made = claim_prepared(ready, now)
+        if made is None:
+            return None
+        return job, made[0], made[1], ready.fire, ready.fire_row

@@ -39,7 +39,7 @@ from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
 from ._fleet import FleetMember, LocalBeats
 from ._job import CronJob
 from ._notices import add_notice, pending_notices, take_notice
-from ._prepared import PreparedClaim, claim_prepared, prepare_claim
+from ._prepared import ClaimsAhead, TakenClaim, fire_row
 from ._protocol import JobChange, JobStore
 from ._rows import (
     EVENT_COLUMNS,
@@ -114,7 +114,7 @@ class SqliteJobStore:
     _conn: sqlite3.Connection | None = attrs.field(init=False, default=None)
     _limiter: trio.CapacityLimiter = attrs.field(init=False, factory=lambda: trio.CapacityLimiter(1))
     _parsed: dict[str, tuple[str, CronJob]] = attrs.field(init=False, factory=dict)
-    _prepared: dict[str, PreparedClaim] = attrs.field(init=False, factory=dict)
+    _ahead: ClaimsAhead = attrs.field(init=False, factory=lambda: ClaimsAhead(SQLITE_CLAIM_BATCH))
 
     @classmethod
     def in_state_dir(
@@ -524,27 +524,24 @@ class SqliteJobStore:
         """Claim every due job (not in ``skip``) at ``now``, oldest due first, in one transaction
         (``_claims``), at most ``limit`` of them (:data:`SQLITE_CLAIM_BATCH`); log each ``SystemEvent``
         fire with it (``acked`` as given). A claim :meth:`prepare_claims` made for the very job read here
-        is used when ``now`` allows it (``_prepared``); the others are made here."""
+        is used when ``now`` allows it (``_prepared.ClaimsAhead``); the others are made here."""
         skipped = set(skip)
 
         def run(conn: sqlite3.Connection) -> DueClaims:
             rows = self._all_rows(conn)
             jobs = [j for j in (self._job(r[0], r[1]) for r in rows) if j is not None and j.id not in skipped]
             due = sorted((j for j in jobs if (at := due_at(j)) is not None and at <= now), key=_due_order)
-            prepared = self._prepared
-            taken: list[tuple[CronJob, CronJob, str, PendingFire | None, tuple[object, ...] | None]] = []
+            taken: list[TakenClaim] = []
             for job in due[:limit]:
-                ready = prepared.pop(job.id, None)
-                made = None if ready is None or ready.before is not job else claim_prepared(ready, now)
-                if made is not None:
-                    assert ready is not None
-                    taken.append((job, made[0], made[1], ready.fire, ready.fire_row))
-                    continue
-                fresh = take_due(job, now)
-                if fresh is not None:
+                made = self._ahead.take(job, now)
+                if made is None:
+                    fresh = take_due(job, now)
+                    if fresh is None:
+                        continue
                     after, fire = fresh
-                    row = None if fire is None else _fire_row(job, fire)
-                    taken.append((job, after, self._text(after, job), fire, row))
+                    row = None if fire is None else fire_row(job, fire)
+                    made = (job, after, self._text(after, job), fire, row)
+                taken.append(made)
             conn.executemany("UPDATE jobs SET data = ? WHERE id = ?", [(t[2], t[1].id) for t in taken])
             fire_ids = [fire.fire_id for *_, fire, _row in taken if fire is not None]
             logged = self._logged(conn, fire_ids) if fire_ids else {}
@@ -575,7 +572,7 @@ class SqliteJobStore:
         *,
         acked: bool,
     ) -> FiredEvent:
-        """Append a claimed job's ``fire`` (``row``: its columns, ``_fire_row``), or (``logged``: its
+        """Append a claimed job's ``fire`` (``row``: its columns, ``_prepared.fire_row``), or (``logged``: its
         event's row) return the event logged already."""
         if logged is not None:
             return cls._append_unless_logged(conn, job.id, job.project, fire, logged, acked=acked)
@@ -592,23 +589,7 @@ class SqliteJobStore:
         """
 
         def run() -> None:
-            kept = self._prepared
-            soon = sorted(
-                (
-                    (at, job.created_at, job.id, job)
-                    for _data, job in self._parsed.values()
-                    if (at := due_at(job)) is not None and at <= until
-                ),
-                key=lambda entry: entry[:3],
-            )
-            fresh: dict[str, PreparedClaim] = {}
-            for _at, _created, job_id, job in soon[:SQLITE_CLAIM_BATCH]:
-                ready = kept.get(job_id)
-                if ready is None or ready.before is not job:
-                    ready = prepare_claim(job)
-                if ready is not None:
-                    fresh[job_id] = ready
-            self._prepared = fresh
+            self._ahead.prepare((job for _data, job in self._parsed.values()), until)
 
         await self._call(lambda _conn: run(), write=False)
 
@@ -630,11 +611,6 @@ class SqliteJobStore:
     async def fleet(self) -> list[FleetMember]:
         """This engine's last heartbeat and its age."""
         return await self._beats.fleet()
-
-
-def _fire_row(job: CronJob, fire: PendingFire) -> tuple[object, ...]:
-    """A claimed job's event columns but ``acked``: ``job_id, project`` and the fire's fields."""
-    return (job.id, job.project, *(getattr(fire, name) for name in PENDING_FIRE_FIELDS))
 
 
 def _due_order(job: CronJob) -> tuple[datetime, datetime]:
