@@ -39,6 +39,10 @@ __all__ = ["ClaimsAhead", "PreparedClaim", "TakenClaim", "claim_prepared", "fire
 #: Stands for the claim time in a prepared row text (a value no job's text holds).
 _MARK = f"claim-time-{uuid.uuid4().hex}"
 _QUOTED_MARK = json.dumps(_MARK)
+#: A job's fields in ``__init__``'s order, and where the claim time goes among them.
+_JOB_FIELDS = tuple(field.name for field in attrs.fields(CronJob))
+_LAST_RUN_AT = _JOB_FIELDS.index("last_run_at")
+_UPDATED_AT = _JOB_FIELDS.index("updated_at")
 
 
 @attrs.frozen
@@ -49,6 +53,7 @@ class PreparedClaim:
         before: the job it was made from (the store's parsed object: identity is the check).
         due: the due time it claims.
         job: the job as claimed at ``due``.
+        job_args: its fields, in order (a claim at another time makes it again with two changed).
         text_parts: the claimed job's row text, cut where the claim time goes (``last_run_at`` and
             ``updated_at``).
         fire: the ``SystemEvent`` fire logged with the claim (``None``: a ``Command`` to run).
@@ -59,6 +64,7 @@ class PreparedClaim:
     before: CronJob
     due: datetime
     job: CronJob
+    job_args: tuple[object, ...]
     text_parts: tuple[str, str, str]
     fire: PendingFire | None
     fire_row: tuple[object, ...] | None
@@ -82,7 +88,8 @@ def prepare_claim(job: CronJob) -> PreparedClaim | None:
     if len(rest) != 2:  # cannot happen (the mark is unique); claimed afresh then
         return None
     row = None if fire is None else fire_row(job, fire)
-    return PreparedClaim(job, due, after, (head, rest[0], rest[1]), fire, row)
+    args = tuple(getattr(after, name) for name in _JOB_FIELDS)
+    return PreparedClaim(job, due, after, args, (head, rest[0], rest[1]), fire, row)
 
 
 def fire_row(job: CronJob, fire: PendingFire) -> tuple[object, ...]:
@@ -90,14 +97,23 @@ def fire_row(job: CronJob, fire: PendingFire) -> tuple[object, ...]:
     return (job.id, job.project, *(getattr(fire, name) for name in PENDING_FIRE_FIELDS))
 
 
-def claim_prepared(prepared: PreparedClaim, now: datetime) -> tuple[CronJob, str] | None:
+def claim_prepared(
+    prepared: PreparedClaim, now: datetime, *, stamp: str | None = None
+) -> tuple[CronJob, str] | None:
     """The claimed job and its row text at ``now``, from ``prepared``: what ``take_due(prepared.before,
     now)`` gives and the store would write; ``None`` when ``now`` is outside :meth:`~PreparedClaim.valid_at`.
+
+    Args:
+        prepared: the claim made ahead.
+        now: the claim time (aware).
+        stamp: ``now`` as the row text holds it (``json.dumps(now.isoformat())``), if known already.
     """
     if not prepared.valid_at(now):
         return None
-    after = attrs.evolve(prepared.job, last_run_at=now, updated_at=now)
-    return after, json.dumps(now.isoformat()).join(prepared.text_parts)
+    args = list(prepared.job_args)
+    args[_LAST_RUN_AT] = args[_UPDATED_AT] = now
+    text = (json.dumps(now.isoformat()) if stamp is None else stamp).join(prepared.text_parts)
+    return CronJob(*args), text  # type: ignore[arg-type]  # the fields of a job, in order
 
 
 #: A claim as the store writes it: the job read, the job claimed, its row text, its fire (``None``: a
@@ -117,6 +133,7 @@ class ClaimsAhead:
 
     limit: int
     _ready: dict[str, PreparedClaim] = attrs.field(init=False, factory=dict)
+    _stamp: tuple[datetime, str] | None = attrs.field(init=False, default=None)
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -147,7 +164,9 @@ class ClaimsAhead:
         ready = self._ready.pop(job.id, None)
         if ready is None or ready.before is not job:
             return None
-        made = claim_prepared(ready, now)
+        if self._stamp is None or self._stamp[0] is not now:  # one claim: one time, written once
+            self._stamp = (now, json.dumps(now.isoformat()))
+        made = claim_prepared(ready, now, stamp=self._stamp[1])
         if made is None:
             return None
         return job, made[0], made[1], ready.fire, ready.fire_row
