@@ -300,17 +300,52 @@ class CronTimer:
         was made since (``generation`` moved): only then is it read again to decide on its deletion.
         Its end wakes the timer only if a look left the job out and could not count its due time
         (``_left_out``). The event was held since the claim (``_start_claimed``).
+
+        Once ``on_fire`` returned, the task does not wait for an acknowledgement another hand-over is
+        writing (``Delivery.hand_over_held``): the delivery ends when that one is committed
+        (``_delivered``), so a burst leaves no task per fire waiting.
         """
+        delivery = self.service.delivery
+        later = False
         try:
-            try:
-                await self.service.delivery.hand_over(event)
-            finally:
-                self.service.delivery.release(event)
+            ended = functools.partial(self._delivered, job, event, done, scope, generation)
+            later = await delivery.hand_over_held(event, ended) is None
+            if later:
+                return
+            delivery.release(event)
             if should_delete(job) or generation != self._generation:
                 await self.delete_if_done(job.id)
         finally:
-            self._delivering.pop(job.id, None)
-            self._finished(job.id, done, scope, wake=job.id in self._passed_over)
+            if not later:  # (cancelled: released here)
+                delivery.release(event)
+                self._end_delivery(job.id, done, scope)
+
+    def _delivered(
+        self,
+        job: CronJob,
+        event: FiredEvent,
+        done: Run,
+        scope: trio.CancelScope,
+        generation: int,
+        acked: bool,
+    ) -> None:
+        """The acknowledgement a claimed event joined ended (``acked``: committed): end its delivery,
+        deleting the job first (in a task) if it is done."""
+        self.service.delivery.release(event)
+        if acked and self.nursery is not None and (should_delete(job) or generation != self._generation):
+            self.nursery.start_soon(self._delete_then_end, job.id, done, scope)
+            return
+        self._end_delivery(job.id, done, scope)
+
+    async def _delete_then_end(self, job_id: str, done: Run, scope: trio.CancelScope) -> None:
+        try:
+            await self.delete_if_done(job_id)
+        finally:
+            self._end_delivery(job_id, done, scope)
+
+    def _end_delivery(self, job_id: str, done: Run, scope: trio.CancelScope) -> None:
+        self._delivering.pop(job_id, None)
+        self._finished(job_id, done, scope, wake=job_id in self._passed_over)
 
     async def _wait_changed(self, seconds: float) -> None:
         """The timer's back-off after a store failure: ``seconds``, or until a job changes."""
