@@ -246,8 +246,8 @@ class CronTimer:
             return None
         wait = max(0.0, (next_due - due.now).total_seconds())
         ahead = self.service.store.prepare_ahead_seconds
-        if ahead > 0:
-            self._prepare_at = began + max(0.0, wait - ahead / 2)
+        if ahead > 0:  # with fires just started, not at once: they go first (the store thread takes the GIL)
+            self._prepare_at = began + max(wait / 2 if due.claims else 0.0, wait - ahead / 2)
         return began + min(self.service.recheck_seconds, wait)
 
     def _left_out(
