@@ -194,6 +194,89 @@ async def test_delivery_ack_batch_whose_writer_is_cancelled_is_written_by_anothe
     ]
 
 
+async def test_delivery_held_hand_overs_do_not_wait_for_an_ack_another_writes(
+    counting_store: AckCountingStore,
+) -> None:
+    """The timer's claimed burst (``hand_over_held``): once ``on_fire`` returned, a hand-over that joins
+    an acknowledgement another one writes returns ``None`` at once, and is told when it committed."""
+    handed: list[int] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        handed.append(event.cursor)
+
+    delivery = Delivery(counting_store, on_fire=on_fire)
+    events = await _record(delivery, 60)
+    gate = counting_store.gate = trio.Event()
+    results: dict[int, bool | None] = {}
+    told: dict[int, bool] = {}
+
+    async def hand(event: FiredEvent) -> None:
+        delivery.hold(event)
+        results[event.cursor] = await delivery.hand_over_held(
+            event, lambda acked: told.update({event.cursor: acked})
+        )
+
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            nursery.start_soon(hand, event)
+        await wait_all_blocked()  # the first ack is held at the gate
+        returned = [c for c, r in results.items() if r is None]
+        assert len(returned) >= 57 and told == {}  # returned without waiting; the writers wait
+        gate.set()
+    assert sorted(handed) == [e.cursor for e in events]
+    assert sorted(c for c, r in results.items() if r) == sorted(set(handed) - set(returned))
+    assert told == dict.fromkeys(returned, True)  # each told once, once its batch committed
+    assert await counting_store.unacked_events() == []
+    acked = [c for batch in counting_store.acks for c in batch]
+    assert sorted(acked) == [e.cursor for e in events] and len(counting_store.acks) <= 3
+
+
+async def test_delivery_held_hand_overs_of_a_cancelled_writer_are_told_and_redelivered(
+    autojump_clock: trio.testing.MockClock, counting_store: AckCountingStore
+) -> None:
+    autojump_clock.autojump_threshold = 0.05  # store calls run in a worker thread
+    calls: list[int] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        calls.append(event.cursor)
+
+    delivery = Delivery(counting_store, on_fire=on_fire)
+    first, second, third = await _record(delivery, 3)
+    gate = counting_store.gate = trio.Event()
+    told: dict[int, bool] = {}
+    scope = trio.CancelScope()
+
+    async def hand(event: FiredEvent) -> None:
+        delivery.hold(event)
+        try:
+            await delivery.hand_over_held(event, lambda acked: told.update({event.cursor: acked}))
+        finally:
+            delivery.release(event)
+
+    async def hand_cancelled() -> None:
+        with scope:
+            await hand(second)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(delivery.run)
+        nursery.start_soon(hand, first)  # writes the first batch, held at the gate
+        await wait_all_blocked()
+        nursery.start_soon(hand_cancelled)  # leads the second batch, waiting for the first
+        await wait_all_blocked()
+        nursery.start_soon(hand, third)  # joins the second batch and returns
+        await wait_all_blocked()
+        assert told == {}
+        scope.cancel()  # the second batch's writer gives up before writing it
+        await wait_all_blocked()
+        assert told == {third.cursor: False}  # told, and left to a redelivery pass
+        gate.set()
+        await trio.sleep(5)  # the pass after 1 s
+        nursery.cancel_scope.cancel()
+    assert await counting_store.unacked_events() == []  # at least once: each handed over and acked
+    assert calls[:3] == [first.cursor, second.cursor, third.cursor]
+    assert sorted(calls[3:]) == [second.cursor, third.cursor]
+
+
 async def test_delivery_group_ack_on_a_failing_disk_is_retried_and_loses_nothing(
     autojump_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:

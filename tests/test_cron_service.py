@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -761,6 +762,79 @@ async def test_service_jobs_due_together_each_fire_once_acked_in_few_commits(
         assert [w for w in store.writes if w != "claim 0"][:3] == [f"claim {CLAIM_BATCH}"] * 2 + ["claim 50"]
         assert store.reads - before <= 4  # a look before the due time, then three claims: no look per fire
         assert all(not j.enabled and j.last_status is JobStatus.OK for j in await cron.list())
+
+
+async def test_service_burst_of_one_shots_deleted_after_run_each_fire_once_then_go(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    """The fires of a burst whose acknowledgement another hand-over wrote end when it is committed
+    (``CronTimer._delivered``): each job fires once, is deleted after it, and nothing stays running;
+    the claims were made ahead (``prepare_claims``), two jobs edited after that fire as edited."""
+    total = CLAIM_BATCH + 30
+    due = T0 + timedelta(seconds=30)
+    store = burst_store(tmp_path)
+    handed: list[FiredEvent] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        handed.append(event)
+
+    async with cron_service(tmp_path, supervisor, WallClock(), store=store, on_fire=on_fire) as cron:
+        for i in range(total):
+            await store.insert_job(attrs.evolve(one_shot(i, due), delete_after_run=True))
+        await cron.notify_jobs_changed()
+        await trio.sleep(29.5)  # the claims are made ahead half prepare_ahead_seconds before
+        await cron.update("burst-0001", name="edited")
+        await cron.update("burst-0002", payload=SystemEvent("edited text"))
+        with trio.fail_after(600):
+            while len(handed) < total or await cron.list():
+                await trio.sleep(1)
+        await trio.sleep(60)
+        assert sorted(e.job_id for e in handed) == [f"burst-{i:04d}" for i in range(total)]  # each once
+        by_job = {e.job_id: e for e in handed}
+        assert by_job["burst-0001"].job_name == "edited" and by_job["burst-0002"].text == "edited text"
+        assert await cron.list() == [] and await store.unacked_events() == []
+        assert cron.timer.running == {} and cron.timer.run_scopes == {}
+
+
+class PreparingStore(BurstStore):
+    """The burst store, noting when (on the wall clock given) the timer asks it to make claims ahead."""
+
+    wall: WallClock
+    prepared_at: list[datetime]
+
+    async def prepare_claims(self, until: datetime) -> None:
+        self.prepared_at.append(self.wall())
+        await super().prepare_claims(until)
+
+
+async def test_timer_asks_for_the_claims_ahead_half_the_lead_before_without_a_look(
+    clock: trio.testing.MockClock, tmp_path: Path, supervisor: Supervisor
+) -> None:
+    """The timer asks the store to make its claims half ``prepare_ahead_seconds`` before a due time
+    (no extra look: no ``claim_due``), and after a burst whose next due time is near, half-way to it
+    (the fires just started go first)."""
+    wall = WallClock()
+    store = PreparingStore(str(tmp_path / "cron.sqlite3"))
+    store.acks, store.writes, store.wall, store.prepared_at = [], [], wall, []
+    handed: list[datetime] = []
+
+    async def on_fire(event: FiredEvent) -> None:
+        handed.append(wall())
+
+    async with cron_service(tmp_path, supervisor, wall, store=store, on_fire=on_fire) as cron:
+        lead = store.prepare_ahead_seconds / 2
+        first = T0 + timedelta(seconds=30)
+        for i in range(20):
+            job = attrs.evolve(one_shot(i, first), schedule=Every(1.0, anchor=first))
+            await store.insert_job(job)
+        before = store.reads
+        await cron.notify_jobs_changed()
+        await trio.sleep(32.2)
+        assert store.reads - before == 4  # the look at the change, then one claim a second: no look ahead
+        seconds = [round((at - T0).total_seconds(), 1) for at in store.prepared_at]
+        assert seconds[0] == round(30 - lead, 1)  # half the lead before the first due time
+        assert seconds[1:] == [30.5, 31.5]  # after each burst: half-way to the next due time
+        assert len(handed) == 60 and min(handed) == first
 
 
 async def test_service_restart_after_the_claim_before_the_ack_delivers_each_fire(

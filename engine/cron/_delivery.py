@@ -58,12 +58,15 @@ class _AckBatch:
 
     Attributes:
         cursors: the events whose ``on_fire`` returned, acknowledged by this batch's commit.
+        told: called once the batch ended, with whether it committed (the timer's claimed events,
+            whose tasks did not wait: :meth:`Delivery.hand_over_held`).
         led: whether a hand-over has taken the commit on (it waits for the batch before to end).
         done: set once the commit ended, committed or not.
         committed: whether the commit went through.
     """
 
     cursors: list[int] = attrs.field(factory=list)
+    told: list[Callable[[bool], None]] = attrs.field(factory=list)
     led: bool = False
     done: trio.Event = attrs.field(factory=trio.Event)
     committed: bool = False
@@ -207,14 +210,7 @@ class Delivery:
             try:
                 await self.on_fire(event)
             except Exception:
-                logger.exception(
-                    "cron job %s: on_fire failed for fire %s (cursor %s); it is handed over again later "
-                    "(with back-off, and at the next start)",
-                    event.job_id,
-                    event.fire_id,
-                    event.cursor,
-                )
-                self._failed.set()
+                self._refused(event)
                 return False
             await self._acknowledge(event.cursor)
             if self._acked_in_pass is not None:
@@ -223,7 +219,47 @@ class Delivery:
         finally:
             self._handing.discard(event.cursor)
 
-    async def _acknowledge(self, cursor: int) -> None:
+    async def hand_over_held(self, event: FiredEvent, then: Callable[[bool], None]) -> bool | None:
+        """:meth:`hand_over` for an event the caller holds (:meth:`hold`; the timer's claims), without
+        waiting for an acknowledgement another hand-over writes.
+
+        ``on_fire(event)`` is awaited. If an acknowledgement is being written by another hand-over, the
+        event joins the next one and this returns ``None`` at once: ``then(acknowledged)`` is called
+        once that one ended (``False``: its writer was cancelled; the event is handed over again by a
+        redelivery pass). Otherwise this writes it and returns, as :meth:`hand_over` does, and ``then``
+        is not called. A burst of a thousand fires thus leaves no thousand tasks waiting for a commit
+        (their stacks are what set off a full garbage collection inside a burst).
+
+        Cancellation: as :meth:`hand_over`; ``then`` is not called.
+
+        Returns:
+            Whether the event is delivered (``on_fire`` returned and the acknowledgement committed, or
+            standalone), or ``None``: ``then`` will tell.
+        """
+        if self.on_fire is None:
+            await trio.lowlevel.checkpoint()
+            return True
+        try:
+            await self.on_fire(event)
+        except Exception:
+            self._refused(event)
+            return False
+        acked = await self._acknowledge(event.cursor, then=then)
+        if acked and self._acked_in_pass is not None:
+            self._acked_in_pass.add(event.cursor)
+        return acked
+
+    def _refused(self, event: FiredEvent) -> None:
+        logger.exception(
+            "cron job %s: on_fire failed for fire %s (cursor %s); it is handed over again later "
+            "(with back-off, and at the next start)",
+            event.job_id,
+            event.fire_id,
+            event.cursor,
+        )
+        self._failed.set()
+
+    async def _acknowledge(self, cursor: int, *, then: Callable[[bool], None] | None = None) -> bool | None:
         """Acknowledge the event at ``cursor`` in the store; return once that is committed.
 
         Group commit: the hand-overs whose ``on_fire`` returned while one acknowledgement is being
@@ -232,11 +268,20 @@ class Delivery:
         (1 s, 5 s, 30 s, then every 5 min) and the batch's other hand-overs wait for it. If the writer is
         cancelled first, each of them takes its cursor into a later batch.
 
+        With ``then``, a hand-over that is not the writer does not wait: ``then(committed)`` is called
+        when the batch ended, and this returns ``None`` (:meth:`hand_over_held`).
+
         Cancellation: the event may stay unacknowledged (handed over again later or at the next start).
+
+        Returns:
+            ``True`` once committed, or ``None`` when ``then`` will tell.
         """
         while True:
             batch = self._acking
             batch.cursors.append(cursor)
+            if batch.led and then is not None:
+                batch.told.append(then)
+                return None
             if batch.led:
                 await batch.done.wait()
             else:
@@ -257,8 +302,22 @@ class Delivery:
                     if self._acking is batch:  # cancelled before the batch was closed
                         self._acking = _AckBatch()
                     batch.done.set()
+                    self._tell(batch)
             if batch.committed:
-                return
+                return True
+
+    def _tell(self, batch: _AckBatch) -> None:
+        """Call the batch's ``told`` (each logged if it raises); a batch not committed leaves its events
+        to a redelivery pass."""
+        if not batch.committed and batch.told:
+            self._failed.set()
+        elif batch.committed and self._acked_in_pass is not None:
+            self._acked_in_pass.update(batch.cursors)  # a pass under way must not hand them over again
+        for tell in batch.told:
+            try:
+                tell(batch.committed)
+            except Exception:
+                logger.exception("cron: ending a hand-over after its acknowledgement failed")
 
     async def catch_up(self) -> None:
         """Start-up, once the pending fires are recorded: deliver what the last engine left undelivered.

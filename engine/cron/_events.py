@@ -162,6 +162,21 @@ class FiredEvent(PendingFire):
             **{name: getattr(fire, name) for name in PENDING_FIRE_FIELDS},
         )
 
+    @classmethod
+    def logged(cls, row: tuple[object, ...], *, cursor: int) -> FiredEvent:
+        """The event a store just appended at ``cursor`` from ``row``: ``job_id``, ``project``, then the
+        fields of a :class:`PendingFire`, each checked already (the fire's when it was made, the job's
+        when it was read), so not checked again: a burst's claim makes a thousand of these.
+        """
+        event: FiredEvent = object.__new__(cls)
+        put = object.__setattr__  # what the frozen class's own __init__ does
+        put(event, "cursor", cursor)
+        put(event, "job_id", row[0])
+        put(event, "project", row[1])
+        for name, value in zip(PENDING_FIRE_FIELDS, row[2:], strict=True):
+            put(event, name, value)
+        return event
+
     def pending(self) -> PendingFire:
         """The pending fire this event recorded."""
         return PendingFire(**{name: getattr(self, name) for name in PENDING_FIRE_FIELDS})

@@ -115,6 +115,17 @@ class JobStore(Protocol):
         store decides on the database's clock instead. Jobs in ``skip`` (running here) are left."""
         ...
 
+    @property
+    def prepare_ahead_seconds(self) -> float:
+        """How long before a due time the timer calls :meth:`prepare_claims` (0: the store makes its
+        claims at the due time only)."""
+        ...
+
+    async def prepare_claims(self, until: datetime) -> None:
+        """Make ahead what :meth:`claim_due` can of the claims of the jobs due by ``until`` (SQLite:
+        ``_prepared``), writing nothing; a store may do nothing. A claim made ahead is used only for the
+        job as it was then: a job changed meanwhile is claimed as if nothing had been made."""
+
     async def listen(
         self,
         on_jobs: Callable[[], None],

@@ -17,7 +17,10 @@ Many jobs due together (a burst) cost a claim transaction per batch (SQLite: ``S
 1000; a fleet's PostgreSQL store: ``CLAIM_BATCH``, 200), each batch's fires handed over as soon as it is
 committed, and their acknowledgements written together once the burst is claimed
 (``Delivery.defer_acks``); the end of a claimed fire's delivery reads nothing from the store unless the
-job changed meanwhile, and does not wake the timer (``_left_out``).
+job changed meanwhile, and does not wake the timer (``_left_out``). A SQLite store makes a burst's
+claims ahead, about a second before it is due (``_prepared``: the claimed jobs, their row texts, fires
+and fire ids), so that at the due time its transaction only writes; and a claimed fire's task ends once
+``on_fire`` returned, its acknowledgement written by another (``Delivery.hand_over_held``).
 
 On a fleet store the store decides (``JobStore.owns``) which jobs are this engine's own: only those are
 run here when their payload is a ``Command``, armed by the exit watchers, or reset at start-up.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, final
 
 import attrs
@@ -72,6 +72,7 @@ class CronTimer:
     _passed_over: frozenset[str] = attrs.field(init=False, factory=frozenset)
     _delivering: dict[str, datetime | None] = attrs.field(init=False, factory=dict)
     _generation: int = attrs.field(init=False, default=0)
+    _prepare_at: float | None = attrs.field(init=False, default=None)
 
     def _wall(self) -> datetime:
         return require_aware(self.service.now(), "now()")
@@ -190,18 +191,39 @@ class CronTimer:
             if wake <= trio.current_time():
                 continue  # more is due now: claim it before the fires just started take their turns
             with trio.move_on_at(wake):
+                await self._wait(changed)
+
+    async def _wait(self, changed: trio.Event) -> None:
+        """Wait for ``changed``; meanwhile, at the time the look set (``_prepare_at``: half the store's
+        ``prepare_ahead_seconds`` before the next due time, or at once if it is nearer), have the store
+        make ahead the claims of the jobs due soon (``_prepared``). This reads no row: the store uses
+        the jobs of the look, and a claim made for a job that changed since is never used. A failure
+        only means the claims are made at the due time: it is logged, not retried.
+        """
+        if self._prepare_at is not None:
+            with trio.move_on_at(self._prepare_at):
                 await changed.wait()
+            if changed.is_set():
+                return
+            until = self._wall() + timedelta(seconds=self.service.store.prepare_ahead_seconds)
+            try:
+                await self.service.store.prepare_claims(until)
+            except OSError as exc:
+                logger.warning("cron timer: making the claims of the jobs due soon failed (%s)", exc)
+        await changed.wait()
 
     async def _start_due(self) -> float | None:
         """One look of the timer: claim every due job and start its run or deliver its event; return when
         to look again, on the Trio clock (``None``: at a change). The wait is counted on the store's
         clock, from when the look began: a claim that took a while does not delay the next due time.
+        It also sets when the wait makes the claims of that next due time ahead (``_wait``).
 
         Raises:
             OSError: the store failed (the timer waits, then looks again; a change wakes it early).
         """
         assert self.nursery is not None
         self._changed = trio.Event()
+        self._prepare_at = None
         skip = frozenset(self.running)
         delivering = {job_id: self._delivering[job_id] for job_id in skip if job_id in self._delivering}
         # Until the claim is back, the end of any of them wakes the timer, but a delivery that keeps no
@@ -222,7 +244,11 @@ class CronTimer:
             return began  # look again at once
         if next_due is None:
             return None
-        return began + min(self.service.recheck_seconds, max(0.0, (next_due - due.now).total_seconds()))
+        wait = max(0.0, (next_due - due.now).total_seconds())
+        ahead = self.service.store.prepare_ahead_seconds
+        if ahead > 0:  # with fires just started, not at once: they go first (the store thread takes the GIL)
+            self._prepare_at = began + max(wait / 2 if due.claims else 0.0, wait - ahead / 2)
+        return began + min(self.service.recheck_seconds, wait)
 
     def _left_out(
         self,
@@ -274,17 +300,52 @@ class CronTimer:
         was made since (``generation`` moved): only then is it read again to decide on its deletion.
         Its end wakes the timer only if a look left the job out and could not count its due time
         (``_left_out``). The event was held since the claim (``_start_claimed``).
+
+        Once ``on_fire`` returned, the task does not wait for an acknowledgement another hand-over is
+        writing (``Delivery.hand_over_held``): the delivery ends when that one is committed
+        (``_delivered``), so a burst leaves no task per fire waiting.
         """
+        delivery = self.service.delivery
+        later = False
         try:
-            try:
-                await self.service.delivery.hand_over(event)
-            finally:
-                self.service.delivery.release(event)
+            ended = functools.partial(self._delivered, job, event, done, scope, generation)
+            later = await delivery.hand_over_held(event, ended) is None
+            if later:
+                return
+            delivery.release(event)
             if should_delete(job) or generation != self._generation:
                 await self.delete_if_done(job.id)
         finally:
-            self._delivering.pop(job.id, None)
-            self._finished(job.id, done, scope, wake=job.id in self._passed_over)
+            if not later:  # (cancelled: released here)
+                delivery.release(event)
+                self._end_delivery(job.id, done, scope)
+
+    def _delivered(
+        self,
+        job: CronJob,
+        event: FiredEvent,
+        done: Run,
+        scope: trio.CancelScope,
+        generation: int,
+        acked: bool,
+    ) -> None:
+        """The acknowledgement a claimed event joined ended (``acked``: committed): end its delivery,
+        deleting the job first (in a task) if it is done."""
+        self.service.delivery.release(event)
+        if acked and self.nursery is not None and (should_delete(job) or generation != self._generation):
+            self.nursery.start_soon(self._delete_then_end, job.id, done, scope)
+            return
+        self._end_delivery(job.id, done, scope)
+
+    async def _delete_then_end(self, job_id: str, done: Run, scope: trio.CancelScope) -> None:
+        try:
+            await self.delete_if_done(job_id)
+        finally:
+            self._end_delivery(job_id, done, scope)
+
+    def _end_delivery(self, job_id: str, done: Run, scope: trio.CancelScope) -> None:
+        self._delivering.pop(job_id, None)
+        self._finished(job_id, done, scope, wake=job_id in self._passed_over)
 
     async def _wait_changed(self, seconds: float) -> None:
         """The timer's back-off after a store failure: ``seconds``, or until a job changes."""
