@@ -397,7 +397,11 @@ def _posix_spawn(
         _check(libc.posix_spawn_file_actions_addclosefrom_np(fa, 3), "addclosefrom_np")
         _check(libc.posix_spawn_file_actions_addchdir_np(fa, os.fsencode(cwd)), "addchdir_np")
 
-        c_argv = _cstrings([os.fsencode(a) for a in argv])
+        encoded = [os.fsencode(a) for a in argv]
+        for items, what in ((encoded, "argv"), (entries, "the environment")):
+            if any(0 in item for item in items):  # glibc would cut the string there
+                raise ValueError(f"{what} must not hold a NUL byte")
+        c_argv = _cstrings(encoded)
         c_env = _cstrings(entries)
         pid = ctypes.c_int(0)
         rc = libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), fa, attr, c_argv, c_env)
