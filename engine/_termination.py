@@ -99,6 +99,11 @@ class ProcessTree:
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
     _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
     _hand: Callable[[Callable[[], object]], None] | None = attrs.field(init=False, default=None)
+    #: the group was seen empty after the leader's reaping: it stays so (nothing can join a group with
+    #: no member), and its id, the leader's pid, may name a stranger's group from then on
+    _group_empty: bool = attrs.field(init=False, default=False)
+    #: tasks waiting on the pidfd through Trio now (:meth:`close`)
+    _pidfd_waits: int = attrs.field(init=False, default=0)
     #: one token per group kill handed to a worker thread and not sent yet (the thread removes it)
     _in_flight: list[object] = attrs.field(init=False, factory=list)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
@@ -129,13 +134,26 @@ class ProcessTree:
         Cancellation: safe; the leader stays unreaped and can be waited for again.
         """
         while not self.poll_leader():
+            await self._wait_pidfd()
+
+    async def _wait_pidfd(self) -> None:
+        """Wait for the leader's pidfd to turn readable, counted (:meth:`close` wakes only a wait)."""
+        self._pidfd_waits += 1
+        try:
             await wait_pidfd(self.pidfd)
+        finally:
+            self._pidfd_waits -= 1
 
     def close(self) -> None:
-        """Close the pidfd (idempotent)."""
+        """Close the pidfd (idempotent). Trio is told first only while a task of this tree waits on it:
+        a pidfd waited on by a batch's own epoll only (``_escalation_batch``) leaves that set by closing,
+        and Trio's ``notify_closing`` of 1000 pidfds nobody waits on costs the loop some 5-10 ms."""
         if self.pidfd >= 0:
             fd, self.pidfd = self.pidfd, -1
-            close_pidfd(fd)
+            if self._pidfd_waits:
+                close_pidfd(fd)
+            else:
+                os.close(fd)
 
     # ---- the rest of the tree --------------------------------------------------------------------
 
@@ -194,7 +212,7 @@ class ProcessTree:
         return result
 
     def _snapshot_by_children(self, *, fresh: bool) -> bool:
-        roots = [self.pid]
+        roots = [self.pid] if self.status is None else []  # a reaped leader's pid may be a stranger's now
         for pid, start in self.tracked.items():  # walk only from processes that are still ours
             info = read_proc(pid)
             if info is not None and info.start_time == start:
@@ -282,7 +300,7 @@ class ProcessTree:
         each looking every 20 ms through a grace period cost the loop tens of thousands of wake-ups)."""
         try:
             with trio.CancelScope() as self._wake:
-                await wait_pidfd(self.pidfd)
+                await self._wait_pidfd()
         finally:
             self._wake = None
 
@@ -323,13 +341,7 @@ class ProcessTree:
         On the way it reaps the zombies the leader's exit handed to the engine (see
         :meth:`_reap_orphan_zombie`).
         """
-        group = True
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            group = False
-        except PermissionError:
-            pass
+        group = self._group_exists()
         strays = False
         # A read since quiet_at (quiet_read: one for the trees whose leaders exited together) is as good
         # as a fresh one, as for the look that decides the tree is gone (see _adopted).
@@ -365,10 +377,26 @@ class ProcessTree:
         self._send_tracked(sig)
 
     def _send_group(self, sig: int) -> None:
+        if self._group_empty:
+            return
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _group_exists(self) -> bool:
+        """Whether a process is in the group (a zombie counts); once the leader is reaped and the group
+        seen empty, it is not looked at again (:attr:`_group_empty`)."""
+        if self._group_empty:
+            return False
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            self._group_empty = self.status is not None
+            return False
+        except OSError as exc:
+            return exc.errno == errno.EPERM
+        return True
 
     def _send_tracked(self, sig: int) -> None:
         for pid, start in list(self.tracked.items()):
@@ -396,14 +424,7 @@ class ProcessTree:
         alive: set[int] = set()
         if not self.poll_leader():
             alive.add(self.pid)
-        group_exists = True
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            group_exists = False
-        except OSError as exc:
-            group_exists = exc.errno == errno.EPERM
-        if group_exists:
+        if self._group_exists():
             for info in scan_processes():
                 if info.pgid == self.pid and info.pid != self.pid and self._ours(info):
                     if info.zombie:
@@ -422,22 +443,8 @@ class ProcessTree:
         return sorted(alive)
 
     def kill(self) -> None:
-        """SIGKILL the group and every tracked escapee; the group's ``killpg`` is handed to the batch
-        driver's worker thread while it takes them (:meth:`hand_kills`)."""
-        if self._hand is None:
-            self.send(signal.SIGKILL)
-            return
-        token = object()
-        self._in_flight.append(token)
-
-        def kill_group() -> None:  # on the worker thread
-            try:
-                self._send_group(signal.SIGKILL)
-            finally:
-                self._in_flight.remove(token)
-
-        self._hand(kill_group)
-        self._send_tracked(signal.SIGKILL)  # by pid: here, where each pid's start time is checked
+        """SIGKILL the group and every tracked escapee."""
+        self.send(signal.SIGKILL)
 
     @property
     def kill_in_flight(self) -> bool:
