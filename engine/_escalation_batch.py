@@ -35,7 +35,8 @@ from __future__ import annotations
 import heapq
 import queue
 import select
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -47,7 +48,36 @@ from ._procfs import engine_children, sharing_children_reads
 if TYPE_CHECKING:
     from ._escalation_driver import LeaderTarget
 
-__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
+__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "Detached", "Spawn", "drive_in_batch"]
+
+#: Starts a task that runs the given async function (the supervisor's nursery, shielded).
+Spawn = Callable[[Callable[[], Awaitable[object]]], None]
+
+
+@attrs.frozen
+class Detached:
+    """How a member of a batch is ended without its task, which returns as soon as it has joined: the
+    driver ends it in its pass (``kill_all`` of 1000 then wakes 1000 tasks neither after their SIGKILL nor
+    after their reaping, and each run's end is done in one loop with the others').
+
+    Attributes:
+        done: called from the driver's pass with the escalation's end, or with the error that ended it
+            (the error is raised by a task :attr:`spawn` starts, as it would have been by the member's
+            own task); it must not block.
+        resume: called when the member is handed back (its leader reaped, the rest of its tree not
+            gone) with the wait's phase and deadline: it starts a task that goes on alone (see
+            ``_escalation_driver.drive_escalation``) and calls :attr:`done` at the end.
+        spawn: starts a task (the errors above, and a driver for the members left when a driver stops).
+    """
+
+    done: Callable[[Escalation | BaseException], None]
+    resume: Callable[[Phase, float], None]
+    spawn: Spawn
+
+
+async def _reraise(error: BaseException) -> None:
+    raise error
+
 
 #: A wait of the batch ends up to this much after its deadline, never before it: deadlines a few
 #: microseconds apart then expire in one pass of the driver.
@@ -82,6 +112,8 @@ class _Member:
     #: this member's task is to drive the batch
     drives: bool = False
     turn: trio.Event = attrs.field(factory=trio.Event)
+    #: ended by the driver instead of its task (:class:`Detached`), or ``None``
+    detach: Detached | None = None
 
     @property
     def over(self) -> bool:
@@ -200,7 +232,7 @@ class _Batch:
             if not member.over:
                 member.error = exc
                 self._unwatch(member)
-                member.turn.set()
+                self._settled(member)
                 if self._wake is not None:
                     self._wake.cancel()
         if not self._threads:
@@ -231,16 +263,36 @@ class _Batch:
         except BaseException as exc:  # never leave the other members waiting on a driver that died
             member.error = exc
             self._unwatch(member)
-            member.turn.set()
+            self._settled(member)
             return False
         if isinstance(answer, Escalation):
             member.result = answer
             self._unwatch(member)
-            member.turn.set()
+            self._settled(member)
             return False
         member.request = answer
         self._watch(member)
         return True
+
+    def _settled(self, member: _Member) -> None:
+        """``member``'s escalation is over, or it is handed back: tell its task, or end it here when it
+        has none (:class:`Detached`)."""
+        detach = member.detach
+        if detach is None:
+            member.turn.set()
+            return
+        member.target.notify_force(None)  # its own task (resume) or nobody looks at it from now on
+        member.target.hand_kills(None)
+        try:
+            if member.error is not None:
+                detach.done(member.error)
+                detach.spawn(partial(_reraise, member.error))
+            elif member.result is not None:
+                detach.done(member.result)
+            else:
+                detach.resume(member.request.phase, member.deadline)
+        except Exception as exc:  # raised by a task, as the member's own would have: the pass goes on
+            detach.spawn(partial(_reraise, exc))
 
     def _schedule(self, member: _Member) -> None:
         self._seq += 1
@@ -295,7 +347,7 @@ class _Batch:
             elif member.target.pidfd < 0:  # the leader is reaped, the rest of the tree is not gone
                 member.alone = True
                 self._unwatch(member)
-                member.turn.set()
+                self._settled(member)
                 continue
             else:
                 self._watch(member)  # not yet: keep waiting
@@ -307,7 +359,7 @@ class _Batch:
             member.deadline = end + member.request.seconds
             if member.fd < 0:  # no leader to wait on (it exited before): the tree is waited on alone
                 member.alone = True
-                member.turn.set()
+                self._settled(member)
                 continue
             self._schedule(member)
 
@@ -326,7 +378,8 @@ class _Batch:
         return [m for m in self.members if not m.over and not m.alone]
 
     async def drive(self, me: _Member) -> None:
-        """Drive the batch until ``me`` is over or handed back; then pass the role on.
+        """Drive the batch until ``me`` is over or handed back and no member left waiting is detached
+        (:class:`Detached`: it has no task to drive); then pass the role on.
 
         Cancellation: callers run this inside a shielded cancel scope.
         """
@@ -337,15 +390,21 @@ class _Batch:
                         self._pass()
                     finally:
                         self._send_kills()  # the pass's thread ends once it has sent them
-                if me.over or me.alone:
+                if (me.over or me.alone) and not any(m.detach is not None for m in self._waiting()):
                     return
                 await self._wait()
         finally:
             me.drives = False
             rest = self._waiting()
-            if rest:
-                rest[0].drives = True
-                rest[0].turn.set()
+            with_task = [m for m in rest if m.detach is None]
+            if with_task:
+                with_task[0].drives = True
+                with_task[0].turn.set()
+            elif rest:  # left only by an error of the driver's own: a new task drives the detached
+                heir = rest[0]
+                assert heir.detach is not None
+                heir.drives = True
+                heir.detach.spawn(partial(self.drive, heir))
             else:
                 while self._threads:  # no kill is left in flight once the batch is over
                     await self._threads_done.wait()
@@ -361,17 +420,21 @@ class _Batch:
 
 
 async def drive_in_batch(
-    target: LeaderTarget, steps: Steps, first: WaitGone, at: float
-) -> Escalation | tuple[Phase, float]:
+    target: LeaderTarget, steps: Steps, first: WaitGone, at: float, *, detach: Detached | None = None
+) -> Escalation | tuple[Phase, float] | None:
     """Run ``steps`` on ``target`` in the batch of this scheduler pass (see the module), from the wait
     ``first`` that their first step, taken at ``at`` (Trio clock), asked for.
+
+    With ``detach``, the member is ended by the driver (:class:`Detached`) once it is in a batch of more
+    than one: a member that does not drive returns ``None`` as soon as it has joined, and the driver once
+    no detached member is left waiting.
 
     Cancellation: callers run this inside a shielded cancel scope.
 
     Returns:
         The escalation's end; or, when it was handed back in the middle of a wait, that wait's phase
         and deadline (on the Trio clock): the caller finishes the wait and the steps alone (see
-        :func:`~._escalation_driver.drive_escalation`).
+        :func:`~._escalation_driver.drive_escalation`); ``None`` when ``detach`` ends it.
     """
     batch = _FORMING.get()
     me = _Member(target=target, steps=steps, request=first, deadline=at + first.seconds)
@@ -391,10 +454,17 @@ async def drive_in_batch(
             target.notify_force(None)
             target.hand_kills(None)
             return first.phase, me.deadline
+        me.detach = detach
     else:
+        me.detach = detach
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
         target.hand_kills(lambda kill: batch._hand(me, kill))
+        if detach is not None:
+            return None  # the driver ends it (Detached); it forgets the target's hooks then (_close)
+    if me.detach is not None:  # the first member: it drives, and the driver ends it with the others
+        await batch.drive(me)
+        return None
     while not (me.over or me.alone):
         if me.drives:
             await batch.drive(me)

@@ -16,7 +16,7 @@ from typing import Protocol
 import trio
 
 from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance
-from ._escalation_batch import drive_in_batch
+from ._escalation_batch import Detached, Spawn, drive_in_batch
 from ._procfs import children_read_at, children_read_size, engine_children
 
 __all__ = ["LeaderTarget", "children_read_since", "drive_escalation", "wait_gone"]
@@ -100,8 +100,14 @@ class LeaderTarget(EscalationTarget, Protocol):
 
 
 async def drive_escalation(
-    target: LeaderTarget, steps: Steps, first: WaitGone | Escalation, at: float
-) -> Escalation:
+    target: LeaderTarget,
+    steps: Steps,
+    first: WaitGone | Escalation,
+    at: float,
+    *,
+    done: Callable[[Escalation | BaseException], None] | None = None,
+    spawn: Spawn | None = None,
+) -> Escalation | None:
     """Run the escalation ``steps`` on ``target`` under Trio.
 
     The escalations that start in one scheduler pass are driven together while their leaders live
@@ -116,17 +122,44 @@ async def drive_escalation(
         steps: the escalation, its first step taken.
         first: what that step answered (a wait, or the end already).
         at: when it was taken (``trio.current_time``): the first wait is measured from then.
+        done: with ``spawn``, lets the batch end the escalation without this task (see
+            ``_escalation_batch.Detached``): it is called with the end (or the error that ended it) from
+            the batch driver's pass, or from the task ``spawn`` starts to go on alone once handed back.
+        spawn: starts a task (shielded) for what must still wait once the batch let go of the target.
 
     Cancellation: callers run this inside a shielded cancel scope; it is bounded by the waits the steps
     request.
+
+    Returns:
+        The end; ``None`` when ``done`` is (or will be) called with it instead.
     """
     if isinstance(first, Escalation):
         await trio.lowlevel.checkpoint()
         return first
-    handed = await drive_in_batch(target, steps, first, at)
-    if isinstance(handed, Escalation):
+    detach = None
+    if done is not None and spawn is not None:
+        end, start = done, spawn
+
+        def resume(phase: Phase, deadline: float) -> None:
+            async def alone() -> None:
+                try:
+                    result = await _finish_alone(target, steps, phase, deadline)
+                except BaseException as exc:
+                    end(exc)
+                    raise
+                end(result)
+
+            start(alone)
+
+        detach = Detached(done=end, resume=resume, spawn=start)
+    handed = await drive_in_batch(target, steps, first, at, detach=detach)
+    if handed is None or isinstance(handed, Escalation):
         return handed
-    phase, deadline = handed
+    return await _finish_alone(target, steps, *handed)
+
+
+async def _finish_alone(target: LeaderTarget, steps: Steps, phase: Phase, deadline: float) -> Escalation:
+    """Go on with ``steps`` alone from a wait of ``phase`` that ends at ``deadline`` (Trio clock)."""
     gone = False
     with trio.move_on_at(deadline):
         gone = await _wait_gone(target, honour_force=phase is Phase.GRACE)

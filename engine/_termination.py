@@ -12,6 +12,7 @@ stops as soon as it exits).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import time
@@ -22,6 +23,7 @@ import attrs
 import trio
 
 from ._escalation import Escalation, Steps, WaitGone, advance, escalate
+from ._escalation_batch import Spawn
 from ._escalation_driver import LeaderTarget, children_read_since, drive_escalation, wait_gone
 from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
@@ -483,22 +485,65 @@ class ProcessTree:
         self._begun = (steps, first, trio.current_time())
 
     async def terminate(
-        self, *, grace_seconds: float, kill_wait_seconds: float
-    ) -> tuple[bool, tuple[int, ...]]:
+        self,
+        *,
+        grace_seconds: float,
+        kill_wait_seconds: float,
+        done: Callable[[tuple[bool, tuple[int, ...]] | BaseException], None] | None = None,
+        spawn: Spawn | None = None,
+    ) -> tuple[bool, tuple[int, ...]] | None:
         """Escalate SIGINT -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` over the whole tree.
 
         The steps are ``_escalation.escalate``'s; :func:`drive_escalation` waits. Once it is done the
         leader is reaped (it was sent SIGKILL if it was still alive), so it is never a survivor.
 
+        With ``done`` and ``spawn``, an escalation driven in a batch with others is ended by the batch's
+        driver (``_escalation_batch.Detached``): this call returns ``None`` at once (or once it has driven
+        the batch), and ``done`` is called with what it would have returned, or with the error that ended
+        it, from the driver's pass, or from a task ``spawn`` starts where something must still be waited
+        for (the tree alone, or the final reap).
+
         Cancellation: callers run this inside a shielded cancel scope; it is bounded by the two durations
         plus the final reap of the leader after SIGKILL, which is not bounded.
 
         Returns:
-            ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end.
+            ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end;
+            ``None`` when ``done`` is (or will be) called with them instead.
         """
         self.begin(grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)
         assert self._begun is not None
-        escalated, survivors = await drive_escalation(self, *self._begun)
+        if done is None or spawn is None:
+            escalation = await drive_escalation(self, *self._begun)
+        else:
+            escalation = await drive_escalation(
+                self, *self._begun, done=functools.partial(self._ended, done, spawn), spawn=spawn
+            )
+        if escalation is None:
+            return None
         if self.status is None:
             await self.wait_leader()  # the final reap after SIGKILL
-        return escalated, tuple(pid for pid in survivors if pid != self.pid)
+        return self._outcome(escalation)
+
+    def _outcome(self, escalation: Escalation) -> tuple[bool, tuple[int, ...]]:
+        return escalation.escalated, tuple(pid for pid in escalation.survivors if pid != self.pid)
+
+    def _ended(
+        self,
+        done: Callable[[tuple[bool, tuple[int, ...]] | BaseException], None],
+        spawn: Spawn,
+        end: Escalation | BaseException,
+    ) -> None:
+        """The end of a detached escalation (:meth:`terminate`): to ``done``, after the final reap."""
+        if isinstance(end, BaseException) or self.status is not None:
+            done(end if isinstance(end, BaseException) else self._outcome(end))
+            return
+
+        async def reap() -> None:
+            try:
+                await self.wait_leader()  # the final reap after SIGKILL
+            except BaseException as exc:
+                done(exc)
+                raise
+            done(self._outcome(end))
+
+        spawn(reap)
