@@ -19,9 +19,14 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
   is alive (:meth:`~._escalation_driver.LeaderTarget.mark_quiet`), then one read of the engine's children
   list serves all of their final looks (see ``_escalation_driver.children_read_since``).
 
-The SIGKILLs a pass aims are sent from a worker thread while the pass goes on and the driver reaps the
-first trees killed (``LeaderTarget.hand_kills``); a leader is not reaped before its own kill is sent, so
-a group id or a pidfd the thread uses still names the run's process.
+The SIGKILLs a pass aims are sent in the pass itself: a ``killpg`` or a ``pidfd_send_signal`` costs the
+loop a few microseconds, the killed process's exit is its own (it runs on the other core, or preempts the
+loop). They were sent from a worker thread before, which held the GIL while the processes it killed
+preempted it, and the loop waited. What a target can hand to a worker thread is work that blocks in the
+kernel without the GIL: a cgroup leaf's ``rmdir`` (``LeaderTarget.hand_off``).
+
+With :class:`Detached` members (the supervisor's runs) the driver also ends each run in its pass: the
+members' tasks return once they have joined, during the grace period.
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
@@ -86,10 +91,6 @@ COALESCE_SECONDS: Final = 0.001
 #: :meth:`_Batch._align`).
 ALIGN_SECONDS: Final = 0.25
 
-#: The worker thread sending a pass's kills has the driver look again at the members it parked
-#: (:meth:`_Batch._unpark`) after this many kills, and whenever it has sent all it was given so far.
-_UNPARK_EVERY: Final = 32
-
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
 
@@ -130,13 +131,11 @@ class _Batch:
     _due: list[_Member] = attrs.field(factory=list)
     _wake: trio.CancelScope | None = None
     _started: bool = False
-    #: the kills handed over in this pass (:meth:`_hand`) go to its worker thread through this queue
+    #: the work handed over in this pass (:meth:`_hand`) goes to its worker thread through this queue
     _queue: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] | None = None
-    #: worker threads still sending kills, and the event set when none is left
+    #: worker threads still at work, and the event set when none is left
     _threads: int = 0
     _threads_done: trio.Event = attrs.field(factory=trio.Event)
-    #: members whose leader exited while their kill was in flight, by ``id`` (:meth:`_unpark`)
-    _parked: dict[int, _Member] = attrs.field(factory=dict)
 
     # ---- the wait set ------------------------------------------------------------------------------
 
@@ -173,18 +172,15 @@ class _Batch:
         if self._wake is not None:
             self._wake.cancel()
 
-    # ---- the kills, sent by a worker thread ---------------------------------------------------------
+    # ---- work handed to a worker thread -------------------------------------------------------------
 
-    def _hand(self, member: _Member, kill: Callable[[], object]) -> None:
-        """Have ``kill`` (``member``'s target's SIGKILL: a ``killpg``, or a leaf's pids through pidfds) sent
-        by this pass's worker thread, started by the first kill handed over: each costs some 40-70 us,
-        mostly the killed process's exit, and 1000 of them in the driver's pass would delay the reaping
-        of the first trees killed until the last one is; on the thread they overlap the rest of the pass
-        and the reaping, in their order. The target keeps its leader unreaped until its kill is sent
-        (``kill_in_flight``): a member whose leader exits meanwhile is parked (:meth:`_unpark`)."""
+    def _hand(self, member: _Member, work: Callable[[], object]) -> None:
+        """Have ``work`` (``member``'s target's: the ``rmdir`` of an empty leaf, some 20-60 us of kernel time
+        each, the GIL released) done by this pass's worker thread, started by the first work handed
+        over: it overlaps the rest of the pass and the next ones."""
         if self._queue is None:
             self._queue = self._start_thread()
-        self._queue.put((member, kill))
+        self._queue.put((member, work))
 
     def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None]:
         todo: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] = queue.SimpleQueue()
@@ -192,42 +188,28 @@ class _Batch:
         token = trio.lowlevel.current_trio_token()
 
         def send() -> None:
-            sent = 0
             while (item := todo.get()) is not None:
-                member, kill = item
+                member, work = item
                 try:
-                    kill()
-                except Exception as exc:  # given to the member, as the kill's error in its own pass would be
+                    work()
+                except Exception as exc:  # given to the member, as the work's error in its own pass would be
                     failed.append((member, exc))
-                sent += 1
-                if sent % _UNPARK_EVERY == 0 or todo.empty():
-                    token.run_sync_soon(self._unpark)
 
         def deliver(_outcome: object) -> None:
-            token.run_sync_soon(self._kills_sent, failed)
+            token.run_sync_soon(self._handed_done, failed)
 
         self._threads += 1
         trio.lowlevel.start_thread_soon(send, deliver)
         return todo
 
-    def _send_kills(self) -> None:
-        """The pass is over: its thread ends once it has sent what it was handed."""
+    def _end_handing(self) -> None:
+        """The pass is over: its thread ends once it has done what it was handed."""
         if self._queue is not None:
             self._queue.put(None)
             self._queue = None
 
-    def _unpark(self) -> None:
-        """Look again at the members whose leader exited while their kill was in flight, now sent."""
-        ready = [m for m in self._parked.values() if not m.target.kill_in_flight]
-        for member in ready:
-            del self._parked[id(member)]
-            self._due.append(member)
-        if ready and self._wake is not None:
-            self._wake.cancel()
-
-    def _kills_sent(self, failed: list[tuple[_Member, BaseException]]) -> None:
+    def _handed_done(self, failed: list[tuple[_Member, BaseException]]) -> None:
         self._threads -= 1
-        self._unpark()
         for member, exc in failed:
             if not member.over:
                 member.error = exc
@@ -282,7 +264,7 @@ class _Batch:
             member.turn.set()
             return
         member.target.notify_force(None)  # its own task (resume) or nobody looks at it from now on
-        member.target.hand_kills(None)
+        member.target.hand_off(None)
         try:
             if member.error is not None:
                 detach.done(member.error)
@@ -341,9 +323,6 @@ class _Batch:
                 gone = True
             elif (request.phase is Phase.GRACE and member.target.force) or now >= member.deadline:
                 gone = False
-            elif member.target.kill_in_flight:  # not reaped before its kill is sent: looked at then
-                self._parked[id(member)] = member
-                continue
             elif member.target.pidfd < 0:  # the leader is reaped, the rest of the tree is not gone
                 member.alone = True
                 self._unwatch(member)
@@ -389,7 +368,7 @@ class _Batch:
                     try:
                         self._pass()
                     finally:
-                        self._send_kills()  # the pass's thread ends once it has sent them
+                        self._end_handing()  # the pass's thread ends once it has done its work
                 if (me.over or me.alone) and not any(m.detach is not None for m in self._waiting()):
                     return
                 await self._wait()
@@ -406,14 +385,14 @@ class _Batch:
                 heir.drives = True
                 heir.detach.spawn(partial(self.drive, heir))
             else:
-                while self._threads:  # no kill is left in flight once the batch is over
+                while self._threads:  # no work is left in flight once the batch is over
                     await self._threads_done.wait()
                 self._close()
 
     def _close(self) -> None:
         for member in self.members:
             member.target.notify_force(None)
-            member.target.hand_kills(None)
+            member.target.hand_off(None)
         if self._epoll_made is not None:
             trio.lowlevel.notify_closing(self._epoll_made.fileno())
             self._epoll_made.close()
@@ -444,7 +423,7 @@ async def drive_in_batch(
         me.drives = True
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
-        target.hand_kills(lambda kill: batch._hand(me, kill))
+        target.hand_off(lambda work: batch._hand(me, work))
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()  # the escalations of this pass join
         finally:
@@ -452,14 +431,14 @@ async def drive_in_batch(
                 _FORMING.set(None)
         if len(batch.members) == 1:  # alone in its pass: the one-tree wait costs less than a batch's
             target.notify_force(None)
-            target.hand_kills(None)
+            target.hand_off(None)
             return first.phase, me.deadline
         me.detach = detach
     else:
         me.detach = detach
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
-        target.hand_kills(lambda kill: batch._hand(me, kill))
+        target.hand_off(lambda work: batch._hand(me, work))
         if detach is not None:
             return None  # the driver ends it (Detached); it forgets the target's hooks then (_close)
     if me.detach is not None:  # the first member: it drives, and the driver ends it with the others
@@ -472,7 +451,7 @@ async def drive_in_batch(
             await me.turn.wait()
             me.turn = trio.Event()
     target.notify_force(None)
-    target.hand_kills(None)
+    target.hand_off(None)
     if me.error is not None:
         raise me.error
     if me.result is not None:

@@ -78,15 +78,9 @@ class LeaderTarget(EscalationTarget, Protocol):
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
-    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
-        """Have :meth:`~EscalationTarget.kill` give its work to ``hand`` (the batch driver's worker thread)
-        instead of doing it, where that is safe (``None``: do it again)."""
-
-    @property
-    def kill_in_flight(self) -> bool:
-        """Whether a kill given to ``hand`` is not sent yet: the leader is not reaped meanwhile, and its
-        exit is looked at once it is sent."""
-        ...
+    def hand_off(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
+        """Let the target give ``hand`` work that is safe on the batch driver's worker thread and blocks in
+        the kernel without the GIL (a leaf's ``rmdir``) instead of doing it (``None``: do it again)."""
 
     def mark_quiet(self) -> bool:
         """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the

@@ -77,7 +77,7 @@ class LeafTree(ProcessTree):
     def kill(self) -> None:
         """SIGKILL the whole leaf at once through ``cgroup.kill`` (forks in flight included).
 
-        In a batch (:meth:`hand_kills`) the first kill goes to the leader alone, through its pidfd (a
+        In a batch (``hand_off`` given) the first kill goes to the leader alone, through its pidfd (a
         ``cgroup.kill`` write holds the cgroup mutex for some 40-70 us, and 1000 of them queue up with the
         leaves' removals behind the same mutex; reading ``cgroup.procs`` first costs as much again): a run
         is most often its leader alone. What else the leaf holds is killed by ``cgroup.kill`` as soon as

@@ -106,20 +106,15 @@ class ProcessTree:
     _group_empty: bool = attrs.field(init=False, default=False)
     #: tasks waiting on the pidfd through Trio now (:meth:`close`)
     _pidfd_waits: int = attrs.field(init=False, default=0)
-    #: one token per group kill handed to a worker thread and not sent yet (the thread removes it)
-    _in_flight: list[object] = attrs.field(init=False, factory=list)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
     _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
 
     # ---- the leader ------------------------------------------------------------------------------
 
     def poll_leader(self) -> bool:
-        """Reap the leader if it has exited; ``True`` once it is reaped. Not while a kill of its group is
-        in flight (:meth:`hand_kills`): its pid, the group's id, stays the run's until it is reaped."""
+        """Reap the leader if it has exited; ``True`` once it is reaped."""
         if self.status is not None:
             return True
-        if self._in_flight:
-            return False
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # someone else reaped it (a host calling waitpid(-1)): exit unknown
@@ -290,10 +285,8 @@ class ProcessTree:
         """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
         self._poke = wake
 
-    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
-        """Let ``hand`` take the group's ``killpg`` of :meth:`kill` (``None``: no more). Safe from another
-        thread: the group's id is the leader's pid, which no other process can have while the leader is
-        not reaped, and :meth:`poll_leader` does not reap it while such a kill is in flight."""
+    def hand_off(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
+        """Let ``hand`` take work for a worker thread (``None``: no more); a process tree has none."""
         self._hand = hand
 
     async def _wait_leader_or_force(self) -> None:
@@ -447,11 +440,6 @@ class ProcessTree:
     def kill(self) -> None:
         """SIGKILL the group and every tracked escapee."""
         self.send(signal.SIGKILL)
-
-    @property
-    def kill_in_flight(self) -> bool:
-        """Whether a kill handed over (:meth:`hand_kills`) is not sent yet (the leader is not reaped)."""
-        return bool(self._in_flight)
 
     def gone(self) -> bool:
         """Whether nothing of the tree is alive: :meth:`remaining` as a yes/no.
