@@ -11,8 +11,8 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
 - the first step of every member (a look, SIGINT, SIGCONT) is taken in one loop before the runs' tasks
   even wake up (``Supervisor.begin_cancel``, in ``kill_all``), and the first waits are aligned on the
   latest of their deadlines (never shorter than asked), so the members' grace periods end at one instant
-  and one pass of the driver aims SIGKILL at all of them; each later wait is measured from the end of
-  the pass that asked for it;
+  and one pass of the driver aims SIGKILL at all of them (in chunks, the reaping of the trees already
+  gone in between); each later wait is measured from the end of the chunk that asked for it;
 - a wait ends late by at most :data:`COALESCE_SECONDS`, so deadlines a few microseconds apart expire
   in one pass;
 - the members whose leaders exited together are settled together: each notes that nothing it knew of
@@ -93,6 +93,9 @@ ALIGN_SECONDS: Final = 0.25
 
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
+
+#: How many members a pass answers before it looks for leaders that exited meanwhile (:meth:`_Batch._pass`).
+_PASS_CHUNK: Final = 128
 
 
 @attrs.define(eq=False)
@@ -223,15 +226,21 @@ class _Batch:
 
     # ---- one pass ----------------------------------------------------------------------------------
 
-    def _ready(self) -> list[_Member]:
-        """The members the driver must look at now: leaders exited, deadlines passed, forced."""
-        due, self._due = self._due, []
+    def _exited(self) -> list[_Member]:
+        """The members whose leader exited (their pidfd readable), taken out of the wait set."""
+        exited: list[_Member] = []
         if self._by_fd:
             for fd, _events in self._epoll.poll(0):
                 member = self._by_fd.get(fd)
                 if member is not None and member.fd == fd:
                     self._unwatch(member)  # level-triggered: an exited leader stays readable
-                    due.append(member)
+                    exited.append(member)
+        return exited
+
+    def _ready(self) -> list[_Member]:
+        """The members the driver must look at now: leaders exited, deadlines passed, forced."""
+        due, self._due = self._due, []
+        due += self._exited()
         now = trio.current_time()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, member = heapq.heappop(self._deadlines)
@@ -296,14 +305,29 @@ class _Batch:
             self._schedule(member)
 
     def _pass(self) -> None:
-        """Answer every member whose wait is over, and set the deadlines of the waits they ask for next,
-        all measured from the end of the pass."""
+        """Answer every member whose wait is over, and set the deadlines of the waits they ask for next.
+
+        Many due at once (the grace periods of a ``kill_all`` end together) are answered in chunks of
+        :data:`_PASS_CHUNK`, and before each chunk the members whose leaders exited meanwhile: the reaping
+        of the first trees killed overlaps the exits of the next ones (on the other core) instead of
+        waiting for the last SIGKILL of the pass, while the killed processes' exits are what the machine
+        is busy with anyway.
+        """
         if not self._started:
             self._started = True
             self._align()
-            due = list(self.members)
-        else:
-            due = self._ready()
+            self._answer(list(self.members))
+            return
+        due = self._ready()
+        while due:
+            chunk, due = due[:_PASS_CHUNK], due[_PASS_CHUNK:]
+            self._answer(chunk)
+            if due:
+                due = self._exited() + due
+
+    def _answer(self, due: list[_Member]) -> None:
+        """Answer the members of ``due``, and set the deadlines of the waits they ask for next, measured
+        from the end of this answer."""
         todo: list[_Member] = []
         seen: set[int] = set()
         for member in due:
