@@ -4,7 +4,8 @@
 One task of the batch, the *driver*, advances every member's steps (``_escalation``) in tight loops, and
 waits for all of them at once: on one private epoll instance that holds every live leader's pidfd (one
 ``epoll_ctl`` per tree instead of a Trio wait, a cancel scope and a task wake-up), until the earliest
-deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over.
+deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over,
+or, :class:`Detached` (the supervisor's runs), return as soon as they have joined.
 
 Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.kill``) and reaps:
 
@@ -25,14 +26,17 @@ loop). They were sent from a worker thread before, which held the GIL while the 
 preempted it, and the loop waited. What a target can hand to a worker thread is work that blocks in the
 kernel without the GIL: a cgroup leaf's ``rmdir`` (``LeaderTarget.hand_off``).
 
-With :class:`Detached` members (the supervisor's runs) the driver also ends each run in its pass: the
-members' tasks return once they have joined, during the grace period.
+With :class:`Detached` members (the supervisor's runs) the driver also ends each run in its pass
+(``Detached.done``): the members' tasks return once they have joined, during the grace period, and no
+task wakes per run after the SIGKILLs but the ones waiting for the runs (``kill_all``'s one).
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
-as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``). When the driver's own
-escalation is over, the driver role passes to a member still waiting. An escalation alone in its pass
-(``kill_pid``, one ``cancel``) makes no batch: it waits on its own leader's pidfd through Trio.
+as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``); a detached member
+gets a new task for that (``Detached.resume``). When the driver's own escalation is over, the driver
+role passes to a member still waiting with a task of its own; while detached members wait, the driver
+goes on driving. An escalation alone in its pass (``kill_pid``, one ``cancel``) makes no batch: it waits
+on its own leader's pidfd through Trio.
 """
 
 from __future__ import annotations
