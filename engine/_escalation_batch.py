@@ -4,30 +4,39 @@
 One task of the batch, the *driver*, advances every member's steps (``_escalation``) in tight loops, and
 waits for all of them at once: on one private epoll instance that holds every live leader's pidfd (one
 ``epoll_ctl`` per tree instead of a Trio wait, a cancel scope and a task wake-up), until the earliest
-deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over.
+deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over,
+or, :class:`Detached` (the supervisor's runs), return as soon as they have joined.
 
 Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.kill``) and reaps:
 
 - the first step of every member (a look, SIGINT, SIGCONT) is taken in one loop before the runs' tasks
   even wake up (``Supervisor.begin_cancel``, in ``kill_all``), and the first waits are aligned on the
   latest of their deadlines (never shorter than asked), so the members' grace periods end at one instant
-  and one pass of the driver aims SIGKILL at all of them; each later wait is measured from the end of
-  the pass that asked for it;
+  and one pass of the driver aims SIGKILL at all of them (in chunks, the reaping of the trees already
+  gone in between); each later wait is measured from the end of the chunk that asked for it;
 - a wait ends late by at most :data:`COALESCE_SECONDS`, so deadlines a few microseconds apart expire
   in one pass;
 - the members whose leaders exited together are settled together: each notes that nothing it knew of
   is alive (:meth:`~._escalation_driver.LeaderTarget.mark_quiet`), then one read of the engine's children
   list serves all of their final looks (see ``_escalation_driver.children_read_since``).
 
-The SIGKILLs a pass aims are sent from a worker thread while the pass goes on and the driver reaps the
-first trees killed (``LeaderTarget.hand_kills``); a leader is not reaped before its own kill is sent, so
-a group id or a pidfd the thread uses still names the run's process.
+The SIGKILLs a pass aims are sent in the pass itself: a ``killpg`` or a ``pidfd_send_signal`` costs the
+loop a few microseconds, the killed process's exit is its own (it runs on the other core, or preempts the
+loop). They were sent from a worker thread before, which held the GIL while the processes it killed
+preempted it, and the loop waited. What a target can hand to a worker thread is work that blocks in the
+kernel without the GIL: a cgroup leaf's ``rmdir`` (``LeaderTarget.hand_off``).
+
+With :class:`Detached` members (the supervisor's runs) the driver also ends each run in its pass
+(``Detached.done``): the members' tasks return once they have joined, during the grace period, and no
+task wakes per run after the SIGKILLs but the ones waiting for the runs (``kill_all``'s one).
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
-as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``). When the driver's own
-escalation is over, the driver role passes to a member still waiting. An escalation alone in its pass
-(``kill_pid``, one ``cancel``) makes no batch: it waits on its own leader's pidfd through Trio.
+as before (``_escalation_driver.drive_escalation`` with the target's ``wait_change``); a detached member
+gets a new task for that (``Detached.resume``). When the driver's own escalation is over, the driver
+role passes to a member still waiting with a task of its own; while detached members wait, the driver
+goes on driving. An escalation alone in its pass (``kill_pid``, one ``cancel``) makes no batch: it waits
+on its own leader's pidfd through Trio.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from __future__ import annotations
 import heapq
 import queue
 import select
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Final
 
 import attrs
@@ -47,7 +57,36 @@ from ._procfs import engine_children, sharing_children_reads
 if TYPE_CHECKING:
     from ._escalation_driver import LeaderTarget
 
-__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
+__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "Detached", "Spawn", "drive_in_batch"]
+
+#: Starts a task that runs the given async function (the supervisor's nursery, shielded).
+Spawn = Callable[[Callable[[], Awaitable[object]]], None]
+
+
+@attrs.frozen
+class Detached:
+    """How a member of a batch is ended without its task, which returns as soon as it has joined: the
+    driver ends it in its pass (``kill_all`` of 1000 then wakes 1000 tasks neither after their SIGKILL nor
+    after their reaping, and each run's end is done in one loop with the others').
+
+    Attributes:
+        done: called from the driver's pass with the escalation's end, or with the error that ended it
+            (the error is raised by a task :attr:`spawn` starts, as it would have been by the member's
+            own task); it must not block.
+        resume: called when the member is handed back (its leader reaped, the rest of its tree not
+            gone) with the wait's phase and deadline: it starts a task that goes on alone (see
+            ``_escalation_driver.drive_escalation``) and calls :attr:`done` at the end.
+        spawn: starts a task (the errors above, and a driver for the members left when a driver stops).
+    """
+
+    done: Callable[[Escalation | BaseException], None]
+    resume: Callable[[Phase, float], None]
+    spawn: Spawn
+
+
+async def _reraise(error: BaseException) -> None:
+    raise error
+
 
 #: A wait of the batch ends up to this much after its deadline, never before it: deadlines a few
 #: microseconds apart then expire in one pass of the driver.
@@ -56,12 +95,11 @@ COALESCE_SECONDS: Final = 0.001
 #: :meth:`_Batch._align`).
 ALIGN_SECONDS: Final = 0.25
 
-#: The worker thread sending a pass's kills has the driver look again at the members it parked
-#: (:meth:`_Batch._unpark`) after this many kills, and whenever it has sent all it was given so far.
-_UNPARK_EVERY: Final = 32
-
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
+
+#: How many members a pass answers before it looks for leaders that exited meanwhile (:meth:`_Batch._pass`).
+_PASS_CHUNK: Final = 128
 
 
 @attrs.define(eq=False)
@@ -82,6 +120,8 @@ class _Member:
     #: this member's task is to drive the batch
     drives: bool = False
     turn: trio.Event = attrs.field(factory=trio.Event)
+    #: ended by the driver instead of its task (:class:`Detached`), or ``None``
+    detach: Detached | None = None
 
     @property
     def over(self) -> bool:
@@ -98,13 +138,11 @@ class _Batch:
     _due: list[_Member] = attrs.field(factory=list)
     _wake: trio.CancelScope | None = None
     _started: bool = False
-    #: the kills handed over in this pass (:meth:`_hand`) go to its worker thread through this queue
+    #: the work handed over in this pass (:meth:`_hand`) goes to its worker thread through this queue
     _queue: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] | None = None
-    #: worker threads still sending kills, and the event set when none is left
+    #: worker threads still at work, and the event set when none is left
     _threads: int = 0
     _threads_done: trio.Event = attrs.field(factory=trio.Event)
-    #: members whose leader exited while their kill was in flight, by ``id`` (:meth:`_unpark`)
-    _parked: dict[int, _Member] = attrs.field(factory=dict)
 
     # ---- the wait set ------------------------------------------------------------------------------
 
@@ -141,18 +179,15 @@ class _Batch:
         if self._wake is not None:
             self._wake.cancel()
 
-    # ---- the kills, sent by a worker thread ---------------------------------------------------------
+    # ---- work handed to a worker thread -------------------------------------------------------------
 
-    def _hand(self, member: _Member, kill: Callable[[], object]) -> None:
-        """Have ``kill`` (``member``'s target's SIGKILL: a ``killpg``, or a leaf's pids through pidfds) sent
-        by this pass's worker thread, started by the first kill handed over: each costs some 40-70 us,
-        mostly the killed process's exit, and 1000 of them in the driver's pass would delay the reaping
-        of the first trees killed until the last one is; on the thread they overlap the rest of the pass
-        and the reaping, in their order. The target keeps its leader unreaped until its kill is sent
-        (``kill_in_flight``): a member whose leader exits meanwhile is parked (:meth:`_unpark`)."""
+    def _hand(self, member: _Member, work: Callable[[], object]) -> None:
+        """Have ``work`` (``member``'s target's: the ``rmdir`` of an empty leaf, some 20-60 us of kernel time
+        each, the GIL released) done by this pass's worker thread, started by the first work handed
+        over: it overlaps the rest of the pass and the next ones."""
         if self._queue is None:
             self._queue = self._start_thread()
-        self._queue.put((member, kill))
+        self._queue.put((member, work))
 
     def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None]:
         todo: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] = queue.SimpleQueue()
@@ -160,47 +195,33 @@ class _Batch:
         token = trio.lowlevel.current_trio_token()
 
         def send() -> None:
-            sent = 0
             while (item := todo.get()) is not None:
-                member, kill = item
+                member, work = item
                 try:
-                    kill()
-                except Exception as exc:  # given to the member, as the kill's error in its own pass would be
+                    work()
+                except Exception as exc:  # given to the member, as the work's error in its own pass would be
                     failed.append((member, exc))
-                sent += 1
-                if sent % _UNPARK_EVERY == 0 or todo.empty():
-                    token.run_sync_soon(self._unpark)
 
         def deliver(_outcome: object) -> None:
-            token.run_sync_soon(self._kills_sent, failed)
+            token.run_sync_soon(self._handed_done, failed)
 
         self._threads += 1
         trio.lowlevel.start_thread_soon(send, deliver)
         return todo
 
-    def _send_kills(self) -> None:
-        """The pass is over: its thread ends once it has sent what it was handed."""
+    def _end_handing(self) -> None:
+        """The pass is over: its thread ends once it has done what it was handed."""
         if self._queue is not None:
             self._queue.put(None)
             self._queue = None
 
-    def _unpark(self) -> None:
-        """Look again at the members whose leader exited while their kill was in flight, now sent."""
-        ready = [m for m in self._parked.values() if not m.target.kill_in_flight]
-        for member in ready:
-            del self._parked[id(member)]
-            self._due.append(member)
-        if ready and self._wake is not None:
-            self._wake.cancel()
-
-    def _kills_sent(self, failed: list[tuple[_Member, BaseException]]) -> None:
+    def _handed_done(self, failed: list[tuple[_Member, BaseException]]) -> None:
         self._threads -= 1
-        self._unpark()
         for member, exc in failed:
             if not member.over:
                 member.error = exc
                 self._unwatch(member)
-                member.turn.set()
+                self._settled(member)
                 if self._wake is not None:
                     self._wake.cancel()
         if not self._threads:
@@ -209,15 +230,21 @@ class _Batch:
 
     # ---- one pass ----------------------------------------------------------------------------------
 
-    def _ready(self) -> list[_Member]:
-        """The members the driver must look at now: leaders exited, deadlines passed, forced."""
-        due, self._due = self._due, []
+    def _exited(self) -> list[_Member]:
+        """The members whose leader exited (their pidfd readable), taken out of the wait set."""
+        exited: list[_Member] = []
         if self._by_fd:
             for fd, _events in self._epoll.poll(0):
                 member = self._by_fd.get(fd)
                 if member is not None and member.fd == fd:
                     self._unwatch(member)  # level-triggered: an exited leader stays readable
-                    due.append(member)
+                    exited.append(member)
+        return exited
+
+    def _ready(self) -> list[_Member]:
+        """The members the driver must look at now: leaders exited, deadlines passed, forced."""
+        due, self._due = self._due, []
+        due += self._exited()
         now = trio.current_time()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, member = heapq.heappop(self._deadlines)
@@ -231,16 +258,36 @@ class _Batch:
         except BaseException as exc:  # never leave the other members waiting on a driver that died
             member.error = exc
             self._unwatch(member)
-            member.turn.set()
+            self._settled(member)
             return False
         if isinstance(answer, Escalation):
             member.result = answer
             self._unwatch(member)
-            member.turn.set()
+            self._settled(member)
             return False
         member.request = answer
         self._watch(member)
         return True
+
+    def _settled(self, member: _Member) -> None:
+        """``member``'s escalation is over, or it is handed back: tell its task, or end it here when it
+        has none (:class:`Detached`)."""
+        detach = member.detach
+        if detach is None:
+            member.turn.set()
+            return
+        member.target.notify_force(None)  # its own task (resume) or nobody looks at it from now on
+        member.target.hand_off(None)
+        try:
+            if member.error is not None:
+                detach.done(member.error)
+                detach.spawn(partial(_reraise, member.error))
+            elif member.result is not None:
+                detach.done(member.result)
+            else:
+                detach.resume(member.request.phase, member.deadline)
+        except Exception as exc:  # raised by a task, as the member's own would have: the pass goes on
+            detach.spawn(partial(_reraise, exc))
 
     def _schedule(self, member: _Member) -> None:
         self._seq += 1
@@ -262,14 +309,29 @@ class _Batch:
             self._schedule(member)
 
     def _pass(self) -> None:
-        """Answer every member whose wait is over, and set the deadlines of the waits they ask for next,
-        all measured from the end of the pass."""
+        """Answer every member whose wait is over, and set the deadlines of the waits they ask for next.
+
+        Many due at once (the grace periods of a ``kill_all`` end together) are answered in chunks of
+        :data:`_PASS_CHUNK`, and before each chunk the members whose leaders exited meanwhile: the reaping
+        of the first trees killed overlaps the exits of the next ones (on the other core) instead of
+        waiting for the last SIGKILL of the pass, while the killed processes' exits are what the machine
+        is busy with anyway.
+        """
         if not self._started:
             self._started = True
             self._align()
-            due = list(self.members)
-        else:
-            due = self._ready()
+            self._answer(list(self.members))
+            return
+        due = self._ready()
+        while due:
+            chunk, due = due[:_PASS_CHUNK], due[_PASS_CHUNK:]
+            self._answer(chunk)
+            if due:
+                due = self._exited() + due
+
+    def _answer(self, due: list[_Member]) -> None:
+        """Answer the members of ``due``, and set the deadlines of the waits they ask for next, measured
+        from the end of this answer."""
         todo: list[_Member] = []
         seen: set[int] = set()
         for member in due:
@@ -289,13 +351,10 @@ class _Batch:
                 gone = True
             elif (request.phase is Phase.GRACE and member.target.force) or now >= member.deadline:
                 gone = False
-            elif member.target.kill_in_flight:  # not reaped before its kill is sent: looked at then
-                self._parked[id(member)] = member
-                continue
             elif member.target.pidfd < 0:  # the leader is reaped, the rest of the tree is not gone
                 member.alone = True
                 self._unwatch(member)
-                member.turn.set()
+                self._settled(member)
                 continue
             else:
                 self._watch(member)  # not yet: keep waiting
@@ -307,7 +366,7 @@ class _Batch:
             member.deadline = end + member.request.seconds
             if member.fd < 0:  # no leader to wait on (it exited before): the tree is waited on alone
                 member.alone = True
-                member.turn.set()
+                self._settled(member)
                 continue
             self._schedule(member)
 
@@ -326,7 +385,8 @@ class _Batch:
         return [m for m in self.members if not m.over and not m.alone]
 
     async def drive(self, me: _Member) -> None:
-        """Drive the batch until ``me`` is over or handed back; then pass the role on.
+        """Drive the batch until ``me`` is over or handed back and no member left waiting is detached
+        (:class:`Detached`: it has no task to drive); then pass the role on.
 
         Cancellation: callers run this inside a shielded cancel scope.
         """
@@ -336,42 +396,52 @@ class _Batch:
                     try:
                         self._pass()
                     finally:
-                        self._send_kills()  # the pass's thread ends once it has sent them
-                if me.over or me.alone:
+                        self._end_handing()  # the pass's thread ends once it has done its work
+                if (me.over or me.alone) and not any(m.detach is not None for m in self._waiting()):
                     return
                 await self._wait()
         finally:
             me.drives = False
             rest = self._waiting()
-            if rest:
-                rest[0].drives = True
-                rest[0].turn.set()
+            with_task = [m for m in rest if m.detach is None]
+            if with_task:
+                with_task[0].drives = True
+                with_task[0].turn.set()
+            elif rest:  # left only by an error of the driver's own: a new task drives the detached
+                heir = rest[0]
+                assert heir.detach is not None
+                heir.drives = True
+                heir.detach.spawn(partial(self.drive, heir))
             else:
-                while self._threads:  # no kill is left in flight once the batch is over
+                while self._threads:  # no work is left in flight once the batch is over
                     await self._threads_done.wait()
                 self._close()
 
     def _close(self) -> None:
         for member in self.members:
             member.target.notify_force(None)
-            member.target.hand_kills(None)
+            member.target.hand_off(None)
         if self._epoll_made is not None:
             trio.lowlevel.notify_closing(self._epoll_made.fileno())
             self._epoll_made.close()
 
 
 async def drive_in_batch(
-    target: LeaderTarget, steps: Steps, first: WaitGone, at: float
-) -> Escalation | tuple[Phase, float]:
+    target: LeaderTarget, steps: Steps, first: WaitGone, at: float, *, detach: Detached | None = None
+) -> Escalation | tuple[Phase, float] | None:
     """Run ``steps`` on ``target`` in the batch of this scheduler pass (see the module), from the wait
     ``first`` that their first step, taken at ``at`` (Trio clock), asked for.
+
+    With ``detach``, the member is ended by the driver (:class:`Detached`) once it is in a batch of more
+    than one: a member that does not drive returns ``None`` as soon as it has joined, and the driver once
+    no detached member is left waiting.
 
     Cancellation: callers run this inside a shielded cancel scope.
 
     Returns:
         The escalation's end; or, when it was handed back in the middle of a wait, that wait's phase
         and deadline (on the Trio clock): the caller finishes the wait and the steps alone (see
-        :func:`~._escalation_driver.drive_escalation`).
+        :func:`~._escalation_driver.drive_escalation`); ``None`` when ``detach`` ends it.
     """
     batch = _FORMING.get()
     me = _Member(target=target, steps=steps, request=first, deadline=at + first.seconds)
@@ -381,7 +451,7 @@ async def drive_in_batch(
         me.drives = True
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
-        target.hand_kills(lambda kill: batch._hand(me, kill))
+        target.hand_off(lambda work: batch._hand(me, work))
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()  # the escalations of this pass join
         finally:
@@ -389,12 +459,19 @@ async def drive_in_batch(
                 _FORMING.set(None)
         if len(batch.members) == 1:  # alone in its pass: the one-tree wait costs less than a batch's
             target.notify_force(None)
-            target.hand_kills(None)
+            target.hand_off(None)
             return first.phase, me.deadline
+        me.detach = detach
     else:
+        me.detach = detach
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
-        target.hand_kills(lambda kill: batch._hand(me, kill))
+        target.hand_off(lambda work: batch._hand(me, work))
+        if detach is not None:
+            return None  # the driver ends it (Detached); it forgets the target's hooks then (_close)
+    if me.detach is not None:  # the first member: it drives, and the driver ends it with the others
+        await batch.drive(me)
+        return None
     while not (me.over or me.alone):
         if me.drives:
             await batch.drive(me)
@@ -402,7 +479,7 @@ async def drive_in_batch(
             await me.turn.wait()
             me.turn = trio.Event()
     target.notify_force(None)
-    target.hand_kills(None)
+    target.hand_off(None)
     if me.error is not None:
         raise me.error
     if me.result is not None:

@@ -16,7 +16,7 @@ from typing import Protocol
 import trio
 
 from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance
-from ._escalation_batch import drive_in_batch
+from ._escalation_batch import Detached, Spawn, drive_in_batch
 from ._procfs import children_read_at, children_read_size, engine_children
 
 __all__ = ["LeaderTarget", "children_read_since", "drive_escalation", "wait_gone"]
@@ -78,15 +78,9 @@ class LeaderTarget(EscalationTarget, Protocol):
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
-    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
-        """Have :meth:`~EscalationTarget.kill` give its work to ``hand`` (the batch driver's worker thread)
-        instead of doing it, where that is safe (``None``: do it again)."""
-
-    @property
-    def kill_in_flight(self) -> bool:
-        """Whether a kill given to ``hand`` is not sent yet: the leader is not reaped meanwhile, and its
-        exit is looked at once it is sent."""
-        ...
+    def hand_off(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
+        """Let the target give ``hand`` work that is safe on the batch driver's worker thread and blocks in
+        the kernel without the GIL (a leaf's ``rmdir``) instead of doing it (``None``: do it again)."""
 
     def mark_quiet(self) -> bool:
         """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the
@@ -100,8 +94,14 @@ class LeaderTarget(EscalationTarget, Protocol):
 
 
 async def drive_escalation(
-    target: LeaderTarget, steps: Steps, first: WaitGone | Escalation, at: float
-) -> Escalation:
+    target: LeaderTarget,
+    steps: Steps,
+    first: WaitGone | Escalation,
+    at: float,
+    *,
+    done: Callable[[Escalation | BaseException], None] | None = None,
+    spawn: Spawn | None = None,
+) -> Escalation | None:
     """Run the escalation ``steps`` on ``target`` under Trio.
 
     The escalations that start in one scheduler pass are driven together while their leaders live
@@ -116,17 +116,44 @@ async def drive_escalation(
         steps: the escalation, its first step taken.
         first: what that step answered (a wait, or the end already).
         at: when it was taken (``trio.current_time``): the first wait is measured from then.
+        done: with ``spawn``, lets the batch end the escalation without this task (see
+            ``_escalation_batch.Detached``): it is called with the end (or the error that ended it) from
+            the batch driver's pass, or from the task ``spawn`` starts to go on alone once handed back.
+        spawn: starts a task (shielded) for what must still wait once the batch let go of the target.
 
     Cancellation: callers run this inside a shielded cancel scope; it is bounded by the waits the steps
     request.
+
+    Returns:
+        The end; ``None`` when ``done`` is (or will be) called with it instead.
     """
     if isinstance(first, Escalation):
         await trio.lowlevel.checkpoint()
         return first
-    handed = await drive_in_batch(target, steps, first, at)
-    if isinstance(handed, Escalation):
+    detach = None
+    if done is not None and spawn is not None:
+        end, start = done, spawn
+
+        def resume(phase: Phase, deadline: float) -> None:
+            async def alone() -> None:
+                try:
+                    result = await _finish_alone(target, steps, phase, deadline)
+                except BaseException as exc:
+                    end(exc)
+                    raise
+                end(result)
+
+            start(alone)
+
+        detach = Detached(done=end, resume=resume, spawn=start)
+    handed = await drive_in_batch(target, steps, first, at, detach=detach)
+    if handed is None or isinstance(handed, Escalation):
         return handed
-    phase, deadline = handed
+    return await _finish_alone(target, steps, *handed)
+
+
+async def _finish_alone(target: LeaderTarget, steps: Steps, phase: Phase, deadline: float) -> Escalation:
+    """Go on with ``steps`` alone from a wait of ``phase`` that ends at ``deadline`` (Trio clock)."""
     gone = False
     with trio.move_on_at(deadline):
         gone = await _wait_gone(target, honour_force=phase is Phase.GRACE)

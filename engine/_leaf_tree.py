@@ -24,6 +24,32 @@ from ._termination import ProcessTree
 
 __all__ = ["LeafTree"]
 
+#: A SIGCONT sent this soon after a signal that found the leader alone in its leaf goes to the leader
+#: alone (:meth:`LeafTree.send`): the two are sent one after the other by the escalation's first step.
+_SAME_STEP_SECONDS = 0.001
+
+#: The last list of adopted children looked at by :func:`_exited_among`, and its exited pids.
+_exited_memo: tuple[frozenset[int], tuple[int, ...]] = (frozenset(), ())
+
+
+def _exited_among(adopted: frozenset[int]) -> tuple[int, ...]:
+    """The pids of ``adopted`` (a list ``_not_leaders`` keeps) that have exited and are not reaped
+    (``waitid`` with ``WNOWAIT``: nothing is reaped here), looked at once per list: 1000 leaves that
+    emptied together share one list of adopted children."""
+    global _exited_memo
+    kept, exited = _exited_memo
+    if kept is not adopted:
+        found = []
+        for pid in adopted:
+            try:
+                if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    found.append(pid)
+            except ChildProcessError:
+                pass
+        exited = tuple(found)
+        _exited_memo = (adopted, exited)
+    return exited
+
 
 @attrs.define(eq=False)
 class LeafTree(ProcessTree):
@@ -40,6 +66,10 @@ class LeafTree(ProcessTree):
     watcher: LeafWatcher = attrs.field(kw_only=True)
     _seen: int = attrs.field(init=False, default=-1)
     _killed_once: bool = attrs.field(init=False, default=False)
+    #: when :meth:`send` last found the leader alone in the leaf (``time.monotonic``), or -1
+    _leader_alone_at: float = attrs.field(init=False, default=-1.0)
+    #: the leaf as a whole got its ``cgroup.kill`` (not only the leader its SIGKILL)
+    _rest_killed: bool = attrs.field(init=False, default=False)
     _removal_handed: bool = attrs.field(init=False, default=False)
 
     def snapshot(self, *, fresh: bool = True) -> None:
@@ -47,34 +77,54 @@ class LeafTree(ProcessTree):
 
     def send(self, sig: int) -> None:
         """Send ``sig`` to every process in the leaf (each pinned by a pidfd first: the leader's, while it
-        is not reaped, is the run's own)."""
-        self.leaf.signal(sig, pinned={self.pid: self.pidfd} if self.pidfd >= 0 else None)
+        is not reaped, is the run's own).
+
+        A leaf found holding its leader alone gets the signal through the leader's pidfd; a SIGCONT right
+        after (the escalation's first step sends SIGINT then SIGCONT, see ``_escalation``) goes to the
+        same processes without a second read of ``cgroup.procs`` (some 8 us each, 1000 in a ``kill_all``).
+        """
+        if self.pidfd < 0:
+            self.leaf.signal(sig)
+            return
+        at = time.monotonic()
+        if sig != signal.SIGCONT or at - self._leader_alone_at > _SAME_STEP_SECONDS:
+            if self.leaf.procs() != [self.pid]:
+                self._leader_alone_at = -1.0
+                self.leaf.signal(sig, pinned={self.pid: self.pidfd})
+                return
+            self._leader_alone_at = at
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except ProcessLookupError:
+            pass
 
     def kill(self) -> None:
         """SIGKILL the whole leaf at once through ``cgroup.kill`` (forks in flight included).
 
-        In a batch (:meth:`hand_kills`) the first kill goes instead to each process of the leaf through a
-        pidfd, from the batch driver's worker thread: a ``cgroup.kill`` write holds the cgroup mutex for
-        some 40-70 us, and 1000 of them queue up with the leaves' removals behind the same mutex. A process
-        forked while ``cgroup.procs`` was read is what that misses: the leaf is then still populated at
-        the look that follows the leader's exit, and the kill asked for again is the ``cgroup.kill``. The
-        leader is not reaped while the kill is in flight, so its pidfd stays open for the thread.
+        In a batch (``hand_off`` given) the first kill goes to the leader alone, through its pidfd (a
+        ``cgroup.kill`` write holds the cgroup mutex for some 40-70 us, and 1000 of them queue up with the
+        leaves' removals behind the same mutex; reading ``cgroup.procs`` first costs as much again): a run
+        is most often its leader alone. What else the leaf holds is killed by ``cgroup.kill`` as soon as
+        the leader's exit is seen with the leaf still populated (:meth:`_kill_rest`), before the member
+        waits for the leaf to empty.
         """
-        if self._hand is None or self._killed_once:
+        if self._hand is None or self._killed_once or self.pidfd < 0:
+            self._killed_once = True
+            self._rest_killed = True
             self.leaf.kill()
             return
         self._killed_once = True
-        token = object()
-        self._in_flight.append(token)
-        pinned = {self.pid: self.pidfd} if self.pidfd >= 0 else None
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
-        def kill_each() -> None:  # on the worker thread
-            try:
-                self.leaf.signal(signal.SIGKILL, pinned=pinned)
-            finally:
-                self._in_flight.remove(token)
-
-        self._hand(kill_each)
+    def _kill_rest(self) -> None:
+        """After a kill of the leader alone (:meth:`kill`): the leader is reaped and the leaf is still
+        populated, so the rest of it gets its ``cgroup.kill`` now (once)."""
+        if self._killed_once and not self._rest_killed:
+            self._rest_killed = True
+            self.leaf.kill()
 
     def request_force(self) -> None:
         """Skip the rest of the grace period, and wake a wait on the leaf so it happens now."""
@@ -88,6 +138,8 @@ class LeafTree(ProcessTree):
         if self.quiet_at is not None:
             return True
         if self.leaf.populated():
+            if self.status is not None:
+                self._kill_rest()
             return False
         self.quiet_at = time.monotonic()
         return True
@@ -99,13 +151,13 @@ class LeafTree(ProcessTree):
 
     def _reap_leaf_zombies(self) -> None:
         # A read made since the leaf was seen empty (shared by the leaves that emptied together, see
-        # wait_change), else a fresh one: a process re-parented to the engine by then counts.
+        # wait_change), else a fresh one: a process re-parented to the engine by then counts. Every zombie
+        # of this leaf was one already when the leaf was seen empty, so the exited pids of that list,
+        # looked at once after it was read for every leaf that shares it, hold them all.
         adopted = self._not_leaders(engine_children(read_since=self.quiet_at))
-        for pid in adopted:
-            try:  # look first (WNOWAIT): reap only a zombie of this leaf, by its own pid, never waitpid(-1)
-                if os.waitid(
-                    os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT
-                ) is not None and self.leaf.holds(pid):
+        for pid in _exited_among(adopted):
+            try:  # reap only a zombie of this leaf, by its own pid, never waitpid(-1)
+                if self.leaf.holds(pid):
                     os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 pass

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Protocol, final
@@ -663,35 +663,79 @@ class Supervisor:
     async def _finish(self, run: ManagedRun, reason: TerminationReason | None, *, terminate: bool) -> None:
         run._state = RunState.EXITING
         escalated, survivors = False, tuple[int, ...]()
+        handed = False  # to the batch driver, which ends the run (_end_handed)
         try:
             if terminate:
-                escalated, survivors = await run._tree.terminate(
-                    grace_seconds=run._grace_seconds, kill_wait_seconds=self.kill_wait_seconds
+                outcome = await run._tree.terminate(
+                    grace_seconds=run._grace_seconds,
+                    kill_wait_seconds=self.kill_wait_seconds,
+                    done=functools.partial(self._end_handed, run, reason),
+                    spawn=self._spawn_shielded,
                 )
-            if run._tree.status is None:
+                handed = outcome is None
+                if outcome is not None:
+                    escalated, survivors = outcome
+            if not handed and run._tree.status is None:
                 await run._tree.wait_leader()
         finally:
-            run._tree.close()
-            run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
-            run._state = RunState.EXITED
-            self._forget(run, ended=False)
-            run._leader_exited()
-            run._done.set()
-            await self._housekeep(run)
+            if not handed:
+                self._record_end(run, reason, escalated=escalated, survivors=survivors)
+                if self._note_ended(run):
+                    await self._housekeep()
 
-    async def _housekeep(self, run: ManagedRun) -> None:
-        """The housekeeping after a run's end (remove its leaf, tell the guardian and the records), done
-        after one checkpoint so that it overlaps what the waiters do next (the next spawn's child runs
-        meanwhile) instead of delaying them; the runs that end in the same scheduler pass (a
-        ``kill_all``) share it: the first one's task does it for all of them, their leaves removed
-        together (``Containment.release_many``), while the others' tasks end at once.
+    def _record_end(
+        self,
+        run: ManagedRun,
+        reason: TerminationReason | None,
+        *,
+        escalated: bool,
+        survivors: tuple[int, ...],
+    ) -> None:
+        """The run has ended: its exit, its state, its waiters woken."""
+        run._tree.close()
+        run._exit = _exit_of(run, reason, escalated=escalated, survivors=survivors)
+        run._state = RunState.EXITED
+        self._forget(run, ended=False)
+        run._leader_exited()
+        run._done.set()
+
+    def _end_handed(
+        self,
+        run: ManagedRun,
+        reason: TerminationReason | None,
+        outcome: tuple[bool, tuple[int, ...]] | BaseException,
+    ) -> None:
+        """The end of a run whose escalation the batch driver ended (``ProcessTree.terminate``'s ``done``),
+        called from the driver's pass: the runs ended in one pass are ended in one loop, their tasks
+        gone already, and only the tasks waiting for them (``cancel_many``'s one) wake. An error is
+        raised by a task of its own (``_escalation_batch``), as the run's task would have."""
+        escalated, survivors = (False, ()) if isinstance(outcome, BaseException) else outcome
+        self._record_end(run, reason, escalated=escalated, survivors=survivors)
+        if self._note_ended(run):
+            self._spawn_shielded(self._housekeep)
+
+    def _spawn_shielded(self, work: Callable[[], Awaitable[object]]) -> None:
+        """Run ``work`` in a task of the supervisor's nursery, shielded (the end of a run)."""
+        self._nursery.start_soon(_shielded, work)
+
+    def _note_ended(self, run: ManagedRun) -> bool:
+        """Queue ``run``'s housekeeping; ``True`` for the first run of this scheduler pass, whose caller
+        then runs :meth:`_housekeep` for all of them."""
+        self._ended.append(run)
+        if len(self._ended) > 1:
+            return False
+        self._housekeeping += 1
+        return True
+
+    async def _housekeep(self) -> None:
+        """The housekeeping after the runs' ends (remove their leaves, tell the guardian and the
+        records), done after one checkpoint so that it overlaps what the waiters do next (the next
+        spawn's child runs meanwhile) instead of delaying them; the runs that end in the same scheduler
+        pass (a ``kill_all``) share it (:meth:`_note_ended`): their leaves are removed together
+        (``Containment.release_many``).
 
         Cancellation: callers shield it.
         """
-        self._ended.append(run)
-        if len(self._ended) > 1:
-            return  # the task of the first run of this pass does it
-        self._housekeeping += 1
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()  # the runs ending in this pass join
         finally:
@@ -854,6 +898,11 @@ def _exit_of(
         escalated=escalated,
         survivors=survivors,
     )
+
+
+async def _shielded(work: Callable[[], Awaitable[object]]) -> None:
+    with trio.CancelScope(shield=True):
+        await work()
 
 
 async def _wait_shielded(run: ManagedRun) -> RunExit:

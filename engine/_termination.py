@@ -12,6 +12,7 @@ stops as soon as it exits).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import time
@@ -22,6 +23,7 @@ import attrs
 import trio
 
 from ._escalation import Escalation, Steps, WaitGone, advance, escalate
+from ._escalation_batch import Spawn
 from ._escalation_driver import LeaderTarget, children_read_since, drive_escalation, wait_gone
 from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
@@ -99,20 +101,20 @@ class ProcessTree:
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
     _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
     _hand: Callable[[Callable[[], object]], None] | None = attrs.field(init=False, default=None)
-    #: one token per group kill handed to a worker thread and not sent yet (the thread removes it)
-    _in_flight: list[object] = attrs.field(init=False, factory=list)
+    #: the group was seen empty after the leader's reaping: it stays so (nothing can join a group with
+    #: no member), and its id, the leader's pid, may name a stranger's group from then on
+    _group_empty: bool = attrs.field(init=False, default=False)
+    #: tasks waiting on the pidfd through Trio now (:meth:`close`)
+    _pidfd_waits: int = attrs.field(init=False, default=0)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
     _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
 
     # ---- the leader ------------------------------------------------------------------------------
 
     def poll_leader(self) -> bool:
-        """Reap the leader if it has exited; ``True`` once it is reaped. Not while a kill of its group is
-        in flight (:meth:`hand_kills`): its pid, the group's id, stays the run's until it is reaped."""
+        """Reap the leader if it has exited; ``True`` once it is reaped."""
         if self.status is not None:
             return True
-        if self._in_flight:
-            return False
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # someone else reaped it (a host calling waitpid(-1)): exit unknown
@@ -129,13 +131,26 @@ class ProcessTree:
         Cancellation: safe; the leader stays unreaped and can be waited for again.
         """
         while not self.poll_leader():
+            await self._wait_pidfd()
+
+    async def _wait_pidfd(self) -> None:
+        """Wait for the leader's pidfd to turn readable, counted (:meth:`close` wakes only a wait)."""
+        self._pidfd_waits += 1
+        try:
             await wait_pidfd(self.pidfd)
+        finally:
+            self._pidfd_waits -= 1
 
     def close(self) -> None:
-        """Close the pidfd (idempotent)."""
+        """Close the pidfd (idempotent). Trio is told first only while a task of this tree waits on it:
+        a pidfd waited on by a batch's own epoll only (``_escalation_batch``) leaves that set by closing,
+        and Trio's ``notify_closing`` of 1000 pidfds nobody waits on costs the loop some 5-10 ms."""
         if self.pidfd >= 0:
             fd, self.pidfd = self.pidfd, -1
-            close_pidfd(fd)
+            if self._pidfd_waits:
+                close_pidfd(fd)
+            else:
+                os.close(fd)
 
     # ---- the rest of the tree --------------------------------------------------------------------
 
@@ -194,7 +209,7 @@ class ProcessTree:
         return result
 
     def _snapshot_by_children(self, *, fresh: bool) -> bool:
-        roots = [self.pid]
+        roots = [self.pid] if self.status is None else []  # a reaped leader's pid may be a stranger's now
         for pid, start in self.tracked.items():  # walk only from processes that are still ours
             info = read_proc(pid)
             if info is not None and info.start_time == start:
@@ -270,10 +285,8 @@ class ProcessTree:
         """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
         self._poke = wake
 
-    def hand_kills(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
-        """Let ``hand`` take the group's ``killpg`` of :meth:`kill` (``None``: no more). Safe from another
-        thread: the group's id is the leader's pid, which no other process can have while the leader is
-        not reaped, and :meth:`poll_leader` does not reap it while such a kill is in flight."""
+    def hand_off(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
+        """Let ``hand`` take work for a worker thread (``None``: no more); a process tree has none."""
         self._hand = hand
 
     async def _wait_leader_or_force(self) -> None:
@@ -282,7 +295,7 @@ class ProcessTree:
         each looking every 20 ms through a grace period cost the loop tens of thousands of wake-ups)."""
         try:
             with trio.CancelScope() as self._wake:
-                await wait_pidfd(self.pidfd)
+                await self._wait_pidfd()
         finally:
             self._wake = None
 
@@ -323,13 +336,7 @@ class ProcessTree:
         On the way it reaps the zombies the leader's exit handed to the engine (see
         :meth:`_reap_orphan_zombie`).
         """
-        group = True
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            group = False
-        except PermissionError:
-            pass
+        group = self._group_exists()
         strays = False
         # A read since quiet_at (quiet_read: one for the trees whose leaders exited together) is as good
         # as a fresh one, as for the look that decides the tree is gone (see _adopted).
@@ -365,10 +372,26 @@ class ProcessTree:
         self._send_tracked(sig)
 
     def _send_group(self, sig: int) -> None:
+        if self._group_empty:
+            return
         try:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def _group_exists(self) -> bool:
+        """Whether a process is in the group (a zombie counts); once the leader is reaped and the group
+        seen empty, it is not looked at again (:attr:`_group_empty`)."""
+        if self._group_empty:
+            return False
+        try:
+            os.killpg(self.pid, 0)
+        except ProcessLookupError:
+            self._group_empty = self.status is not None
+            return False
+        except OSError as exc:
+            return exc.errno == errno.EPERM
+        return True
 
     def _send_tracked(self, sig: int) -> None:
         for pid, start in list(self.tracked.items()):
@@ -396,14 +419,7 @@ class ProcessTree:
         alive: set[int] = set()
         if not self.poll_leader():
             alive.add(self.pid)
-        group_exists = True
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            group_exists = False
-        except OSError as exc:
-            group_exists = exc.errno == errno.EPERM
-        if group_exists:
+        if self._group_exists():
             for info in scan_processes():
                 if info.pgid == self.pid and info.pid != self.pid and self._ours(info):
                     if info.zombie:
@@ -422,27 +438,8 @@ class ProcessTree:
         return sorted(alive)
 
     def kill(self) -> None:
-        """SIGKILL the group and every tracked escapee; the group's ``killpg`` is handed to the batch
-        driver's worker thread while it takes them (:meth:`hand_kills`)."""
-        if self._hand is None:
-            self.send(signal.SIGKILL)
-            return
-        token = object()
-        self._in_flight.append(token)
-
-        def kill_group() -> None:  # on the worker thread
-            try:
-                self._send_group(signal.SIGKILL)
-            finally:
-                self._in_flight.remove(token)
-
-        self._hand(kill_group)
-        self._send_tracked(signal.SIGKILL)  # by pid: here, where each pid's start time is checked
-
-    @property
-    def kill_in_flight(self) -> bool:
-        """Whether a kill handed over (:meth:`hand_kills`) is not sent yet (the leader is not reaped)."""
-        return bool(self._in_flight)
+        """SIGKILL the group and every tracked escapee."""
+        self.send(signal.SIGKILL)
 
     def gone(self) -> bool:
         """Whether nothing of the tree is alive: :meth:`remaining` as a yes/no.
@@ -476,22 +473,65 @@ class ProcessTree:
         self._begun = (steps, first, trio.current_time())
 
     async def terminate(
-        self, *, grace_seconds: float, kill_wait_seconds: float
-    ) -> tuple[bool, tuple[int, ...]]:
+        self,
+        *,
+        grace_seconds: float,
+        kill_wait_seconds: float,
+        done: Callable[[tuple[bool, tuple[int, ...]] | BaseException], None] | None = None,
+        spawn: Spawn | None = None,
+    ) -> tuple[bool, tuple[int, ...]] | None:
         """Escalate SIGINT -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` over the whole tree.
 
         The steps are ``_escalation.escalate``'s; :func:`drive_escalation` waits. Once it is done the
         leader is reaped (it was sent SIGKILL if it was still alive), so it is never a survivor.
 
+        With ``done`` and ``spawn``, an escalation driven in a batch with others is ended by the batch's
+        driver (``_escalation_batch.Detached``): this call returns ``None`` at once (or once it has driven
+        the batch), and ``done`` is called with what it would have returned, or with the error that ended
+        it, from the driver's pass, or from a task ``spawn`` starts where something must still be waited
+        for (the tree alone, or the final reap).
+
         Cancellation: callers run this inside a shielded cancel scope; it is bounded by the two durations
         plus the final reap of the leader after SIGKILL, which is not bounded.
 
         Returns:
-            ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end.
+            ``(escalated, survivors)``: whether SIGKILL was needed, and the pids still alive at the end;
+            ``None`` when ``done`` is (or will be) called with them instead.
         """
         self.begin(grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds)
         assert self._begun is not None
-        escalated, survivors = await drive_escalation(self, *self._begun)
+        if done is None or spawn is None:
+            escalation = await drive_escalation(self, *self._begun)
+        else:
+            escalation = await drive_escalation(
+                self, *self._begun, done=functools.partial(self._ended, done, spawn), spawn=spawn
+            )
+        if escalation is None:
+            return None
         if self.status is None:
             await self.wait_leader()  # the final reap after SIGKILL
-        return escalated, tuple(pid for pid in survivors if pid != self.pid)
+        return self._outcome(escalation)
+
+    def _outcome(self, escalation: Escalation) -> tuple[bool, tuple[int, ...]]:
+        return escalation.escalated, tuple(pid for pid in escalation.survivors if pid != self.pid)
+
+    def _ended(
+        self,
+        done: Callable[[tuple[bool, tuple[int, ...]] | BaseException], None],
+        spawn: Spawn,
+        end: Escalation | BaseException,
+    ) -> None:
+        """The end of a detached escalation (:meth:`terminate`): to ``done``, after the final reap."""
+        if isinstance(end, BaseException) or self.status is not None:
+            done(end if isinstance(end, BaseException) else self._outcome(end))
+            return
+
+        async def reap() -> None:
+            try:
+                await self.wait_leader()  # the final reap after SIGKILL
+            except BaseException as exc:
+                done(exc)
+                raise
+            done(self._outcome(end))
+
+        spawn(reap)

@@ -6,6 +6,7 @@ containment modes; each tree's whole grace period; force cutting a grace short; 
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -205,7 +206,7 @@ async def test_kill_all_of_many_sigint_ignoring_children_releases_everything_bef
     tmp_path: Path, containment: str
 ) -> None:
     """``kill_all`` of 150 SIGINT-ignoring children (one waiting task, the logs deleted by a worker thread
-    during the grace, in cgroup mode the SIGKILLs sent by the batch's worker thread): when it returns every
+    during the grace, the runs ended by the batch's driver): when it returns every
     process is reaped, every log deleted, every leaf removed, and nothing carries the test's marker."""
     marker = mark("336.1")
     project = make_project(tmp_path)
@@ -327,5 +328,93 @@ async def test_trees_that_keep_forking_during_a_kill_all_leave_nothing(
             assert await service.kill_all() is True
             assert not pgrep(rf"^sleep {marker}")
             assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_a_batch_kills_a_sigint_ignoring_grandchild_with_its_leader_not_after_the_kill_wait(
+    tmp_path: Path, containment: str
+) -> None:
+    """Trees whose leader and grandchild both ignore SIGINT, ended in one batch whose runs its driver ends
+    (their tasks gone during the grace): the grandchild dies right after its leader (in cgroup mode the
+    first SIGKILL goes to the leader alone, the leaf's ``cgroup.kill`` once the leader is reaped), long
+    before the 30 s kill wait; every exit is recorded, escalated."""
+    marker = mark("337.1")
+    try:
+        async with open_supervisor(
+            grace_seconds=GRACE, kill_wait_seconds=30.0, containment=containment
+        ) as sup:
+            runs = [
+                await sup.spawn(
+                    SpawnSpec(
+                        argv=(
+                            "bash",
+                            "-c",
+                            f"trap '' INT; (trap '' INT; exec sleep {marker}) & sleep {marker}",
+                        ),
+                        scope_key="g",
+                    )
+                )
+                for _ in range(6)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 12)
+            t0 = time.monotonic()
+            await sup.cancel_many(runs)
+            elapsed = time.monotonic() - t0
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [run.pid for run in runs if proc_exists(run.pid)]
+            assert all(run.state is RunState.EXITED for run in runs)
+            assert all(run.exit is not None and run.exit.escalated and not run.exit.survivors for run in runs)
+            assert GRACE - 0.05 <= elapsed < GRACE + 3.0, elapsed
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_runs_a_batch_driver_ends_are_told_to_their_waiters_and_observers(
+    tmp_path: Path, containment: str
+) -> None:
+    """A run of a batch is ended by the driver, not by its own task: ``wait()`` of each returns its exit,
+    ``on_leader_exit`` hooks run, and the observers hear of every end once."""
+    marker = mark("337.2")
+    ended: list[int] = []
+
+    class Observer:
+        def run_started(self, run: object) -> None:
+            pass
+
+        def run_ended(self, run: object) -> None:
+            ended.append(getattr(run, "pid", -1))
+
+    try:
+        async with open_supervisor(
+            grace_seconds=GRACE, kill_wait_seconds=5.0, containment=containment
+        ) as sup:
+            sup.add_observer(Observer())
+            runs = [
+                await sup.spawn(
+                    SpawnSpec(argv=("bash", "-c", f"trap '' INT; exec sleep {marker}"), scope_key="o")
+                )
+                for _ in range(8)
+            ]
+            hooked: list[int] = []
+            for run in runs:
+                run.on_leader_exit(functools.partial(hooked.append, run.pid))
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 8)
+            waited: list[int] = []
+
+            async def wait_for(i: int) -> None:
+                exit = await runs[i].wait()
+                assert exit.escalated
+                waited.append(i)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(runs)):
+                    nursery.start_soon(wait_for, i)
+                exits = await sup.cancel_scope("o")
+            assert sorted(waited) == list(range(8))
+            assert [e.escalated for e in exits] == [True] * 8
+            assert sorted(hooked) == sorted(run.pid for run in runs)
+            assert sorted(ended) == sorted(run.pid for run in runs)
+            assert not pgrep(rf"^sleep {marker}")
     finally:
         kill_leftovers(marker)
