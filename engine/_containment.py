@@ -215,7 +215,10 @@ class CgroupContainment:
         known_leaders: Set[int],
     ) -> ProcessTree:
         assert placement is not None
-        tree = LeafTree(
+        # No inotify watch yet (about 30 us per spawn): the tree adds it at its first need, the
+        # generation it notes before each look at the leaf (``LeafWatcher.generation``); a run whose leaf
+        # is empty once its leader exited (the usual end) is never watched.
+        return LeafTree(
             pid=pid,
             pidfd=pidfd,
             start_time=start_time,
@@ -225,8 +228,6 @@ class CgroupContainment:
             leaf=placement,
             watcher=self.watcher,
         )
-        self.watcher.generation(placement)  # watched from now on: no change is missed
-        return tree
 
     def kill_now(self, placement: Placement, pid: int) -> None:
         assert placement is not None
