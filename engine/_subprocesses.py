@@ -88,6 +88,20 @@ def _base_of(directory: str, project_directory: str) -> str | None:
     return project_directory if inside else None
 
 
+def _child_spec(spec: SpawnSpec, stdout: int, stderr: int, stdin: int | None) -> SpawnSpec:
+    """``spec`` (a record's: argv, cwd, env and scope only) writing into ``stdout`` / ``stderr`` and reading
+    ``stdin``; made directly, as ``attrs.evolve`` would at twice the cost (it looks the fields up first)."""
+    return SpawnSpec(
+        argv=spec.argv,
+        cwd=spec.cwd,
+        env=spec.env,
+        scope_key=spec.scope_key,
+        stdout=stdout,
+        stderr=stderr,
+        stdin=stdin,
+    )
+
+
 def _create_logs(directory: str, base: str | None, folders: FolderCache) -> LogPair:
     """The log pair of a new child, in ``directory`` reached from ``base`` (a folder walked before is
     checked again in ``folders``, not walked again)."""
@@ -218,14 +232,20 @@ class SubProcessService:
                 "a killAll (or a kill of this project's processes) is under way; nothing was started: "
                 "create again once it has returned"
             )
-        _check_directory(project)
         directory = os.path.join(project.directory, self._config.gadget_dir_name, "subprocess-logs")
         # As trio's open_process does: every step registers its undo, and a failure at any step, after
         # the spawn too, runs them all (end the child, delete the files and the folders made here).
         async with contextlib.AsyncExitStack() as undo:
             with self._reserve(project):
                 base = _log_base(directory, project)
-                logs = _create_logs(directory, base, self._folders)
+                try:
+                    logs = _create_logs(directory, base, self._folders)
+                except Exception:
+                    # The project directory is looked at only when the log folder could not be used (no
+                    # stat before every create): a missing one is told as such, not as a log folder error;
+                    # the spawn tells a directory that went missing since in the same words.
+                    _check_directory(project)
+                    raise
                 undo.callback(logs.discard)
                 spec = SpawnSpec(argv=argv, cwd=project.directory, env=extra_env, scope_key=project.scope_key)
                 run, pipe = await self._spawn(spec, logs, stdin=stdin, undo=undo)
@@ -269,7 +289,7 @@ class SubProcessService:
             undo.callback(pipe.close, "the process could not be started")
         try:
             with logs.open_for_child() as (out, err):
-                run = await self._supervisor.spawn(attrs.evolve(spec, stdout=out, stderr=err, stdin=read_end))
+                run = await self._supervisor.spawn(_child_spec(spec, out, err, read_end))
         finally:
             if read_end is not None:
                 os.close(read_end)  # the child has its copy
@@ -288,8 +308,9 @@ class SubProcessService:
             self._pending[project.id] -= 1
             if not self._pending[project.id]:
                 del self._pending[project.id]
-            settled, self._settled = self._settled, trio.Event()
-            settled.set()
+            if self._fences:  # only a fence waits for it (a fence counts itself in before it waits)
+                settled, self._settled = self._settled, trio.Event()
+                settled.set()
 
     @contextlib.asynccontextmanager
     async def _fence(self, project_id: str | None) -> AsyncIterator[None]:
@@ -314,9 +335,12 @@ class SubProcessService:
             await self._supervisor.cancel(run, force=True)
 
     def _check_limits(self, project: Project) -> None:
+        per_project = self._config.max_processes_per_project
+        pending = sum(self._pending.values()) if self._pending else 0
+        if len(self._records) + pending < min(per_project, self._config.max_processes):
+            return  # fewer records than either limit, kept ones included: no count needed
         live = [sp for sp in self._records if sp.running or sp._backoff is not None]
         mine = sum(1 for sp in live if sp.project.id == project.id) + self._pending.get(project.id, 0)
-        per_project = self._config.max_processes_per_project
         if mine >= per_project:
             raise LimitExceededError(
                 f"max_processes_per_project reached: project {project.slug!r} already has {mine} live "
