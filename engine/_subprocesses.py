@@ -88,20 +88,6 @@ def _base_of(directory: str, project_directory: str) -> str | None:
     return project_directory if inside else None
 
 
-def _child_spec(spec: SpawnSpec, stdout: int, stderr: int, stdin: int | None) -> SpawnSpec:
-    """``spec`` (a record's: argv, cwd, env and scope only) writing into ``stdout`` / ``stderr`` and reading
-    ``stdin``; made directly, as ``attrs.evolve`` would at twice the cost (it looks the fields up first)."""
-    return SpawnSpec(
-        argv=spec.argv,
-        cwd=spec.cwd,
-        env=spec.env,
-        scope_key=spec.scope_key,
-        stdout=stdout,
-        stderr=stderr,
-        stdin=stdin,
-    )
-
-
 def _create_logs(directory: str, base: str | None, folders: FolderCache) -> LogPair:
     """The log pair of a new child, in ``directory`` reached from ``base`` (a folder walked before is
     checked again in ``folders``, not walked again)."""
@@ -247,11 +233,13 @@ class SubProcessService:
                     _check_directory(project)
                     raise
                 undo.callback(logs.discard)
-                spec = SpawnSpec(argv=argv, cwd=project.directory, env=extra_env, scope_key=project.scope_key)
-                run, pipe = await self._spawn(spec, logs, stdin=stdin, undo=undo)
+                run, pipe = await self._spawn_child(
+                    argv, project.directory, extra_env, project.scope_key, logs, stdin=stdin, undo=undo
+                )
                 logs.rename(run.pid, (sp._logs for sp in self._records))
                 # The next create's two files, made by the folder cache's thread while this child runs.
                 LogPair.prepare(directory, base=base, folders=self._folders)
+                tracker = RestartTracker(restart) if restart is not None and restart.mode != "no" else None
                 sp = SubProcess(
                     first_pid=run.pid,
                     project=project,
@@ -261,9 +249,15 @@ class SubProcessService:
                     run=run,
                     logs=logs,
                     stdin=pipe,
-                    restart=RestartTracker(restart) if restart is not None and restart.mode != "no" else None,
+                    restart=tracker,
                     notify_on_exit=notify_on_exit,
-                    spec=spec,
+                    # What the restarts start again; made after the spawn, and only for a record that
+                    # restarts (the spawn itself makes the child's own, with its descriptors).
+                    spec=None
+                    if tracker is None
+                    else SpawnSpec(
+                        argv=argv, cwd=project.directory, env=extra_env, scope_key=project.scope_key
+                    ),
                 )
                 self._records.append(sp)
             undo.pop_all()
@@ -280,8 +274,26 @@ class SubProcessService:
     async def _spawn(
         self, spec: SpawnSpec, logs: LogPair, *, stdin: bool, undo: contextlib.AsyncExitStack
     ) -> tuple[ManagedRun, StdinPipe | None]:
-        """Spawn ``spec`` writing into ``logs`` (with a stdin pipe when asked); register the undo of each
-        step on ``undo`` (close the pipe, end the child at once)."""
+        """Spawn a record's ``spec`` again (a restart) writing into ``logs``: see :meth:`_spawn_child`."""
+        assert spec.argv is not None and spec.cwd is not None
+        return await self._spawn_child(
+            spec.argv, spec.cwd, spec.env, spec.scope_key, logs, stdin=stdin, undo=undo
+        )
+
+    async def _spawn_child(
+        self,
+        argv: tuple[str, ...],
+        cwd: str,
+        env: Mapping[str, str] | None,
+        scope_key: str,
+        logs: LogPair,
+        *,
+        stdin: bool,
+        undo: contextlib.AsyncExitStack,
+    ) -> tuple[ManagedRun, StdinPipe | None]:
+        """Spawn ``argv`` in ``cwd`` (with ``env`` added, under ``scope_key``) writing into ``logs`` (with a
+        stdin pipe when asked); register the undo of each step on ``undo`` (close the pipe, end the child
+        at once). One :class:`SpawnSpec` is made, with the child's descriptors (about 10 us each)."""
         pipe: StdinPipe | None = None
         read_end: int | None = None
         if stdin:
@@ -289,7 +301,10 @@ class SubProcessService:
             undo.callback(pipe.close, "the process could not be started")
         try:
             with logs.open_for_child() as (out, err):
-                run = await self._supervisor.spawn(_child_spec(spec, out, err, read_end))
+                spec = SpawnSpec(
+                    argv=argv, cwd=cwd, env=env, scope_key=scope_key, stdout=out, stderr=err, stdin=read_end
+                )
+                run = await self._supervisor.spawn(spec)
         finally:
             if read_end is not None:
                 os.close(read_end)  # the child has its copy
