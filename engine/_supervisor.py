@@ -545,6 +545,7 @@ class Supervisor:
                     fds.append(fd)
                 else:
                     fds.append(target)
+            started = trio.current_time()  # before the spawn: the child may run a while before we go on
             pid = self._containment.spawn(
                 placement,
                 lambda cgroup_fd: spawn_process(
@@ -564,7 +565,7 @@ class Supervisor:
             for fd in opened:
                 os.close(fd)
         try:
-            return self._register(spec, run_id, argv, marker, placement, pid)
+            return self._register(spec, run_id, argv, marker, placement, pid, started)
         except BaseException:
             # Nothing started may outlive a failed spawn: a record that could not be written (a full
             # state dir), a pidfd that could not be opened. The child is killed before the error goes up.
@@ -577,7 +578,14 @@ class Supervisor:
             raise
 
     def _register(
-        self, spec: SpawnSpec, run_id: int, argv: tuple[str, ...], marker: str, placement: Placement, pid: int
+        self,
+        spec: SpawnSpec,
+        run_id: int,
+        argv: tuple[str, ...],
+        marker: str,
+        placement: Placement,
+        pid: int,
+        started: float,
     ) -> ManagedRun:
         pidfd = os.pidfd_open(pid)
         start_time = start_time_of(pid)
@@ -603,7 +611,7 @@ class Supervisor:
             outlive_engine_crash=spec.outlive_engine_crash,
             tree=tree,
             grace_seconds=grace,
-            started=trio.current_time(),
+            started=started,
             placement=placement,
         )
         if spec.max_runtime_seconds is not None:
