@@ -545,7 +545,7 @@ class SubProcessService:
         if removed:
             self._records[:] = [sp for sp in self._records if id(sp) not in removed]
         if not self._records:  # no record left: the folders kept open (and their spare files) go too
-            self._folders.close()
+            self._folders.close(wait=False)  # its thread ends on its own; nothing here waits for it
 
     async def kill_subprocess(self, sp: SubProcess) -> bool:
         """End ``sp`` by escalation, delete both its log files and forget it.
