@@ -524,6 +524,12 @@ class SubProcessService:
 
         async with self._log_lock:
             await trio.to_thread.run_sync(delete)
+        if self._capper is not None and all(sp._killing for sp in self._records):
+            # Every log is deleted, and a create makes a new cap: the cap ends now, during the grace, and
+            # its watches go with it. Left running, it read the ``IN_IGNORED`` of every log (some 2000
+            # for a kill_all of 1000) as the killed children released them, among the kills.
+            self._capper.cancel()
+            self._capper = None
 
     def _remove(self, sp: SubProcess) -> None:
         self._remove_many([sp])
