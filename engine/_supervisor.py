@@ -842,7 +842,8 @@ class Supervisor:
     async def cancel_scope(self, scope_key: str) -> list[RunExit]:
         """End every run of ``scope_key`` concurrently and return their exits (oldest first).
 
-        It waits for a replacement spawn of the same key that is under way and ends that run too.
+        It waits for a replacement spawn of the same key that is under way and ends that run too, and
+        returns once the runs' housekeeping is done (their leaves removed, the observers told).
 
         Cancellation: as :meth:`cancel`.
         """
@@ -853,7 +854,10 @@ class Supervisor:
         runs = self.runs(scope_key)
         for run in runs:
             self._request(run, force=False)
-        return [await _wait_shielded(run) for run in runs]
+        exits = [await _wait_shielded(run) for run in runs]
+        with trio.CancelScope(shield=True):  # bounded: the leaves' removal and the observers told
+            await self._housekeeping_done()
+        return exits
 
     def _close(self) -> None:
         self._closing = True
