@@ -5,7 +5,7 @@ One task of the batch, the *driver*, advances every member's steps (``_escalatio
 waits for all of them at once: on one private epoll instance that holds every live leader's pidfd (one
 ``epoll_ctl`` per tree instead of a Trio wait, a cancel scope and a task wake-up), until the earliest
 deadline, or until a force request pokes it. Its other tasks sleep until their own escalation is over,
-or, :class:`Detached` (the supervisor's runs), return as soon as they have joined.
+or, detached (the supervisor's runs), return as soon as they have joined.
 
 Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.kill``) and reaps:
 
@@ -20,15 +20,10 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
   is alive (:meth:`~._escalation_driver.LeaderTarget.mark_quiet`), then one read of the engine's children
   list serves all of their final looks (see ``_escalation_driver.children_read_since``).
 
-The SIGKILLs a pass aims are sent in the pass itself: a ``killpg`` or a ``pidfd_send_signal`` costs the
-loop a few microseconds, the killed process's exit is its own (it runs on the other core, or preempts the
-loop). They were sent from a worker thread before, which held the GIL while the processes it killed
-preempted it, and the loop waited. What a target can hand to a worker thread is work that blocks in the
-kernel without the GIL: a cgroup leaf's ``rmdir`` (``LeaderTarget.hand_off``).
-
-With :class:`Detached` members (the supervisor's runs) the driver also ends each run in its pass
-(``Detached.done``): the members' tasks return once they have joined, during the grace period, and no
-task wakes per run after the SIGKILLs but the ones waiting for the runs (``kill_all``'s one).
+The SIGKILLs a pass aims are sent in the pass itself (a ``killpg`` or a ``pidfd_send_signal`` costs the
+loop a few microseconds); only work that blocks in the kernel without the GIL, a cgroup leaf's
+``rmdir``, goes to a worker thread (``LeaderTarget.hand_off``, ``_escalation_handoff``). Detached members
+(``_escalation_detached``) are ended by the driver in its pass.
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
@@ -42,9 +37,7 @@ on its own leader's pidfd through Trio.
 from __future__ import annotations
 
 import heapq
-import queue
-import select
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Final
 
@@ -52,41 +45,15 @@ import attrs
 import trio
 
 from ._escalation import Escalation, Phase, Steps, WaitGone, advance
+from ._escalation_detached import Detached, reraise
+from ._escalation_handoff import HandOff
+from ._pidfd_set import PidfdSet
 from ._procfs import engine_children, sharing_children_reads
 
 if TYPE_CHECKING:
     from ._escalation_driver import LeaderTarget
 
-__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "Detached", "Spawn", "drive_in_batch"]
-
-#: Starts a task that runs the given async function (the supervisor's nursery, shielded).
-Spawn = Callable[[Callable[[], Awaitable[object]]], None]
-
-
-@attrs.frozen
-class Detached:
-    """How a member of a batch is ended without its task, which returns as soon as it has joined: the
-    driver ends it in its pass (``kill_all`` of 1000 then wakes 1000 tasks neither after their SIGKILL nor
-    after their reaping, and each run's end is done in one loop with the others').
-
-    Attributes:
-        done: called from the driver's pass with the escalation's end, or with the error that ended it
-            (the error is raised by a task :attr:`spawn` starts, as it would have been by the member's
-            own task); it must not block.
-        resume: called when the member is handed back (its leader reaped, the rest of its tree not
-            gone) with the wait's phase and deadline: it starts a task that goes on alone (see
-            ``_escalation_driver.drive_escalation``) and calls :attr:`done` at the end.
-        spawn: starts a task (the errors above, and a driver for the members left when a driver stops).
-    """
-
-    done: Callable[[Escalation | BaseException], None]
-    resume: Callable[[Phase, float], None]
-    spawn: Spawn
-
-
-async def _reraise(error: BaseException) -> None:
-    raise error
-
+__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
 
 #: A wait of the batch ends up to this much after its deadline, never before it: deadlines a few
 #: microseconds apart then expire in one pass of the driver.
@@ -131,47 +98,30 @@ class _Member:
 @attrs.define(eq=False)
 class _Batch:
     members: list[_Member] = attrs.field(factory=list)
-    _epoll_made: select.epoll | None = None
-    _by_fd: dict[int, _Member] = attrs.field(factory=dict)
+    #: the live leaders' pidfds, waited on at once
+    _leaders: PidfdSet[_Member] = attrs.field(factory=PidfdSet)
     _deadlines: list[tuple[float, int, _Member]] = attrs.field(factory=list)
     _seq: int = 0
     _due: list[_Member] = attrs.field(factory=list)
     _wake: trio.CancelScope | None = None
     _started: bool = False
-    #: the work handed over in this pass (:meth:`_hand`) goes to its worker thread through this queue
-    _queue: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] | None = None
-    #: worker threads still at work, and the event set when none is left
-    _threads: int = 0
-    _threads_done: trio.Event = attrs.field(factory=trio.Event)
+    #: the worker threads that take the work the members hand over (``_escalation_handoff``)
+    _handoff: HandOff[_Member] = attrs.field(
+        default=attrs.Factory(lambda self: HandOff(self._hand_failed), takes_self=True)
+    )
 
     # ---- the wait set ------------------------------------------------------------------------------
-
-    @property
-    def _epoll(self) -> select.epoll:
-        if self._epoll_made is None:
-            self._epoll_made = select.epoll()
-        return self._epoll_made
 
     def _watch(self, member: _Member) -> None:
         fd = member.target.pidfd
         if fd >= 0 and member.fd < 0:
-            self._epoll.register(fd, select.EPOLLIN)
+            self._leaders.add(fd, member)
             member.fd = fd
-            self._by_fd[fd] = member
 
     def _unwatch(self, member: _Member) -> None:
-        """Take the member's pidfd out of the epoll while it is still open (a closed one left it
-        already, and its number may have been reused by another member's)."""
         fd, member.fd = member.fd, -1
-        if fd < 0:
-            return
-        if self._by_fd.get(fd) is member:
-            del self._by_fd[fd]
-        if member.target.pidfd == fd:
-            try:
-                self._epoll.unregister(fd)
-            except OSError:
-                pass
+        if fd >= 0:
+            self._leaders.discard(fd, member, still_open=member.target.pidfd == fd)
 
     def _poke(self, member: _Member) -> None:
         """Force was requested for ``member``: the driver looks at it now."""
@@ -182,63 +132,28 @@ class _Batch:
     # ---- work handed to a worker thread -------------------------------------------------------------
 
     def _hand(self, member: _Member, work: Callable[[], object]) -> None:
-        """Have ``work`` (``member``'s target's: the ``rmdir`` of an empty leaf, some 20-60 us of kernel time
-        each, the GIL released) done by this pass's worker thread, started by the first work handed
-        over: it overlaps the rest of the pass and the next ones."""
-        if self._queue is None:
-            self._queue = self._start_thread()
-        self._queue.put((member, work))
+        """Have ``work`` (``member``'s target's: the ``rmdir`` of an empty leaf) done by this pass's worker
+        thread (``_escalation_handoff``)."""
+        self._handoff.hand(member, work)
 
-    def _start_thread(self) -> queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None]:
-        todo: queue.SimpleQueue[tuple[_Member, Callable[[], object]] | None] = queue.SimpleQueue()
-        failed: list[tuple[_Member, BaseException]] = []
-        token = trio.lowlevel.current_trio_token()
-
-        def send() -> None:
-            while (item := todo.get()) is not None:
-                member, work = item
-                try:
-                    work()
-                except Exception as exc:  # given to the member, as the work's error in its own pass would be
-                    failed.append((member, exc))
-
-        def deliver(_outcome: object) -> None:
-            token.run_sync_soon(self._handed_done, failed)
-
-        self._threads += 1
-        trio.lowlevel.start_thread_soon(send, deliver)
-        return todo
-
-    def _end_handing(self) -> None:
-        """The pass is over: its thread ends once it has done what it was handed."""
-        if self._queue is not None:
-            self._queue.put(None)
-            self._queue = None
-
-    def _handed_done(self, failed: list[tuple[_Member, BaseException]]) -> None:
-        self._threads -= 1
-        for member, exc in failed:
-            if not member.over:
-                member.error = exc
-                self._unwatch(member)
-                self._settled(member)
-                if self._wake is not None:
-                    self._wake.cancel()
-        if not self._threads:
-            done, self._threads_done = self._threads_done, trio.Event()
-            done.set()
+    def _hand_failed(self, member: _Member, exc: BaseException) -> None:
+        """A work ``member`` handed over raised ``exc``: it ends the member, as in its own pass."""
+        if not member.over:
+            member.error = exc
+            self._unwatch(member)
+            self._settled(member)
+            if self._wake is not None:
+                self._wake.cancel()
 
     # ---- one pass ----------------------------------------------------------------------------------
 
     def _exited(self) -> list[_Member]:
         """The members whose leader exited (their pidfd readable), taken out of the wait set."""
         exited: list[_Member] = []
-        if self._by_fd:
-            for fd, _events in self._epoll.poll(0):
-                member = self._by_fd.get(fd)
-                if member is not None and member.fd == fd:
-                    self._unwatch(member)  # level-triggered: an exited leader stays readable
-                    exited.append(member)
+        for fd, member in self._leaders.ready():
+            if member.fd == fd:
+                self._unwatch(member)  # level-triggered: an exited leader stays readable
+                exited.append(member)
         return exited
 
     def _ready(self) -> list[_Member]:
@@ -281,13 +196,13 @@ class _Batch:
         try:
             if member.error is not None:
                 detach.done(member.error)
-                detach.spawn(partial(_reraise, member.error))
+                detach.spawn(partial(reraise, member.error))
             elif member.result is not None:
                 detach.done(member.result)
             else:
                 detach.resume(member.request.phase, member.deadline)
         except Exception as exc:  # raised by a task, as the member's own would have: the pass goes on
-            detach.spawn(partial(_reraise, exc))
+            detach.spawn(partial(reraise, exc))
 
     def _schedule(self, member: _Member) -> None:
         self._seq += 1
@@ -378,7 +293,7 @@ class _Batch:
         if self._due:
             at = -float("inf")
         with trio.move_on_at(at) as self._wake:
-            await trio.lowlevel.wait_readable(self._epoll.fileno())
+            await self._leaders.wait()
         self._wake = None
 
     def _waiting(self) -> list[_Member]:
@@ -396,7 +311,7 @@ class _Batch:
                     try:
                         self._pass()
                     finally:
-                        self._end_handing()  # the pass's thread ends once it has done its work
+                        self._handoff.end_pass()  # the pass's thread ends once it has done its work
                 if (me.over or me.alone) and not any(m.detach is not None for m in self._waiting()):
                     return
                 await self._wait()
@@ -413,17 +328,14 @@ class _Batch:
                 heir.drives = True
                 heir.detach.spawn(partial(self.drive, heir))
             else:
-                while self._threads:  # no work is left in flight once the batch is over
-                    await self._threads_done.wait()
+                await self._handoff.wait_idle()  # no work is left in flight once the batch is over
                 self._close()
 
     def _close(self) -> None:
         for member in self.members:
             member.target.notify_force(None)
             member.target.hand_off(None)
-        if self._epoll_made is not None:
-            trio.lowlevel.notify_closing(self._epoll_made.fileno())
-            self._epoll_made.close()
+        self._leaders.close()
 
 
 async def drive_in_batch(

@@ -16,7 +16,8 @@ from typing import Protocol
 import trio
 
 from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance
-from ._escalation_batch import Detached, Spawn, drive_in_batch
+from ._escalation_batch import drive_in_batch
+from ._escalation_detached import Detached, Spawn
 from ._procfs import children_read_at, children_read_size, engine_children
 
 __all__ = ["LeaderTarget", "children_read_since", "drive_escalation", "wait_gone"]
@@ -117,7 +118,7 @@ async def drive_escalation(
         first: what that step answered (a wait, or the end already).
         at: when it was taken (``trio.current_time``): the first wait is measured from then.
         done: with ``spawn``, lets the batch end the escalation without this task (see
-            ``_escalation_batch.Detached``): it is called with the end (or the error that ended it) from
+            ``_escalation_detached.Detached``): it is called with the end (or the error that ended it) from
             the batch driver's pass, or from the task ``spawn`` starts to go on alone once handed back.
         spawn: starts a task (shielded) for what must still wait once the batch let go of the target.
 

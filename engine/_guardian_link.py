@@ -144,6 +144,19 @@ class GuardianLink:
                 record.remove(self.state_dir)
             self._send(f"- {record.pgid} {record.start_time}")
 
+    def runs_ended(self, runs: list[ManagedRun]) -> None:
+        """:meth:`run_ended` of each of ``runs``: one journal write and one pipe write for all of them
+        (a ``kill_all`` of 1000 wrote each 1000 times, and each pipe write woke the guardian)."""
+        records = [record for run in runs if (record := self._records.pop(run.pid, None)) is not None]
+        if not records:
+            return
+        if self._journal is not None:
+            self._journal.drop_many(records)
+        else:
+            for record in records:
+                record.remove(self.state_dir)
+        self._send("\n".join(f"- {record.pgid} {record.start_time}" for record in records))
+
     def _reap_guardian(self, *, block: bool) -> bool:
         if self.pid is None:
             return True

@@ -352,8 +352,8 @@ class FolderCache:
     #: Guards what the thread shares: each entry's ``spare``, ``pending`` and ``closed``, and the jobs.
     _lock: threading.Condition = attrs.field(init=False, factory=threading.Condition, repr=False)
     _jobs: list[_Job] = attrs.field(init=False, factory=list, repr=False)
+    #: The cache's thread; one that is no longer this ends once it is done with its job (:meth:`close`).
     _thread: threading.Thread | None = attrs.field(init=False, default=None, repr=False)
-    _stopping: bool = attrs.field(init=False, default=False, repr=False)
     #: Whether the last files made took more than :data:`SLOW_FILE_SECONDS` each: only then does the
     #: thread make them (on a quiet filesystem a file costs less than waking a thread).
     _slow: bool = attrs.field(init=False, default=False, repr=False)
@@ -436,12 +436,14 @@ class FolderCache:
 
     def _work(self) -> None:
         """The cache's thread: make the files each job asks for, and hand them to its entry (or close
-        them, when the entry was closed meanwhile), until :meth:`close`."""
+        them, when the entry was closed meanwhile), until :meth:`close` (which makes it no longer the cache's
+        thread: the jobs queued after are a new thread's)."""
+        me = threading.current_thread()
         while True:
             with self._lock:
-                while not self._jobs and not self._stopping:
+                while not self._jobs and self._thread is me:
                     self._lock.wait()
-                if not self._jobs:
+                if self._thread is not me:
                     return
                 entry, fd, make, count = self._jobs.pop(0)
             made: list[Unnamed] = []
@@ -521,21 +523,25 @@ class FolderCache:
             oldest = next(iter(self._entries))
             self._close_entry(self._entries.pop(oldest))
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         """Close every cached folder's descriptors and the files made ahead; end the cache's thread
-        (after the job it is on: a few file creations). The cache can be used again afterwards."""
+        (after the job it is on: a few file creations). The cache can be used again afterwards.
+
+        Args:
+            wait: wait for the thread to end. Without, it ends on its own once done with its job (the
+                files it made then are closed, never handed out: their entry is closed); ``kill_all``
+                does not wait for a thread's wake-up (a few ms on a loaded machine) it has no use for.
+        """
         with self._lock:
-            self._stopping = True
             jobs, self._jobs = self._jobs, []
             thread, self._thread = self._thread, None
             for entry, fd, _, count in jobs:
                 os.close(fd)
                 entry.pending -= count
             self._lock.notify_all()
-        if thread is not None:
+        if thread is not None and wait:
             thread.join()
         with self._lock:
-            self._stopping = False
             entries, self._entries = list(self._entries.values()), {}
             for entry in entries:
                 entry.close()

@@ -563,6 +563,12 @@ class SubProcessService:
 
         async with self._log_lock:
             await trio.to_thread.run_sync(delete)
+        if self._capper is not None and all(sp._killing for sp in self._records):
+            # Every log is deleted, and a create makes a new cap: the cap ends now, during the grace, and
+            # its watches go with it. Left running, it read the ``IN_IGNORED`` of every log (some 2000
+            # for a kill_all of 1000) as the killed children released them, among the kills.
+            self._capper.cancel()
+            self._capper = None
 
     def _remove(self, sp: SubProcess) -> None:
         self._remove_many([sp])
@@ -584,7 +590,7 @@ class SubProcessService:
         if removed:
             self._records[:] = [sp for sp in self._records if id(sp) not in removed]
         if not self._records:  # no record left: the folders kept open (and their spare files) go too
-            self._folders.close()
+            self._folders.close(wait=False)  # its thread ends on its own; nothing here waits for it
 
     async def kill_subprocess(self, sp: SubProcess) -> bool:
         """End ``sp`` by escalation, delete both its log files and forget it.

@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Protocol, final
+from typing import Protocol, final, runtime_checkable
 
 import attrs
 import trio
@@ -331,6 +331,15 @@ class RunObserver(Protocol):
     def run_ended(self, run: ManagedRun) -> None:
         """Called once the run's tree is reaped, right after its waiters were woken (one checkpoint
         later, so that the housekeeping does not delay them)."""
+
+
+@runtime_checkable
+class RunsObserver(RunObserver, Protocol):
+    """A :class:`RunObserver` that is told of the runs ended together (a ``kill_all``'s) in one call."""
+
+    def runs_ended(self, runs: list[ManagedRun]) -> None:
+        """:meth:`RunObserver.run_ended` of each of ``runs``, in one call (the guardian link writes its
+        journal and its pipe once for all of them)."""
 
 
 _RUN_MARKER_KEY = RUN_MARKER_VAR.encode()
@@ -751,9 +760,12 @@ class Supervisor:
             try:
                 await self._containment.release_many([r._placement for r in batch])
             finally:
-                for ended in batch:
-                    for observer in self._observers:
-                        observer.run_ended(ended)
+                for observer in self._observers:
+                    if isinstance(observer, RunsObserver):
+                        observer.runs_ended(batch)
+                    else:
+                        for ended in batch:
+                            observer.run_ended(ended)
                 self._housekeeping -= 1
                 if not self._housekeeping:
                     done, self._housekept = self._housekept, trio.Event()
@@ -838,7 +850,8 @@ class Supervisor:
     async def cancel_scope(self, scope_key: str) -> list[RunExit]:
         """End every run of ``scope_key`` concurrently and return their exits (oldest first).
 
-        It waits for a replacement spawn of the same key that is under way and ends that run too.
+        It waits for a replacement spawn of the same key that is under way and ends that run too, and
+        returns once the runs' housekeeping is done (their leaves removed, the observers told).
 
         Cancellation: as :meth:`cancel`.
         """
@@ -849,7 +862,10 @@ class Supervisor:
         runs = self.runs(scope_key)
         for run in runs:
             self._request(run, force=False)
-        return [await _wait_shielded(run) for run in runs]
+        exits = [await _wait_shielded(run) for run in runs]
+        with trio.CancelScope(shield=True):  # bounded: the leaves' removal and the observers told
+            await self._housekeeping_done()
+        return exits
 
     def _close(self) -> None:
         self._closing = True

@@ -1,4 +1,5 @@
-"""Ending a run's whole process tree: group signalling and the descendant snapshot.
+"""Ending a run's whole process tree: group signalling, reaping, and the escalation's driving (the look
+at which processes are the run's is ``_tree_walk``'s).
 
 A run is its leader (the child we spawned, leader of a new session and process group), every other
 member of that group, and the *escapees*: descendants that left the group (``setsid``) and are found by
@@ -16,57 +17,31 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 import attrs
 import trio
 
 from ._escalation import Escalation, Steps, WaitGone, advance, escalate
-from ._escalation_batch import Spawn
+from ._escalation_detached import Spawn
 from ._escalation_driver import LeaderTarget, children_read_since, drive_escalation, wait_gone
 from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
-    ProcInfo,
-    children_map,
-    children_of,
-    children_read_at,
     engine_children,
     read_marker,
     read_proc,
     scan_processes,
 )
+from ._tree_walk import TreeWalk
 
 # LeaderTarget, children_read_since, drive_escalation and wait_gone are named here too, where they were
 # defined before the driver had a module of its own.
 __all__ = ["LeaderTarget", "ProcessTree", "children_read_since", "drive_escalation", "wait_gone"]
 
-#: How old a list of the engine's children the looks that only aim signals may use.
-_SHARED_CHILDREN_SECONDS = 0.002
-#: The last list of the engine's children less the run leaders: ``(list, leaders, difference)``.
-_not_leaders_memo: tuple[frozenset[int], AbstractSet[int], frozenset[int]] = (
-    frozenset(),
-    frozenset(),
-    frozenset(),
-)
-#: The stat lines of the last such list's pids, read once (:func:`_shared_infos`).
-_infos_memo: tuple[frozenset[int], dict[int, ProcInfo | None]] = (frozenset(), {})
-
-
-def _shared_infos(adopted: frozenset[int]) -> dict[int, ProcInfo | None]:
-    """The ``/proc/<pid>/stat`` of each pid of ``adopted`` (a list :meth:`ProcessTree._not_leaders` keeps),
-    read once for every look that shares that list and only aims signals (1000 trees in a ``kill_all``
-    look at the same adopted orphans)."""
-    global _infos_memo
-    kept, infos = _infos_memo
-    if kept is not adopted:
-        infos = {pid: read_proc(pid) for pid in adopted}
-        _infos_memo = (adopted, infos)
-    return infos
-
 
 @attrs.define(eq=False)
-class ProcessTree:
+class ProcessTree(TreeWalk):
     """The processes one run owns, and the means to end them all.
 
     It is the escalation target of a run (:class:`LeaderTarget`): :meth:`snapshot`, :meth:`send`,
@@ -154,124 +129,6 @@ class ProcessTree:
 
     # ---- the rest of the tree --------------------------------------------------------------------
 
-    def _ours(self, info: ProcInfo) -> bool:
-        return info.start_time >= self.start_time
-
-    def snapshot(self, *, fresh: bool = True) -> None:
-        """Add every live descendant of the run (group members included) to :attr:`tracked`.
-
-        With the subreaper on, every descendant is reachable through parent links from the leader or
-        from an orphan re-parented to the engine, so the walk follows ``/proc/<pid>/task/*/children``
-        and costs what the tree costs, not what the machine runs (1000 concurrent escalations would
-        otherwise scan all of ``/proc`` 1000 times). Without it, one full ``/proc`` scan.
-        """
-        known = len(self.tracked)
-        if not (self.subreaper and self._snapshot_by_children(fresh=fresh)):
-            self._snapshot_by_scan()
-        if len(self.tracked) > known:
-            self.quiet_at = None  # a member nobody knew of: not quiet, whatever was seen before
-
-    def _adopted(self, *, fresh: bool) -> frozenset[int]:
-        """The engine's children that lead no run: orphans adopted from the runs' trees (and any child
-        of an embedding host), from a list read in one of three ways.
-
-        Not ``fresh``: a list read up to 2 ms ago (the looks that only aim signals). ``fresh``: a list
-        read since :attr:`quiet_at`, when it holds no process that may be this run's, else a new read.
-        That shared list is as good as a new one for deciding the tree is gone: every member alive when
-        it was read hangs, through live parents, from a child of the engine that is a member (the leader
-        was already reaped); with none in the list (each is ours by start time, or unreadable), nothing
-        of the tree was alive when it was read, and nothing can fork from nothing since.
-        """
-        if not fresh:
-            return self._not_leaders(engine_children(max_age_seconds=_SHARED_CHILDREN_SECONDS))
-        if self.quiet_at is not None:
-            before = children_read_at()
-            shared = self._not_leaders(engine_children(read_since=self.quiet_at))
-            if children_read_at() != before:
-                return shared  # read just now
-            # The stat lines of its pids, read once after the list for every tree that shares it: a pid
-            # that then shows an older start than the tree's is the very process the list held (a pid
-            # reused since has a later start), so it was not of this tree.
-            infos = _shared_infos(shared)
-            if not any((info := infos[pid]) is None or self._ours(info) for pid in shared):
-                return shared  # nothing in it could be of this tree
-        return self._not_leaders(engine_children())
-
-    def _not_leaders(self, children: frozenset[int]) -> frozenset[int]:
-        """``children`` less the run leaders, computed once per list read (``kill_all``: 1000 trees share
-        a list of 1000). A leader forgotten since the first computation stays left out: it was a leader,
-        not an orphan, when the list was read."""
-        global _not_leaders_memo
-        kept, known, result = _not_leaders_memo
-        if kept is not children or known is not self.known_leaders:
-            result = children - self.known_leaders
-            _not_leaders_memo = (children, self.known_leaders, result)
-        return result
-
-    def _snapshot_by_children(self, *, fresh: bool) -> bool:
-        roots = [self.pid] if self.status is None else []  # a reaped leader's pid may be a stranger's now
-        for pid, start in self.tracked.items():  # walk only from processes that are still ours
-            info = read_proc(pid)
-            if info is not None and info.start_time == start:
-                roots.append(pid)
-        adopted = self._adopted(fresh=fresh)
-        infos = None if fresh else _shared_infos(adopted)
-        for pid in adopted:
-            info = read_proc(pid) if infos is None else infos[pid]
-            if info is None or not self._ours(info):
-                continue
-            if infos is not None:  # a shared stat line: read afresh before the pid counts as this tree's
-                info = read_proc(pid)  # (it may have died and been reused since)
-                if info is None or not self._ours(info):
-                    continue
-            if info.zombie:
-                self._reap_orphan_zombie(info)
-            elif info.pgid == self.pid or read_marker(pid) == self.marker:
-                roots.append(pid)
-        seen: set[int] = set()
-        while roots:
-            pid = roots.pop()
-            if pid in seen:
-                continue
-            seen.add(pid)
-            kids = children_of(pid)
-            if kids is None:
-                return False
-            roots.extend(kids)
-        seen.discard(self.pid)
-        for pid in seen:
-            info = read_proc(pid)
-            if info is not None and not info.zombie and self._ours(info):
-                self.tracked.setdefault(pid, info.start_time)
-        return True
-
-    def _snapshot_by_scan(self) -> None:
-        procs = [p for p in scan_processes() if not p.zombie]
-        roots = {p.pid for p in procs if p.pgid == self.pid and self._ours(p)}
-        roots.add(self.pid)
-        roots.update(self.tracked)
-        by_pid = {p.pid: p for p in procs}
-        if self.subreaper:
-            candidates: Iterable[int] = (p for p in engine_children() if p not in self.known_leaders)
-        else:  # orphans went to init: only the marker can find them
-            candidates = (p.pid for p in procs if self._ours(p))
-        for pid in candidates:
-            info = by_pid.get(pid)
-            if info is not None and self._ours(info) and read_marker(pid) == self.marker:
-                roots.add(pid)
-        kids = children_map(procs)
-        stack = list(roots)
-        seen = set(stack)
-        while stack:
-            for child in kids.get(stack.pop(), ()):
-                if child.pid not in seen and self._ours(child):
-                    seen.add(child.pid)
-                    stack.append(child.pid)
-        for pid in seen:
-            info = by_pid.get(pid)
-            if info is not None and pid != self.pid and pid not in self.tracked:
-                self.tracked[pid] = info.start_time
-
     def request_force(self) -> None:
         """Skip the rest of the grace period: the escalation kills at once (a wait on the leader is
         woken)."""
@@ -352,19 +209,6 @@ class ProcessTree:
                 strays = True
         return group or bool(self.tracked) or strays
 
-    def _reap_orphan_zombie(self, info: ProcInfo) -> None:
-        """Reap a zombie re-parented to the engine (a subreaper) that came from this run's tree.
-
-        A zombie has no environment to carry the run marker, so it is attributed by what it keeps: it
-        started after this run's leader and it is in the run's session or group, or leads a session of
-        its own (a daemon that double-forked: ``fork, setsid, fork, exit``, whose middle process dies at
-        once). Without this it would stay a zombie for the engine's lifetime. It is reaped by its own pid,
-        never with ``waitpid(-1)``; a host that starts its own ``start_new_session`` children while
-        embedding the engine and needs their exit codes can turn the subreaper off.
-        """
-        if self.subreaper and (info.sid in (self.pid, info.pid) or info.pgid == self.pid):
-            self._reap_adopted(info)
-
     def send(self, sig: int) -> None:
         """Send ``sig`` to the group, and by pid to every tracked process that is no longer in the group
         (start time checked); a member gets it once, through the group."""
@@ -405,14 +249,6 @@ class ProcessTree:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 del self.tracked[pid]
-
-    def _reap_adopted(self, info: ProcInfo) -> None:
-        # Only processes we attributed to this run, by their own pid: never waitpid(-1).
-        if info.zombie and info.ppid == os.getpid() and info.pid != self.pid:
-            try:
-                os.waitpid(info.pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
 
     def remaining(self) -> list[int]:
         """Pids of the tree still alive (zombies are reaped when they are ours, and count as gone)."""
@@ -486,7 +322,7 @@ class ProcessTree:
         leader is reaped (it was sent SIGKILL if it was still alive), so it is never a survivor.
 
         With ``done`` and ``spawn``, an escalation driven in a batch with others is ended by the batch's
-        driver (``_escalation_batch.Detached``): this call returns ``None`` at once (or once it has driven
+        driver (``_escalation_detached.Detached``): this call returns ``None`` at once (or once it has driven
         the batch), and ``done`` is called with what it would have returned, or with the error that ended
         it, from the driver's pass, or from a task ``spawn`` starts where something must still be waited
         for (the tree alone, or the final reap).

@@ -163,3 +163,53 @@ async def test_cgroup_kill_ends_what_ignores_sigint(parent: EngineCgroup, tmp_pa
     os.waitpid(pid, 0)
     assert leaf.zombie_children(os.getpid()) == []
     assert leaf.remove()
+
+
+@needs_cgroup
+async def test_leaf_events_nobody_waits_for_are_read_late_and_a_waiter_is_still_woken_at_once(
+    parent: EngineCgroup, tmp_path: Path
+) -> None:
+    """The watcher reads the events of leaves nobody waits on only ``IDLE_READ_SECONDS`` after they came
+    (a ``kill_all``'s thousands are not parsed in the middle of its kills), and at once when a task waits:
+    a leaf emptied while the others' events are queued wakes its waiter without that delay."""
+    from engine._cgroup_watch import IDLE_READ_SECONDS
+
+    leaves = [parent.leaf(f"r{5 + i}-test") for i in range(12)]
+    pids = [
+        parent.spawn_in(leaf, lambda fd: _spawn(["sleep", "7773.5"], str(tmp_path), fd)) for leaf in leaves
+    ]
+    try:
+        async with open_leaf_watcher() as watcher:
+            seen = [watcher.generation(leaf) for leaf in leaves]
+            for leaf in leaves[:-1]:
+                leaf.kill()
+            with trio.fail_after(5):
+                while any(leaf.populated() for leaf in leaves[:-1]):
+                    await trio.sleep(0.005)
+            await trio.sleep(0.02)  # the reader had its chance: nobody waits, nothing is read yet
+            assert [watcher.generation(leaf) for leaf in leaves] == seen
+            t0 = trio.current_time()
+            with trio.fail_after(5):
+                await watcher.wait_changed(leaves[0], seen[0])  # its event is queued: read now
+            assert trio.current_time() - t0 < IDLE_READ_SECONDS / 2
+            assert all(watcher.generation(leaf) > g for leaf, g in zip(leaves[:-1], seen[:-1], strict=True))
+            last = leaves[-1]
+            since = watcher.generation(last)
+
+            async def empty_later() -> None:
+                await trio.sleep(0.05)
+                last.kill()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(empty_later)
+                t0 = trio.current_time()
+                with trio.fail_after(5):
+                    await watcher.wait_changed(last, since)
+            assert trio.current_time() - t0 < 0.05 + IDLE_READ_SECONDS / 2
+            assert not last.populated()
+    finally:
+        for leaf in leaves:
+            leaf.kill()
+        for pid in pids:
+            os.waitpid(pid, 0)
+    assert all(leaf.remove() for leaf in leaves)

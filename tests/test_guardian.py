@@ -344,3 +344,73 @@ async def test_the_guardians_pipe_holds_a_kill_all_of_lines_while_it_sleeps(tmp_
     finally:
         with trio.fail_after(10):
             await link.close()
+
+
+async def test_runs_ended_together_are_told_in_one_journal_write_and_one_pipe_write(tmp_path: Path) -> None:
+    """``GuardianLink.runs_ended`` (the runs a ``kill_all`` pass ended): one write to the journal and one
+    to the pipe for all of them; the journal then replays only the runs still live, and a guardian whose
+    engine dies right after ends those and leaves the ended ones alone (their groups may be anyone's)."""
+    import attrs
+
+    from engine._group_journal import journal_path, read_journal
+    from engine._guardian_link import GuardianLink
+
+    @attrs.frozen
+    class Run:  # what the link reads of a ManagedRun
+        pid: int
+        start_time: int
+        marker: str
+        outlive_engine_crash: bool = False
+        cgroup: str | None = None
+
+        @property
+        def pgid(self) -> int:
+            return self.pid
+
+    state = tmp_path / "state"
+    state.mkdir()
+    procs = [subprocess.Popen(["sleep", mark("331.9")], start_new_session=True) for _ in range(6)]
+    runs = []
+    for proc in procs:
+        info = read_proc(proc.pid)
+        assert info is not None
+        runs.append(Run(proc.pid, info.start_time, f"other:{proc.pid}"))
+    link = GuardianLink(str(state), 0.2, 1.0, token="cafe01")
+    link.record_token()
+    link.start()
+    try:
+        for run in runs:
+            link.run_started(run)  # type: ignore[arg-type]  # the fields the link reads
+        journal = journal_path(records_dir(str(state)), "cafe01")
+        size = journal.stat().st_size
+
+        def writes() -> int:  # this thread's write calls so far
+            io = Path("/proc/thread-self/io").read_text()
+            return int(io.split("syscw:")[1].split()[0])
+
+        before = writes()
+        link.runs_ended(runs[:4])  # type: ignore[arg-type]
+        assert writes() - before == 2  # the journal's and the pipe's
+        assert journal.stat().st_size > size
+        assert [r.pgid for r in read_journal(journal)] == [run.pid for run in runs[4:]]
+        before = writes()
+        link.runs_ended(runs[:4])  # type: ignore[arg-type]  # told already: nothing written
+        assert writes() == before
+        assert link.pid is not None
+        guardian = link.pid
+        os.close(link._pipe)  # the engine dies: the guardian ends what is still registered
+        link._pipe = -1
+        with trio.fail_after(10):
+            while link._reap_guardian(block=False) is False:
+                await trio.sleep(0.02)
+        assert not os.path.exists(f"/proc/{guardian}")
+        for proc in procs[4:]:
+            assert proc.wait(timeout=5) == -signal.SIGINT
+        assert all(proc.poll() is None for proc in procs[:4])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        with trio.fail_after(10):
+            await link.close()

@@ -418,3 +418,43 @@ async def test_runs_a_batch_driver_ends_are_told_to_their_waiters_and_observers(
             assert not pgrep(rf"^sleep {marker}")
     finally:
         kill_leftovers(marker)
+
+
+async def test_a_kill_all_ends_the_log_cap_during_the_grace_and_the_next_create_has_one_again(
+    tmp_path: Path, containment: str
+) -> None:
+    """``kill_all`` deletes every log during the grace and then ends the log cap (with its watches, whose
+    ``IN_IGNORED`` it would otherwise read among the kills); a create afterwards starts a new cap, which
+    still keeps that child's log within ``log_cap_bytes``. A ``kill_project`` that leaves another project's
+    child keeps the cap running for it."""
+    marker = mark("338.1")
+    project = make_project(tmp_path)
+    other = make_project(tmp_path, "other")
+    cap = 64 * 1024
+    try:
+        async with engine_at(
+            tmp_path, grace_seconds=0.2, containment=containment, log_cap_bytes=cap
+        ) as engine:
+            service = engine.service
+            for _ in range(6):
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 6)
+            assert service._capper is not None
+            assert await service.kill_all() is True
+            assert service._capper is None
+            kept = await service.create(other, "bash", ["-c", f"exec sleep {marker}"])
+            assert service._capper is not None
+            await service.kill_project(project.id)  # nothing of it left: the other's cap stays
+            assert service._capper is not None
+            await service.kill_subprocess(kept)
+            loud = await service.create(
+                project, "bash", ["-c", f"yes | head -c {16 * cap}; exec sleep {marker}"]
+            )
+
+            async def capped() -> bool:
+                return (await service.read_log(loud.pid, "stdout", tail=1)).dropped_bytes > 0
+
+            await wait_until(capped, seconds=10, interval=0.05)
+            assert await service.kill_all() is True
+    finally:
+        kill_leftovers(marker)

@@ -435,6 +435,44 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
     assert _open_fds() == before
 
 
+def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close(wait=False)`` (``kill_all`` removing the last record) returns without joining the cache's
+    thread: the thread ends on its own once done with its job, and closes the files it made then (their
+    entry is closed); a thread started after it serves the next ``prepare``."""
+    import threading
+
+    from engine import _logdir
+    from engine._logdir import FolderCache
+    from engine._logpair import make_unnamed
+
+    monkeypatch.setattr(_logdir, "SLOW_FILE_SECONDS", -1.0)
+    project = tmp_path / "p"
+    project.mkdir()
+    logs = project / ".gadget" / "subprocess-logs"
+    LogFolder.make(str(logs), base=str(project))
+    before = _open_fds()
+    cache = FolderCache(background=True)
+
+    def threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "engine log files"]
+
+    for _ in range(3):
+        _, fd, _ = cache.open(str(logs), base=str(project))
+        os.close(fd)
+        cache.prepare(str(logs), base=str(project), make=make_unnamed, count=1)  # made here: found slow
+        cache.prepare(str(logs), base=str(project), make=make_unnamed, count=50)  # under way at the close
+        assert threads()
+        cache.close(wait=False)
+        deadline = time.monotonic() + 10
+        while (threads() or _open_fds() != before) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not threads()
+        assert _open_fds() == before
+    assert os.listdir(logs) == [".gitignore"]
+
+
 def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> None:
     """Files made ahead (``FolderCache.prepare``) and a pair created but never named have no name: a
     process that dies there leaves nothing in the log folder."""
