@@ -30,6 +30,7 @@ from typing import Final, final
 import attrs
 
 from ._errors import SpawnError, UntrustedPathError
+from ._trust import what_it_is
 
 __all__ = ["GITIGNORE", "FolderCache", "LogFolder", "LogGoneError", "Unnamed"]
 
@@ -79,8 +80,9 @@ def _explain(parent_fd: int, name: str, where: str, exc: OSError) -> OSError:
                 f"{where} is a symbolic link; the engine does not follow links under a project (a cloned "
                 "repository may hold one): replace it with a real folder, or remove it"
             )
+        what = "a file" if info is None or stat.S_ISREG(info.st_mode) else what_it_is(info.st_mode)
         return SpawnError(
-            f"cannot make the log folder: {where} is a file, not a folder; rename or remove it",
+            f"cannot make the log folder: {where} is {what}, not a folder; rename or remove it",
             errno=errno.ENOTDIR,
             path=where,
             reason="bad log folder",

@@ -37,6 +37,7 @@ __all__ = [
     "make_state_dir",
     "open_own_file",
     "read_pointer",
+    "what_it_is",
 ]
 
 Kind = Literal["directory", "file", "socket"]
@@ -68,7 +69,8 @@ _KIND_TESTS: Final[Mapping[Kind, tuple[str, object]]] = {
 }
 
 
-def _what_it_is(mode: int) -> str:
+def what_it_is(mode: int) -> str:
+    """What a file of ``mode`` is, for a message: "a FIFO", "a regular file", ..."""
     for test, name in (
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISDIR, "a directory"),
@@ -89,7 +91,7 @@ def describe_problem(info: os.stat_result, kind: Kind) -> str | None:
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link, which the engine does not follow"
     if not test(info.st_mode):  # type: ignore[operator]  # the stat.S_IS* predicates
-        return f"is {_what_it_is(info.st_mode)}, not {name}"
+        return f"is {what_it_is(info.st_mode)}, not {name}"
     euid = os.geteuid()
     if info.st_uid != euid:
         return f"is owned by uid {info.st_uid}, not by this engine's uid {euid}"

@@ -91,6 +91,18 @@ async def test_symlinked_log_folder_is_refused(tmp_path: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o755 and os.listdir(target) == []
 
 
+async def test_gadget_that_is_a_fifo_is_named_as_one(tmp_path: Path) -> None:
+    """Found by a new user: a FIFO at ``.gadget`` was called "a file"; the open never blocks on it."""
+    project = make_project(tmp_path)
+    os.mkfifo(Path(project.directory) / ".gadget")
+    async with engine_at(tmp_path) as engine:
+        expected = r"\.gadget is a FIFO, not a folder; rename or remove it"
+        with trio.fail_after(10), pytest.raises(SpawnError, match=expected) as got:
+            await engine.service.create(project, "true")
+        assert got.value.reason == "bad log folder"
+        assert engine.service.ps() == []
+
+
 async def test_gadget_that_is_a_file_is_a_usage_error_naming_it(tmp_path: Path) -> None:
     """Tried: a ``.gadget`` that is a file answered ``-32603`` and logged a traceback."""
     project = make_project(tmp_path)
