@@ -786,7 +786,9 @@ class Supervisor:
                 observer.run_ended(run)
 
     def _request(self, run: ManagedRun, *, force: bool) -> None:
-        if force:
+        # A stop during SP-03's drain (the leader exited; what it left may still run) ends the leftovers at
+        # once: the drain was their grace period, and a second one would make the stop the slower way.
+        if force or run._leader_exit is not None:
             run._tree.request_force()
         if run._requested is None:
             run._requested = TerminationReason.CANCELLED
@@ -811,7 +813,8 @@ class Supervisor:
         """End ``run`` by escalation (SIGINT -> grace -> SIGKILL -> wait) and return its exit.
 
         A run already exiting escalates no further and the same exit is returned; ``force=True`` skips
-        the grace period (also for a run already in it).
+        the grace period (also for a run already in it). A run whose leader has exited while the rest of
+        its tree drains (SP-03) gets no second grace period: what is left is killed at once.
 
         Cancellation: the tree is still ended and reaped; the caller's cancellation is re-raised after
         that, as trio's ``run_process`` does.

@@ -276,6 +276,47 @@ async def test_sp03_a_leader_is_exited_at_once_and_its_tree_drains(tmp_path: Pat
         kill_leftovers(rf"^sleep {marker}")
 
 
+@pytest.mark.parametrize("how", ["kill", "halt", "kill_all"])
+async def test_sp03_a_stop_in_the_drain_ends_a_sigint_ignoring_leftover_at_once(
+    tmp_path: Path, containment: str, how: str
+) -> None:
+    """Found by a new user: a ``kill`` while the leader's leftover drained ran a whole new grace period
+    (10 s here) against a leftover that ignores SIGINT; the guide says the drain's leftovers end at once."""
+    project = make_project(tmp_path)
+    marker = mark("303.3")
+    leftover = (
+        "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep({marker})"
+    )
+    try:
+        async with engine_at(tmp_path, containment=containment, grace_seconds=10.0) as engine:
+            service = engine.service
+            sp = await service.create(
+                project,
+                "bash",
+                ["-c", f"setsid {sys.executable} -c '{leftover}' </dev/null >/dev/null 2>&1 & echo bye"],
+            )
+            with trio.fail_after(5):
+                while service.summarize(sp).status != "exited 0":
+                    await trio.sleep(0.05)
+                while not pgrep(rf"time.sleep\({marker}\)"):
+                    await trio.sleep(0.05)
+            t0 = time.monotonic()
+            with trio.fail_after(5):
+                if how == "kill":
+                    await service.kill_subprocess(sp)
+                elif how == "halt":
+                    await service.halt_subprocess(sp)
+                else:
+                    await service.kill_all()
+            assert time.monotonic() - t0 < 2.0  # not the 10 s grace period
+            assert not pgrep(rf"time.sleep\({marker}\)")
+            assert sp.exit is not None and sp.exit.exit_code == 0  # the leader's own exit is kept
+            assert Path(sp.stdout_path).exists() == (how == "halt")
+    finally:
+        kill_leftovers(rf"time.sleep\({marker}\)")
+
+
 async def test_sp03_tee_output_arrives_every_time(tmp_path: Path, containment: str) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path, containment=containment, grace_seconds=2.0) as engine:
