@@ -32,6 +32,7 @@ __all__ = [
     "describe_exec_failure",
     "engine_environment",
     "resolve_executable",
+    "shebang_interpreter",
     "spawn_process",
     "spawns_into_cgroup",
     "start_time_of",
@@ -109,7 +110,7 @@ def describe_exec_failure(err: int, command: str, path: str) -> SpawnError:
                 "chmod +x it or run it through its interpreter"
             )
     elif err == errno_mod.ENOENT:
-        interpreter = _shebang_interpreter(path)
+        interpreter = shebang_interpreter(path)
         if os.path.exists(path) and interpreter is not None:
             reason = "bad interpreter"
             message = (
@@ -128,12 +129,19 @@ def describe_exec_failure(err: int, command: str, path: str) -> SpawnError:
     return SpawnError(message, errno=err, path=command, reason=reason)
 
 
-def _shebang_interpreter(path: str) -> str | None:
+def shebang_interpreter(path: str) -> str | None:
+    """The interpreter the ``#!`` line of the file at ``path`` names; ``None`` without such a line, or
+    when it is not a regular file we can read (a FIFO never blocks the look)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(256)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        head = os.read(fd, 256) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     if not head.startswith(b"#!"):
         return None
     line = head[2:].split(b"\n", 1)[0].strip()

@@ -442,6 +442,16 @@ async def test_service_command_payload_reports_exit_and_output(
                 await cron.add(Every(3600), Command((argv0,)))
             with pytest.raises(InvalidScheduleError, match="argv\\[0\\]"):
                 await cron.update(job.id, payload=Command((argv0,)))
+        # ... so is a script whose #! interpreter is missing (found by a new user: it failed at its run),
+        bad_interpreter = tmp_path / "bad-interpreter"
+        bad_interpreter.write_text("#!/nonexistent/interp\nexit 0\n")
+        bad_interpreter.chmod(0o755)
+        with pytest.raises(InvalidScheduleError, match="its interpreter '/nonexistent/interp'"):
+            await cron.add(Every(3600), Command((str(bad_interpreter),)))
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo, 0o755)  # an executable FIFO: the look at its #! line never blocks
+        with trio.fail_after(5):
+            await cron.remove((await cron.add(Every(3600), Command((str(fifo),)))).id)
         # ... and one removed after the add makes its run's event say so.
         program = tmp_path / "program"
         program.write_text("#!/bin/sh\nexit 0\n")

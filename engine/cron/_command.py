@@ -10,7 +10,7 @@ import shlex
 import trio
 
 from .._errors import InvalidScheduleError, SpawnError
-from .._spawn import describe_exec_failure, resolve_executable
+from .._spawn import describe_exec_failure, resolve_executable, shebang_interpreter
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
@@ -22,9 +22,9 @@ def check_command_can_start(payload: object) -> None:
     """Check that a :class:`Command` payload's program is there now and can be run (an executable file,
     not a directory), found as its runs will look for it (``argv[0]`` in the engine's ``PATH``, or a path
     from the job's ``cwd``), as ``create`` finds out at once; other payloads pass. A script whose ``#!``
-    interpreter is missing is found out at its first run. ``CronService`` calls this when a job is added
-    or its payload replaced, not when it is loaded or fired (a program removed later makes that run's
-    event say so).
+    line names an interpreter path that does not exist is refused too, as ``create`` refuses it.
+    ``CronService`` calls this when a job is added or its payload replaced, not when it is loaded or fired
+    (a program removed later makes that run's event say so).
 
     Raises:
         InvalidScheduleError: naming ``argv[0]`` and the fix.
@@ -41,9 +41,17 @@ def check_command_can_start(payload: object) -> None:
         err = errno.ENOENT
     elif os.path.isdir(path) or not os.access(path, os.X_OK):
         err = errno.EACCES
+    elif _interpreter_missing(path):
+        err = errno.ENOENT  # what its exec would say; described as a bad interpreter
     else:
         return
     raise InvalidScheduleError(f"payload argv[0]: {describe_exec_failure(err, program, path)}")
+
+
+def _interpreter_missing(path: str) -> bool:
+    """Whether the file's ``#!`` line names an interpreter by a path that does not exist."""
+    interpreter = shebang_interpreter(path)
+    return interpreter is not None and os.path.isabs(interpreter) and not os.path.exists(interpreter)
 
 
 def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
