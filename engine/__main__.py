@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ._cli import main
+from ._entry import main
 
 raise SystemExit(main())

@@ -754,3 +754,35 @@ def test_long_intervals_and_a_file_as_state_dir_are_said_plainly(tmp_path: Path)
     afile.write_text("")
     out = cli("--state-dir", str(afile), "start")
     assert out.returncode == 1 and "is a regular file, not a directory; give a folder" in out.stderr, out
+
+
+_CTRL_C_WHILE_LOADING = """
+import importlib.abc, os, signal, sys
+
+MODULE = sys.argv[1]
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    # a real SIGINT to this process while one of the command line's modules is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv[1:] = ["--state-dir", sys.argv[2], "status"]
+from engine._entry import main
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.parametrize("module", ["engine._cli", "engine._cli_commands", "engine.server._client"])
+def test_ctrl_c_while_the_command_line_loads_exits_130_quietly(tmp_path: Path, module: str) -> None:
+    """Found by a new user: Ctrl-C in the first tenth of a second of a command printed a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_LOADING, module, str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (done.returncode, done.stderr, done.stdout) == (130, "", "")
