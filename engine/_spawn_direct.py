@@ -24,6 +24,8 @@ import os
 import stat
 from collections.abc import Callable
 
+from ._trust import ours_or_roots
+
 __all__ = ["ABI", "LIBRARY", "UNSUPPORTED", "DirectSpawn", "direct_spawn", "turn_off"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,11 +45,6 @@ DirectSpawn = Callable[..., int]
 _off = False
 
 
-def _ours_to_load(info: os.stat_result) -> bool:
-    """Whether a file or folder with ``info`` is one only this user (or root) can have written."""
-    return info.st_uid in (os.geteuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
 @functools.cache
 def _load() -> DirectSpawn | None:
     """``gadget_spawn`` of the compiled library, loaded once; ``None`` when it is missing or not ours.
@@ -61,7 +58,7 @@ def _load() -> DirectSpawn | None:
         folder = os.stat(_HERE)
     except OSError:
         return None
-    if not stat.S_ISREG(info.st_mode) or not (_ours_to_load(info) and _ours_to_load(folder)):
+    if not stat.S_ISREG(info.st_mode) or not (ours_or_roots(info) and ours_or_roots(folder)):
         return None
     try:
         lib = ctypes.CDLL(LIBRARY)

@@ -36,6 +36,7 @@ __all__ = [
     "describe_problem",
     "make_state_dir",
     "open_own_file",
+    "ours_or_roots",
     "read_pointer",
     "what_it_is",
 ]
@@ -99,6 +100,14 @@ def describe_problem(info: os.stat_result, kind: Kind) -> str | None:
     if writable:
         return f"is writable by {' and '.join(writable)} (mode {stat.S_IMODE(info.st_mode):04o})"
     return None
+
+
+def ours_or_roots(info: os.stat_result) -> bool:
+    """Whether a file or folder with ``info`` (from ``lstat``/``stat``) is one only this engine's user or
+    root can have written: owned by either, not writable by group or others. The rule for the programs the
+    engine runs or loads from its own package (the compiled shim, the compiled spawn), which root installs
+    as often as the user does."""
+    return info.st_uid in (os.geteuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def check_stat(info: os.stat_result, path: str, kind: Kind, what: str, fix: str) -> None:

@@ -9,6 +9,8 @@ import stat
 import sys
 import time
 
+from .._trust import ours_or_roots
+
 __all__ = ["resolve_exit_watch_shell", "shell_installed", "shim_argv", "watch_argv"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,11 +113,6 @@ def find_perl() -> str | None:
     return _perl_at(os.environ.get("PATH"))
 
 
-def _ours_to_run(info: os.stat_result) -> bool:
-    """Whether a file or folder with ``info`` is one only this user (or root) can have written."""
-    return info.st_uid in (os.geteuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
 def find_compiled_shim() -> str | None:
     """The compiled shim (``_shim.bin``, built at install), when it is there and ours to run, or ``None``.
 
@@ -131,7 +128,7 @@ def find_compiled_shim() -> str | None:
         return None
     if not stat.S_ISREG(info.st_mode) or not info.st_mode & stat.S_IXUSR:
         return None
-    return SHIM_BIN if _ours_to_run(info) and _ours_to_run(folder) else None
+    return SHIM_BIN if ours_or_roots(info) and ours_or_roots(folder) else None
 
 
 def shim_argv(exit_file: str, argv: tuple[str, ...]) -> tuple[str, ...]:
