@@ -145,6 +145,21 @@ def cgroup_unusable() -> str:
 _cgroup_why: str | None = None
 
 
+@pytest.fixture
+def parent(tmp_path: Path) -> Iterator[EngineCgroup]:
+    """An engine's parent cgroup of its own (the tests that take it skip where cgroup v2 is not writable);
+    every leaf left in it is killed and it is removed afterwards."""
+    found, why = find_cgroup2()
+    assert found is not None, why
+    cgroup = EngineCgroup.open(found, str(tmp_path))
+    try:
+        yield cgroup
+    finally:
+        for leaf in cgroup.leaves():
+            leaf.kill()
+        cgroup.close()
+
+
 @pytest.fixture(params=["process-group", "cgroup"])
 def containment(request: pytest.FixtureRequest) -> str:
     """Each containment mode in turn; cgroup is skipped, with the reason printed, where it cannot be used."""

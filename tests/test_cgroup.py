@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,18 +33,6 @@ def _usable() -> str:
 
 
 needs_cgroup = pytest.mark.skipif(bool(_usable()), reason=f"no writable cgroup v2: {_usable()}")
-
-
-@pytest.fixture
-def parent(tmp_path: Path) -> Iterator[EngineCgroup]:
-    assert _FOUND is not None
-    cgroup = EngineCgroup.open(_FOUND, str(tmp_path))
-    try:
-        yield cgroup
-    finally:
-        for leaf in cgroup.leaves():
-            leaf.kill()
-        cgroup.close()
 
 
 def _own_cgroup() -> str:

@@ -172,18 +172,6 @@ def test_without_the_compiled_spawn_a_cgroup_descriptor_is_refused(
         spawn_process(["/bin/true"], cwd=str(tmp_path), env={}, stdout_fd=None, stderr_fd=None, cgroup_fd=0)
 
 
-@pytest.fixture
-def parent(tmp_path: Path) -> Iterator[EngineCgroup]:
-    assert _FOUND is not None
-    cgroup = EngineCgroup.open(_FOUND, str(tmp_path))
-    try:
-        yield cgroup
-    finally:
-        for leaf in cgroup.leaves():
-            leaf.kill()
-        cgroup.close()
-
-
 @needs_cgroup
 @needs_compiled
 def test_the_child_is_born_in_its_leaf_and_the_engine_never_moves(
