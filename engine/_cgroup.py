@@ -336,6 +336,8 @@ class EngineCgroup:
     path: str
     _home_procs: int = attrs.field(alias="home_procs", repr=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+    #: The parent as ``/proc/<pid>/cgroup`` names it, worked out at the first leaf.
+    _rel: str | None = attrs.field(init=False, default=None, repr=False)
 
     @classmethod
     def open(cls, cgroup2: Cgroup2, state_dir: str, *, record: bool = True) -> EngineCgroup:
@@ -382,7 +384,14 @@ class EngineCgroup:
         path = os.path.join(self.path, name)
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o755)
-        return Leaf(path=path, rel=self.cgroup2.relative(path))
+        return Leaf(path=path, rel=self._child_rel(name))
+
+    def _child_rel(self, name: str) -> str:
+        """:meth:`Cgroup2.relative` of the leaf ``name`` under the parent, without a ``relpath`` (about
+        15 us, at every leaf made): the parent's own, and the name."""
+        if self._rel is None:
+            self._rel = self.cgroup2.relative(self.path)
+        return f"{self._rel.rstrip('/')}/{name}"
 
     def existing_leaf(self, name: str) -> Leaf | None:
         """The leaf ``name`` if it exists (a watched command's, found again on adoption)."""
