@@ -39,6 +39,9 @@ from .serve_support import wait_until as wait_until_sync
 TOOL_NAMES = ["subprocess", "cron_add", "cron_list", "cron_remove", "cron_events"]
 #: MCP clients wait this long after closing stdin before SIGTERM (the SDK's stdio client does).
 CLIENT_WINDOW_SECONDS = 2.0
+#: NB-03 writes every request and closes stdin before the server has started: its exit counts the
+#: start-up, which no case bounds (NB-04's 2.0 s is from a server already up); this catches a hang.
+NB03_HANG_SECONDS = 15.0
 
 
 def server_params(state_dir: Path, cwd: Path, *project: str) -> StdioServerParameters:
@@ -527,7 +530,9 @@ def test_nb03a_embedded_answers_every_request_written_before_stdin_closed(
             "SUBPROCESS LIST\nNo subprocesses in this project." if n % 2 == 0 else "CRON LIST\nNo cron jobs."
         )
         assert (text, is_error) == (expected, False)
-    assert mcp.proc.returncode == 0 and exited < 2.0
+    # NB-03 bounds no time: stdin closed before the server had even started, so this counts its start-up
+    # (the MCP SDK's import alone is about 1.1 s on a quiet machine); the bound only catches a hang.
+    assert mcp.proc.returncode == 0 and exited < NB03_HANG_SECONDS
     log = mcp.errlog.read_text()
     assert 'event=stopping reason="stdin closed" mode=embedded' in log and "event=stopped" in log
     assert not (tmp_path / "state" / "engine.sock").exists()
@@ -555,7 +560,7 @@ def test_nb03b_forwarding_creates_written_before_stdin_closed_are_all_answered(
             assert not is_error and text.startswith("SUBPROCESS CREATED\npid: "), text
             pids.append(int(text.split("\n")[1].removeprefix("pid: ")))
         assert sorted(pgrep(rf"^sleep {marker}$")) == sorted(pids)  # serve's, running on
-        assert mcp.proc.returncode == 0 and exited < 2.0
+        assert mcp.proc.returncode == 0 and exited < NB03_HANG_SECONDS  # start-up included, as in (a)
         assert "mode=forward" in mcp.errlog.read_text() and "event=stopped" in mcp.errlog.read_text()
         assert served.stop() == 0
         assert not pgrep(rf"^sleep {marker}$")
