@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from engine import Engine, EngineConfig, Project, SpawnSpec, open_engine
-from engine._logdir import FolderCache
+from engine._folder_cache import FolderCache
 from engine._logpair import LogPair
 
 from ._common import Context, Row, block_ratios

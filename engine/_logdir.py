@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import stat
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Final, final
 
 import attrs
@@ -32,17 +29,12 @@ import attrs
 from ._errors import SpawnError, UntrustedPathError
 from ._trust import what_it_is
 
-__all__ = ["GITIGNORE", "FolderCache", "LogFolder", "LogGoneError", "Unnamed"]
+__all__ = ["DIR_FLAGS", "GITIGNORE", "LogFolder", "LogGoneError", "name_exists", "write_gitignore"]
 
 #: The name of the file that keeps a folder out of git.
 GITIGNORE: Final = ".gitignore"
 _IGNORE_ALL: Final = b"# written by gadget-engine: logs may hold secrets\n*\n"
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-_log = logging.getLogger("engine.subprocesses")
-
-#: A file made ahead that took longer than this (wall time) has the next ones made by the cache's thread.
-SLOW_FILE_SECONDS: Final = 20e-6
+DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class LogGoneError(FileNotFoundError):
@@ -104,7 +96,7 @@ def _check_owner(fd: int, where: str) -> None:
         )
 
 
-def _exists(fd: int, name: str) -> bool:
+def name_exists(fd: int, name: str) -> bool:
     """Whether anything (a link too, not followed) is at ``name`` in the folder ``fd``: one ``lstat``,
     cheaper than an ``O_EXCL`` open that fails."""
     try:
@@ -114,7 +106,7 @@ def _exists(fd: int, name: str) -> bool:
     return True
 
 
-def _write_gitignore(fd: int) -> bool:
+def write_gitignore(fd: int) -> bool:
     """Write ``.gitignore`` (``*``) in the folder ``fd`` unless one is there; whether this call wrote it."""
     try:
         file = os.open(
@@ -191,12 +183,12 @@ class LogFolder:
                 if created:  # once one is missing, so is every folder below it: the made ones are the last
                     made += 1
                     os.fchmod(fd, 0o700)  # mkdir's mode is filtered by the umask
-                    if _write_gitignore(fd):
+                    if write_gitignore(fd):
                         wrote.append(depth)
                 _check_owner(fd, where)
             if parts:
                 os.fchmod(fd, 0o700)
-                if _write_gitignore(fd) and len(parts) not in wrote:
+                if write_gitignore(fd) and len(parts) not in wrote:
                     wrote.append(len(parts))
             info = os.fstat(fd)
         except BaseException:
@@ -217,7 +209,7 @@ class LogFolder:
         created = False
         for _ in range(3):
             try:
-                return os.open(name, _DIR_FLAGS, dir_fd=parent), created
+                return os.open(name, DIR_FLAGS, dir_fd=parent), created
             except FileNotFoundError:
                 try:
                     os.mkdir(name, 0o700, dir_fd=parent)
@@ -255,7 +247,7 @@ class LogFolder:
         try:
             for name in self.parts[:depth]:
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
                 except OSError:
                     raise LogGoneError(
                         errno.ENOENT, "the log folder is gone or was replaced", self.path
@@ -285,265 +277,3 @@ class LogFolder:
                         os.rmdir(self.parts[depth - 1], dir_fd=parent)
             except OSError:
                 return
-
-
-@final
-@attrs.define(eq=False)
-class _Opened:
-    """One cached folder: the descriptors of ``base`` and of each folder down to the log folder (each
-    opened without following a link when it was walked), and their identities."""
-
-    folder: LogFolder
-    fds: tuple[int, ...]
-    identities: tuple[tuple[int, int], ...]
-    #: Unnamed files made ahead in the log folder (``FolderCache.prepare``), with their identities.
-    spare: list[Unnamed] = attrs.field(factory=list)
-    #: Files the background maker is making for this entry now (``FolderCache`` with ``background``).
-    pending: int = 0
-    closed: bool = False
-
-    def close(self) -> None:
-        self.closed = True
-        for fd, _ in self.spare:
-            os.close(fd)
-        self.spare.clear()
-        for fd in self.fds:
-            os.close(fd)
-
-
-#: An unnamed (``O_TMPFILE``) file's descriptor and its ``(st_dev, st_ino)``.
-Unnamed = tuple[int, tuple[int, int]]
-#: A job of the cache's thread: the entry, the thread's own descriptor of its folder, the maker, a count.
-_Job = tuple[_Opened, int, Callable[[int], Unnamed], int]
-
-
-def _identity(info: os.stat_result) -> tuple[int, int]:
-    return info.st_dev, info.st_ino
-
-
-@final
-@attrs.define(eq=False)
-class FolderCache:
-    """The log folders already walked, kept open: a create walks a project's folders once, not each time.
-
-    A cached folder is checked again at each :meth:`open`, without following a link and without opening
-    anything: the project directory must still be the one opened (``stat``), each folder on the way must
-    still be the very directory the walk opened (``lstat`` in its parent's descriptor: a link, another
-    folder or nothing there fails), and the log folder is set back to 0700 and given its ``.gitignore``
-    when they were changed or removed since, as a walk does. A check that fails drops the entry and walks
-    again (:meth:`LogFolder.make_opened`), which reports a link or a stranger's folder as before.
-
-    With ``background``, :meth:`prepare` hands the making of the files ahead to a thread of the cache's
-    own while making them is slow: a file is a filesystem allocation that costs 5 us on a quiet ext4 and
-    100-400 us where other processes churn files in the same block groups (``analysis.md``), work the
-    engine's loop need not wait for; below :data:`SLOW_FILE_SECONDS` a file the loop makes itself costs
-    less than waking the thread. The thread holds a descriptor of its own of the folder (the cache may
-    close its entry meanwhile: the files are then closed, never handed out), starts at the first job and
-    ends with :meth:`close`. The loop never waits for it (a lock the thread holds is not waited for:
-    nothing is handed over then), and nothing depends on it: a create that finds no file made ahead makes
-    its own.
-
-    Attributes:
-        limit: how many folders are kept open (the least recently used is closed past it).
-        background: make the files ahead in the cache's thread instead of in :meth:`prepare`.
-    """
-
-    limit: int = 32
-    background: bool = False
-    _entries: dict[tuple[str, str | None], _Opened] = attrs.field(init=False, factory=dict)
-    #: Guards what the thread shares: each entry's ``spare``, ``pending`` and ``closed``, and the jobs.
-    _lock: threading.Condition = attrs.field(init=False, factory=threading.Condition, repr=False)
-    _jobs: list[_Job] = attrs.field(init=False, factory=list, repr=False)
-    #: The cache's thread; one that is no longer this ends once it is done with its job (:meth:`close`).
-    _thread: threading.Thread | None = attrs.field(init=False, default=None, repr=False)
-    #: Whether the last files made took more than :data:`SLOW_FILE_SECONDS` each: only then does the
-    #: thread make them (on a quiet filesystem a file costs less than waking a thread).
-    _slow: bool = attrs.field(init=False, default=False, repr=False)
-
-    def __repr__(self) -> str:
-        return f"<FolderCache {len(self._entries)} open>"
-
-    def open(
-        self, directory: str, *, base: str | None = None, want: int | None = None
-    ) -> tuple[LogFolder, int, list[Unnamed]]:
-        """:meth:`LogFolder.make_opened` through the cache: the folder, a descriptor of it that the
-        caller closes, and the unnamed files :meth:`prepare` made ahead in it, ``want`` of them at most
-        (``None``: all; the caller's now; only when the folder passed its check: they are in the very
-        folder it names).
-
-        Raises:
-            As :meth:`LogFolder.make_opened`.
-        """
-        key = (directory, base)
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            checked = self._check(entry)
-            if checked is not None:
-                self._entries[key] = entry  # the most recently used last
-                spare: list[Unnamed] = []
-                if self._lock.acquire(blocking=False):  # busy: the thread is handing files over, no wait
-                    cut = len(entry.spare) if want is None else want
-                    spare, entry.spare = entry.spare[:cut], entry.spare[cut:]
-                    self._lock.release()
-                try:
-                    return checked, os.dup(entry.fds[-1]), spare
-                except BaseException:
-                    for fd, _ in spare:
-                        os.close(fd)
-                    raise
-            self._close_entry(entry)
-        folder, fd = LogFolder.make_opened(directory, base=base)
-        if not folder.made and not folder.wrote_ignores:  # nothing of this call's to undo: kept for the next
-            try:
-                self._keep(key, folder, fd)
-            except OSError:
-                pass  # not kept: the next create walks again
-        return folder, fd, []
-
-    def prepare(
-        self, directory: str, *, base: str | None = None, make: Callable[[int], Unnamed], count: int
-    ) -> None:
-        """Make ``count`` unnamed files ahead in the cached folder (none when it is not cached), with
-        ``make`` (given the folder's descriptor), for the next :meth:`open`. Called once a child is
-        spawned, so that the next child's files are made while this one starts; a failure is ignored
-        (the next create makes its own). A crash leaves nothing: the files have no name.
-
-        With :attr:`background`, the files are made in the cache's thread and this returns at once (the
-        files that are still being made when the next :meth:`open` comes serve the one after it).
-        """
-        entry = self._entries.get((directory, base))
-        if entry is None or not entry.folder.parts:
-            return
-        if not (self.background and self._slow):
-            self._make_into(entry.spare, count - entry.pending, make, entry.fds[-1])
-            return
-        if not self._lock.acquire(blocking=False):
-            return  # the thread is handing files over: the next create makes its own if it must
-        try:
-            missing = count - len(entry.spare) - entry.pending
-            if missing <= 0:
-                return
-            try:
-                fd = os.dup(entry.fds[-1])  # the thread's own: valid whatever happens to the entry
-            except OSError:
-                return
-            entry.pending += missing
-            self._jobs.append((entry, fd, make, missing))
-            self._lock.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="engine log files", daemon=True)
-                self._thread.start()
-        finally:
-            self._lock.release()
-
-    def _work(self) -> None:
-        """The cache's thread: make the files each job asks for, and hand them to its entry (or close
-        them, when the entry was closed meanwhile), until :meth:`close` (which makes it no longer the cache's
-        thread: the jobs queued after are a new thread's)."""
-        me = threading.current_thread()
-        while True:
-            with self._lock:
-                while not self._jobs and self._thread is me:
-                    self._lock.wait()
-                if self._thread is not me:
-                    return
-                entry, fd, make, count = self._jobs.pop(0)
-            made: list[Unnamed] = []
-            try:
-                self._make_into(made, count, make, fd)
-            except Exception:
-                _log.exception("making log files ahead in %s failed", entry.folder.path)
-            finally:
-                os.close(fd)
-                with self._lock:
-                    entry.pending -= count
-                    if entry.closed:
-                        for opened, _ in made:
-                            os.close(opened)
-                    else:
-                        entry.spare.extend(made)
-
-    def _make_into(
-        self, made: list[Unnamed], count: int, make: Callable[[int], Unnamed], folder_fd: int
-    ) -> None:
-        """Make files with ``make`` in the folder ``folder_fd`` until ``made`` holds ``count`` (fewer when one
-        fails: the next create makes its own), and note whether making one was slow: only then does the
-        thread make them (fast again: the loop makes them itself, a thread's wake would cost more)."""
-        before = len(made)
-        started = time.perf_counter()
-        try:
-            while len(made) < count:
-                made.append(make(folder_fd))
-        except OSError:
-            pass
-        finally:
-            if len(made) > before:
-                self._slow = (time.perf_counter() - started) / (len(made) - before) > SLOW_FILE_SECONDS
-
-    def _close_entry(self, entry: _Opened) -> None:
-        with self._lock:
-            entry.close()
-
-    def _check(self, entry: _Opened) -> LogFolder | None:
-        """The entry's folder when it is still where it was walked to (see the class), else ``None``."""
-        folder = entry.folder
-        try:
-            if _identity(os.stat(folder.base)) != entry.identities[0]:
-                return None
-            steps = zip(entry.fds[:-1], folder.parts, entry.identities[1:], strict=True)
-            for parent, name, identity in steps:
-                info = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if not stat.S_ISDIR(info.st_mode) or _identity(info) != identity:
-                    return None
-            if not folder.parts:
-                return folder
-            leaf = entry.fds[-1]
-            if stat.S_IMODE(os.fstat(leaf).st_mode) != 0o700:
-                os.fchmod(leaf, 0o700)
-            if not _exists(leaf, GITIGNORE) and _write_gitignore(leaf):  # removed since: written again,
-                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))  # undone with a failed create
-        except OSError:
-            return None
-        return folder
-
-    def _keep(self, key: tuple[str, str | None], folder: LogFolder, fd: int) -> None:
-        """Cache ``folder``: open its chain again from ``base`` (without following links) and check that
-        the walk's end is the folder ``fd`` is."""
-        fds = [os.open(folder.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
-        try:
-            for name in folder.parts:
-                fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
-            identities = tuple(_identity(os.fstat(opened)) for opened in fds)
-            if identities[-1] != _identity(os.fstat(fd)):
-                raise FileNotFoundError(errno.ENOENT, "the log folder moved meanwhile", folder.path)
-        except BaseException:
-            for opened in fds:
-                os.close(opened)
-            raise
-        self._entries[key] = _Opened(folder, tuple(fds), identities)
-        while len(self._entries) > self.limit:
-            oldest = next(iter(self._entries))
-            self._close_entry(self._entries.pop(oldest))
-
-    def close(self, *, wait: bool = True) -> None:
-        """Close every cached folder's descriptors and the files made ahead; end the cache's thread
-        (after the job it is on: a few file creations). The cache can be used again afterwards.
-
-        Args:
-            wait: wait for the thread to end. Without, it ends on its own once done with its job (the
-                files it made then are closed, never handed out: their entry is closed); ``kill_all``
-                does not wait for a thread's wake-up (a few ms on a loaded machine) it has no use for.
-        """
-        with self._lock:
-            jobs, self._jobs = self._jobs, []
-            thread, self._thread = self._thread, None
-            for entry, fd, _, count in jobs:
-                os.close(fd)
-                entry.pending -= count
-            self._lock.notify_all()
-        if thread is not None and wait:
-            thread.join()
-        with self._lock:
-            entries, self._entries = list(self._entries.values()), {}
-            for entry in entries:
-                entry.close()

@@ -26,7 +26,8 @@ from typing import final
 
 import attrs
 
-from ._logdir import FolderCache, LogFolder, Unnamed
+from ._folder_cache import FolderCache, Unnamed
+from ._logdir import LogFolder, name_exists
 from ._logs import STREAMS, LogFile, LogSlice, RawPiece, Stream, final_log_paths
 
 __all__ = ["LogPair"]
@@ -80,14 +81,6 @@ def _make_file(folder: int, stream: Stream) -> tuple[str, tuple[int, int]]:
         finally:
             os.close(fd)
         return name, (info.st_dev, info.st_ino)
-
-
-def _exists(folder: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=folder, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 @final
@@ -266,16 +259,18 @@ class LogPair:
 
     def _move_aside(self, fd: int, pid: int, finals: list[str], others: Iterable[LogPair]) -> None:
         """Move files holding the final names aside (an earlier child's, kept), with their owner."""
-        if not any(_exists(fd, name) for name in finals):
+        if not any(name_exists(fd, name) for name in finals):
             return
         generation = 1
-        while any(_exists(fd, os.path.basename(p)) for p in final_log_paths(self.directory, pid, generation)):
+        while any(
+            name_exists(fd, os.path.basename(p)) for p in final_log_paths(self.directory, pid, generation)
+        ):
             generation += 1
         aside = final_log_paths(self.directory, pid, generation)
         owners = {log.path: log for pair in others for log in pair._files.values()}
         for old, new in zip(finals, aside, strict=True):
             old_path = os.path.join(self.directory, old)
-            if _exists(fd, old):
+            if name_exists(fd, old):
                 os.rename(old, os.path.basename(new), src_dir_fd=fd, dst_dir_fd=fd)
             if old_path in owners:
                 owners[old_path].path = new

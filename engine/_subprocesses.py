@@ -33,9 +33,9 @@ from ._errors import (
     SpawnError,
     SubProcessNotFoundError,
 )
+from ._folder_cache import FolderCache
 from ._input import check_argv, check_env, check_flag, check_read_args, check_reader, check_string, show
 from ._keeper import finish, keep, needs_task
-from ._logdir import FolderCache
 from ._logpair import LogPair
 from ._logs import LogFile, LogSlice, Stream, check_stream
 from ._logsearch import grep_log

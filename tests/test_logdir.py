@@ -361,7 +361,7 @@ async def test_cached_gadget_folder_replaced_by_a_symlink_is_not_followed(tmp_pa
 
 
 def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Path) -> None:
-    from engine._logdir import FolderCache
+    from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
     project = tmp_path / "p"
@@ -402,11 +402,11 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
     way: no descriptor and no thread is left. While files are fast to make, no thread is started."""
     import threading
 
-    from engine import _logdir
-    from engine._logdir import FolderCache
+    from engine import _folder_cache
+    from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
-    monkeypatch.setattr(_logdir, "SLOW_FILE_SECONDS", -1.0 if slow else 10.0)
+    monkeypatch.setattr(_folder_cache, "SLOW_FILE_SECONDS", -1.0 if slow else 10.0)
 
     project = tmp_path / "p"
     project.mkdir()
@@ -455,11 +455,11 @@ def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
     entry is closed); a thread started after it serves the next ``prepare``."""
     import threading
 
-    from engine import _logdir
-    from engine._logdir import FolderCache
+    from engine import _folder_cache
+    from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
-    monkeypatch.setattr(_logdir, "SLOW_FILE_SECONDS", -1.0)
+    monkeypatch.setattr(_folder_cache, "SLOW_FILE_SECONDS", -1.0)
     project = tmp_path / "p"
     project.mkdir()
     logs = project / ".gadget" / "subprocess-logs"
@@ -493,7 +493,7 @@ def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> N
     logs = project / ".gadget" / "subprocess-logs"
     code = (
         "import os, sys\n"
-        "from engine._logdir import FolderCache\n"
+        "from engine._folder_cache import FolderCache\n"
         "from engine._logpair import LogPair\n"
         "cache = FolderCache()\n"
         "d, base = sys.argv[1], sys.argv[2]\n"
@@ -511,7 +511,7 @@ def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> N
 
 def test_folder_cache_hands_out_only_the_files_asked_for_and_keeps_the_rest(tmp_path: Path) -> None:
     """Two pairs made ahead: each create takes one pair, the next pair waits for the next create."""
-    from engine._logdir import FolderCache
+    from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
     project = tmp_path / "p"
