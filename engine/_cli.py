@@ -74,6 +74,13 @@ def _whole(minimum: int, maximum: int = MAX_INT) -> Callable[[str], int]:
 _positive_int = _whole(1)
 
 
+def _directory(text: str) -> str:
+    """A ``--project`` value: a path, never the empty string (which ``abspath`` would take for here)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a project directory, got an empty string (use . for here)")
+    return text
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port number, 1 to 65535 (one wording for every value refused)."""
     try:
@@ -338,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "create", commands.create, "start a subprocess: create --project DIR [-e KEY=VALUE] -- CMD [ARGS...]"
     )
-    p.add_argument("--project", required=True, metavar="DIR")
+    p.add_argument("--project", required=True, type=_directory, metavar="DIR")
     p.add_argument("-e", "--env", action="append", type=_env_item, metavar="KEY=VALUE")
     p.add_argument("--stdin", action="store_true", help="give it a stdin pipe (write with: input PID TEXT)")
     p.add_argument(
@@ -367,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("argv", nargs="+", metavar="CMD")
     p = add("list", commands.list_subprocesses, "list the subprocesses")
-    p.add_argument("--project", metavar="DIR", help="only this project's")
+    p.add_argument("--project", type=_directory, metavar="DIR", help="only this project's")
     p = add("kill", commands.stop("subprocess.kill", "killed"), "kill a subprocess and delete its logs")
     p.add_argument("pid", type=_positive_int, metavar="PID")
     add("kill-all", commands.kill_all, "kill every subprocess and delete their logs")
@@ -448,12 +455,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", type=_whole(0), default=0, metavar="CURSOR", help="only events after CURSOR")
     p.add_argument("-f", "--follow", action="store_true", help="wait for new events until Ctrl-C")
     p = add("top", _top.top, "a live view of the runs and cron jobs (needs the tui extra)")
-    p.add_argument("--project", metavar="DIR", help="start filtered to this project")
+    p.add_argument("--project", type=_directory, metavar="DIR", help="start filtered to this project")
     p = add("tool", commands.tool, "call the subprocess tool: tool JSON --project DIR")
     p.add_argument("params", metavar="JSON")
-    p.add_argument("--project", default=".", metavar="DIR")
+    p.add_argument("--project", default=".", type=_directory, metavar="DIR")
     p = add("mcp", commands.mcp, "serve the tools over MCP on stdio (embeds an engine if none runs)")
-    p.add_argument("--project", default=".", metavar="DIR", help="the tool's project (default: here)")
+    p.add_argument(
+        "--project", default=".", type=_directory, metavar="DIR", help="the tool's project (default: here)"
+    )
     _engine_options(p, embedded=True)
     p = add("completion", commands.completion, "print the shell completion script: completion bash|zsh|fish")
     p.add_argument("shell", choices=("bash", "zsh", "fish"))

@@ -21,6 +21,7 @@ import functools
 import os
 import signal
 import stat
+import threading
 from collections.abc import Mapping, Sequence
 
 from . import _libc, _spawn_direct
@@ -210,8 +211,16 @@ def _bad_cwd(cwd: str) -> SpawnError:
 
 #: Nanoseconds per clock tick of ``/proc/<pid>/stat`` start times (``None``: not a whole number).
 _TICK_NS = 10**9 // os.sysconf("SC_CLK_TCK") if 10**9 % os.sysconf("SC_CLK_TCK") == 0 else None
-#: The start time of the last child the compiled spawn started, ``(pid, clock ticks since boot)``.
-_last_start: tuple[int, int] = (0, 0)
+
+
+class _LastStart(threading.local):
+    """The start time of the last child the compiled spawn started on this thread, ``(pid, clock ticks
+    since boot)``: per thread, so that engines on two threads of one host never read each other's."""
+
+    known: tuple[int, int] = (0, 0)
+
+
+_last_start = _LastStart()
 
 
 class CgroupSpawnRefusedError(EngineError, OSError):
@@ -262,8 +271,7 @@ def spawn_process(
         if not os.path.isdir(cwd):
             raise _bad_cwd(cwd) from None
         raise
-    global _last_start
-    _last_start = (0, 0)  # known for this child only: never a start time of an earlier one with its pid
+    _last_start.known = (0, 0)  # for this child only: never a start time of an earlier one with its pid
     direct = _spawn_direct.direct_spawn()
     outcome: tuple[int, int] | None
     if direct is not None:
@@ -293,16 +301,16 @@ def _note_start(pid: int, before_ns: int, after_ns: int) -> None:
     ``/proc/<pid>/stat`` cut to whole ticks: readings before and after the clone in the same tick name
     that tick. (They straddle a tick boundary in a few spawns out of a hundred: ``/proc`` is read then.)
     """
-    global _last_start
     if _TICK_NS is not None and before_ns >= 0 and before_ns // _TICK_NS == after_ns // _TICK_NS:
-        _last_start = (pid, before_ns // _TICK_NS)
+        _last_start.known = (pid, before_ns // _TICK_NS)
 
 
 def start_time_of(pid: int) -> int | None:
     """The start time (clock ticks since boot, as ``/proc/<pid>/stat`` field 22 says) of ``pid``, when
-    it is the child the last :func:`spawn_process` started and the compiled spawn could tell it without a
-    read of ``/proc`` (about 40 us while the child is still in its ``exec``); else ``None``."""
-    known, ticks = _last_start
+    it is the child the last :func:`spawn_process` of this thread started and the compiled spawn could
+    tell it without a read of ``/proc`` (about 40 us while the child is still in its ``exec``); else
+    ``None``."""
+    known, ticks = _last_start.known
     return ticks if known == pid else None
 
 

@@ -139,6 +139,16 @@ def test_cli_says_how_to_give_a_value_that_starts_with_a_dash_and_checks_the_exi
         "'/nonexistent/sh' is not an installed program (looked in PATH)",
         ("cron", "add", *state, "--every", "0", "--text", "t"): "argument --every: expected from 1 s to ten "
         "years (3652d), got '0'",  # not the library's field name, every_seconds
+        # An empty --project is not taken for here (abspath("") is the current directory).
+        (
+            "create",
+            *state,
+            "--project",
+            "",
+            "--",
+            "true",
+        ): "argument --project: expected a project directory, got an empty string (use . for here)",
+        ("list", *state, "--project", " "): "argument --project: expected a project directory, got an empty",
     }
     procs = {
         argv: subprocess.Popen([sys.executable, "-m", "engine", *argv], stderr=subprocess.PIPE, text=True)

@@ -9,6 +9,7 @@ import platform
 import shutil
 import signal
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -331,3 +332,24 @@ def test_a_library_others_can_write_is_not_loaded(
     finally:
         monkeypatch.undo()
         _spawn_direct._load.cache_clear()
+
+
+@needs_compiled
+def test_the_start_time_told_is_the_spawning_threads_own(tmp_path: Path) -> None:
+    """Two engines on two threads of one host never read each other's last start time."""
+    for _ in range(20):
+        pid = spawn_process(
+            ["sleep", "30"], cwd=str(tmp_path), env=dict(os.environ), stdout_fd=None, stderr_fd=None
+        )
+        try:
+            if start_time_of(pid) is None:
+                continue  # this spawn straddled a tick: nothing was kept
+            seen: list[int | None] = []
+            thread = threading.Thread(target=lambda pid=pid, seen=seen: seen.append(start_time_of(pid)))
+            thread.start()
+            thread.join()
+            assert seen == [None]
+            return
+        finally:
+            _reap(pid)
+    pytest.fail("no spawn of 20 had its start time told without /proc")
