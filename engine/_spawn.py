@@ -121,6 +121,12 @@ def describe_exec_failure(err: int, command: str, path: str) -> SpawnError:
         else:
             reason = "command not found"
             message = f"command not found: {command!r} ({path} does not exist)"
+    elif err == errno_mod.E2BIG:
+        reason = "argument list too long"
+        message = (
+            f"cannot run {command!r}: its arguments and environment together are more than the kernel takes "
+            "in one exec (argument list too long); pass large data through a file or stdin"
+        )
     elif err == errno_mod.ENOEXEC:
         reason = "exec format error"
         message = f"cannot run {command!r}: exec format error, {path} is not a program or script"

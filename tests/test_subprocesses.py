@@ -647,6 +647,21 @@ async def test_create_spawn_failures_name_cause_and_leave_nothing(tmp_path: Path
         assert engine.service.summarize(control).status == "exited 127"
 
 
+async def test_create_with_an_environment_too_large_for_exec_says_so_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        with pytest.raises(SpawnError) as info:  # one string over the kernel's 128 KiB per string
+            await engine.service.create(project, "true", env={"BIG": "x" * 200_000})
+        message = str(info.value)
+        assert "argument list too long" in message and "file or stdin" in message, message
+        assert info.value.errno == errno.E2BIG
+        assert engine.service.ps() == []
+        assert not (Path(project.directory) / ".gadget").exists()
+        assert _zombie_children() == []
+
+
 def _zombie_children() -> list[int]:
     """Pids of this process's children that are zombies."""
     found = []
