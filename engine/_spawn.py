@@ -89,8 +89,11 @@ def resolve_executable(command: str, cwd: str, path_var: str | None) -> str:
             fallback = candidate
     if fallback is not None:
         return fallback
+    # A PATH the caller set for the child (create -e PATH=...) is named: it is not the one the user sees.
+    own = os.environ.get("PATH", os.defpath)
+    searched = "PATH" if path_var in (None, own) else f"the PATH set for it ({path_var or 'empty'})"
     raise SpawnError(
-        f"command not found: {command!r} is not in PATH; give a path or install it",
+        f"command not found: {command!r} is not in {searched}; give a path or install it",
         errno=errno_mod.ENOENT,
         path=command,
         reason="command not found",

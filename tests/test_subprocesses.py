@@ -647,6 +647,18 @@ async def test_create_spawn_failures_name_cause_and_leave_nothing(tmp_path: Path
         assert engine.service.summarize(control).status == "exited 127"
 
 
+async def test_create_with_a_path_of_its_own_names_that_path_when_the_command_is_not_in_it(
+    tmp_path: Path,
+) -> None:
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        with pytest.raises(SpawnError, match=r"'true' is not in the PATH set for it \(/nonexistent-314\)"):
+            await engine.service.create(project, "true", env={"PATH": "/nonexistent-314"})
+        with pytest.raises(SpawnError, match=r"'no-such-command-314' is not in PATH; give a path"):
+            await engine.service.create(project, "no-such-command-314")
+        assert engine.service.ps() == []
+
+
 async def test_create_with_an_environment_too_large_for_exec_says_so_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
