@@ -510,6 +510,7 @@ class SubProcessService:
         After the leader's own exit, what is left of its tree (SP-03's drain) is ended at once. A restart
         pending is called off: nothing a caller ends comes back.
         """
+        draining = sp.exit is not None  # its leader's exit stays the record's last change
         mine = self._take_stop(sp, _now())
         if mine is None:
             await trio.lowlevel.checkpoint()
@@ -517,33 +518,40 @@ class SubProcessService:
         try:
             await self._supervisor.cancel(sp._run)
         finally:
-            if mine:
+            if mine and not draining:
                 sp._changed_at = _now()
         return mine
 
     async def _stop_many(self, records: list[SubProcess]) -> None:
         """:meth:`_stop` of every record, from this one task (``Supervisor.cancel_many``)."""
         now = _now()
+        draining = {id(sp) for sp in records if sp.exit is not None}  # their leaders' exits stay
         taken = [(sp, self._take_stop(sp, now)) for sp in records]
         try:
             await self._supervisor.cancel_many([sp._run for sp, mine in taken if mine is not None])
         finally:
             now = _now()
             for sp, mine in taken:
-                if mine:
+                if mine and id(sp) not in draining:
                     sp._changed_at = now
 
     @staticmethod
     def _take_stop(sp: SubProcess, now: datetime) -> bool | None:
         """The start of a stop of ``sp``: it ends on purpose and a restart pending is called off. Whether
-        its tree is this call's to end (``True``, marked stopping at ``now``), another's to end that this
-        call waits for too (``False``: another call is ending it, or the leader exited and its tree
-        drains), or already over (``None``)."""
+        its tree is this call's to end (``True``, marked stopping at ``now``; also when the leader exited
+        and what is left of its tree still drains: those are live processes this call ends), another's
+        to end that this call waits for too (``False``: another call is ending it), or already over
+        (``None``)."""
         sp._ended_on_purpose = True
         if sp._backoff is not None:
             sp._backoff.cancel()
-        if sp._stopping or sp.exit is not None:
+        if sp._stopping:
             return None if sp.ended else False
+        if sp.exit is not None:  # the leader exited: its tree drains (SP-03) or is over
+            if sp.ended:
+                return None
+            sp._stopping = True  # this call ends the leftovers, live processes of the record
+            return True
         sp._stopping = True
         sp._changed_at = now
         return True
@@ -603,7 +611,8 @@ class SubProcessService:
         propagates.
 
         Returns:
-            ``True`` when this call stopped a live process, ``False`` when it had already exited.
+            ``True`` when this call stopped a live process (the leader, or what is left of its tree while
+            it drains after the leader's exit, SP-03), ``False`` when it had already exited.
 
         Raises:
             SubProcessNotFoundError: ``sp`` was already killed or is not managed here.
@@ -699,7 +708,8 @@ class SubProcessService:
 
         Afterwards ``sp`` is exited with its exit; ``ps``, ``summarize`` and ``get_log`` still work. Halting
         a record that already exited is a harmless no-op returning ``False``: its old pid is never
-        signalled again and its logs stay as they are.
+        signalled again and its logs stay as they are. A record whose leader exited while the rest of
+        its tree drains (SP-03) has that rest ended at once, and ``True`` is returned.
 
         Cancellation: the tree is still ended and reaped; then the cancellation propagates.
 

@@ -304,9 +304,10 @@ async def test_sp03_a_stop_in_the_drain_ends_a_sigint_ignoring_leftover_at_once(
             t0 = time.monotonic()
             with trio.fail_after(5):
                 if how == "kill":
-                    await service.kill_subprocess(sp)
+                    # Live leftovers were ended: not "had already stopped" (found by a new user).
+                    assert await service.kill_subprocess(sp) is True
                 elif how == "halt":
-                    await service.halt_subprocess(sp)
+                    assert await service.halt_subprocess(sp) is True
                 else:
                     await service.kill_all()
             assert time.monotonic() - t0 < 2.0  # not the 10 s grace period
