@@ -182,6 +182,11 @@ def wait(client: EngineClient, args: argparse.Namespace) -> int:
     elif summary["finished"]:
         status, last = summary["status"], summary.get("last_exit")
         print(f"{status}; its last run {last}" if status.startswith("crash loop") and last else status)
+    if summary.get("leftovers_running"):
+        raise CommandFailedError(
+            f"{args.pid} exited ({summary['status']}), but what it left running is still running after "
+            f"{args.timeout:g} s; it is ended after the grace period at most"
+        )
     if not summary["finished"]:
         raise CommandFailedError(f"{args.pid} is still running after {args.timeout:g} s")
     return EXIT_OK

@@ -119,6 +119,12 @@ class SubProcess:
         return self._final.is_set()
 
     @property
+    def drained(self) -> bool:
+        """Whether :attr:`finished` and the last process's whole tree is gone too (what
+        :meth:`wait_drained` waits for): its logs hold everything it will ever write."""
+        return self._final.is_set() and self._run.exit is not None
+
+    @property
     def stdout_path(self) -> str:
         """Absolute path of the stdout log."""
         return self._logs.path("stdout")

@@ -273,7 +273,12 @@ class ToolExtensions:
             await sp.wait_drained()
         summary = self.service.summarize(sp)
         lines = ["SUBPROCESS WAIT", f"pid: {sp.pid}", f"status: {summary.status}"]
-        if not sp.finished:
+        if sp.finished and not sp.drained:
+            lines.append(
+                f"[exited, but what it left running is still running after {seconds:g} s (ended after the "
+                "grace period at most); call wait again, or read its log]"
+            )
+        elif not sp.finished:
             lines.append(f"[still running after {seconds:g} s; call wait again, or read its log]")
         return "\n".join(lines)
 

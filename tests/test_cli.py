@@ -525,6 +525,30 @@ def test_cli_wait_and_follow_include_what_the_leaders_leftovers_write(served: Se
     served.cli_parallel(("kill", str(follow_pid)), ("kill", str(wait_pid)))
 
 
+def test_cli_wait_timeout_says_an_exited_leaders_leftovers_still_run(tmp_path: Path, project: Path) -> None:
+    """Found by a new user: ``wait --timeout`` printed ``exited 0`` and exited 0 while what the leader
+    left running still ran (and ``--json`` said ``finished: true``)."""
+    marker = mark("8812.31")
+    served = start_serve(tmp_path / "state", "--grace-seconds", "10")
+    try:
+        pid = _create(served, project, "bash", "-c", f"sleep {marker} & echo parent done")
+        with served.client() as client:
+            assert wait_until(lambda: client.call("subprocess.summarize", pid=pid)["status"] == "exited 0")
+        waited = served.cli("wait", str(pid), "--timeout", "0.3")
+        assert waited.returncode == 1 and waited.stdout == "", waited
+        assert waited.stderr.strip() == (
+            f"gadget-engine: {pid} exited (exited 0), but what it left running is still running after 0.3 s; "
+            "it is ended after the grace period at most"
+        )
+        shown = json.loads(served.cli("wait", str(pid), "--timeout", "0.3", "--json").stdout)
+        assert (shown["finished"], shown["leftovers_running"]) == (False, True)
+        assert pgrep(rf"^sleep {marker}$")
+        assert served.cli("kill", str(pid)).returncode == 0
+        assert not pgrep(rf"^sleep {marker}$")
+    finally:
+        assert served.stop() == 0
+
+
 def test_cli_list_project_shows_that_projects_only(served: Served, tmp_path: Path) -> None:
     mine, other = tmp_path / "mine", tmp_path / "other"
     mine.mkdir()

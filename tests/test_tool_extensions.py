@@ -14,7 +14,7 @@ import mcp.types
 import pytest
 import trio
 
-from .children import PY, kill_leftovers, mark, wait_for_text
+from .children import PY, kill_leftovers, mark, pgrep, wait_for_text
 from .service_support import engine_at, make_project
 
 SPEC_PARAMETERS = {"cmd", "command", "args", "pid", "which", "offset", "limit", "tail"}
@@ -143,6 +143,36 @@ async def test_create_ready_timeout_and_wait_timeout_say_it_still_runs(tmp_path:
             )
             nothing = await tool.execute({"cmd": "input", "pid": pid, "text": "x"}, project)
             assert "create it with stdin=True" in nothing
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_wait_on_an_exited_leader_whose_leftovers_still_run_says_so(tmp_path: Path) -> None:
+    """Found by a new user: ``wait`` with a timeout said "exited 0" and nothing more while what the
+    leader left running was still running (the wait itself waits for it, SP-03)."""
+    project = make_project(tmp_path)
+    marker = mark("72.3")
+    try:
+        async with engine_at(tmp_path, grace_seconds=10.0) as engine:
+            tool = engine.tool
+            created = await tool.execute(
+                {"cmd": "create", "command": "bash", "args": ["-c", f"sleep {marker} & echo parent done"]},
+                project,
+            )
+            pid = int(created.split("\n")[1].removeprefix("pid: "))
+            with trio.fail_after(10):
+                while engine.service.summarize(engine.service.lookup(pid)).status != "exited 0":
+                    await trio.sleep(0.05)
+            waited = await tool.execute({"cmd": "wait", "pid": pid, "timeout": 0.3}, project)
+            assert waited == (
+                f"SUBPROCESS WAIT\npid: {pid}\nstatus: exited 0\n[exited, but what it left running is "
+                "still running after 0.3 s (ended after the grace period at most); call wait again, or read "
+                "its log]"
+            )
+            assert pgrep(rf"^sleep {marker}$")
+            killed = await tool.execute({"cmd": "kill", "pid": pid}, project)
+            assert killed.startswith("SUBPROCESS KILLED"), killed
+            assert not pgrep(rf"^sleep {marker}$")
     finally:
         kill_leftovers(marker)
 

@@ -323,7 +323,13 @@ class Methods:
         sp = service.lookup(pid)
         with trio.move_on_after(timeout_seconds):
             await sp.wait_drained()
-        return {**service.summarize(sp).to_dict(), "finished": sp.finished}
+        # "finished" once what wait_drained waits for is over: the leader's exit alone leaves its leftovers
+        # running (SP-03), which "leftovers_running" tells.
+        return {
+            **service.summarize(sp).to_dict(),
+            "finished": sp.drained,
+            "leftovers_running": sp.finished and not sp.drained,
+        }
 
     @_method("subprocess.list", project=_may(read_project))
     async def _list(self, project: Project | None = None) -> object:
@@ -411,7 +417,7 @@ class Methods:
         service = self.engine.service
         sp = service.lookup(pid)
         # before the read: "not running" and a drained read mean the end (the tree gone, no restart due)
-        running = not (sp.finished and sp.ended)
+        running = not sp.drained
         piece = await service.read_log(
             pid,
             stream,
