@@ -13,7 +13,7 @@ import attrs
 import pytest
 import trio
 
-from engine import CronJob, FiredEvent, OnExit, SystemEvent
+from engine import CronJob, FiredEvent, InvalidArgumentError, OnExit, SystemEvent
 from engine.cron._shell import COMMAND_VAR, resolve_exit_watch_shell
 
 from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
@@ -267,6 +267,29 @@ async def test_exit_watcher_disable_or_remove_ends_command_without_fire(tmp_path
                 await trio.sleep(0.05)
         await trio.sleep(0.3)
         assert await engine.cron.events() == []
+
+
+async def test_exit_watcher_job_is_not_run_now_which_would_fire_it_twice(tmp_path: Path) -> None:
+    """Found by a new user: ``cron run`` of an on-exit job fired it at once, while its command ran, and
+    again when the command exited."""
+    marker = mark("336.4")
+    try:
+        async with engine_with(tmp_path / "s") as engine:
+            job = await engine.cron.add(OnExit(command=f"sleep {marker}"), SystemEvent("x"))
+            await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+            with pytest.raises(
+                InvalidArgumentError, match="on-exit job: it fires once, when its command exits"
+            ):
+                await engine.cron.run_now(job.id)
+            assert await engine.cron.events() == []
+            assert engine.watchers.active_job_ids() == [job.id]  # its command still watched
+            kill_pids(pgrep(rf"^sleep {marker}$"))
+            [event] = await wait_events(engine, 1)
+            assert event.job_id == job.id
+            await trio.sleep(0.3)
+            assert len(await engine.cron.events()) == 1
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
 
 
 async def test_exit_watcher_graceful_stop_leaves_command_running_for_next_engine(tmp_path: Path) -> None:

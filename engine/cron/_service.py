@@ -58,6 +58,7 @@ from ._protocol import JobStore
 from ._schedule import (
     At,
     Cron,
+    OnExit,
     Schedule,
     check_on_exit_cwd,
     next_run_after,
@@ -356,7 +357,9 @@ class CronService:
     async def run_now(self, job_id: str) -> None:
         """Run a job now, whatever its schedule or enabled flag, and wait until its fire is delivered.
 
-        A run of the same job under way is waited for first. An ``At`` job counts as run (disabled).
+        A run of the same job under way is waited for first. An ``At`` job counts as run (disabled). An
+        ``OnExit`` job is refused: it fires once, when its command exits, and a run now would fire it
+        twice (now, and at that exit).
 
         Cancellation: if cancelled before the claim is written, nothing runs. Once claimed, the run goes
         on in the service's nursery; only the waiting stops.
@@ -364,11 +367,18 @@ class CronService:
         Raises:
             JobNotFoundError: no job has this id, or it was removed while its command ran (the command
                 was ended and nothing fired).
-            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate).
+            InvalidArgumentError: ``job_id`` is not text (blank, NUL, a lone surrogate), or names an
+                ``OnExit`` job.
             StoreError: the claim could not be written; nothing runs.
         """
         check_text(job_id, "job_id")
         job = await self.store.get_job(job_id)
+        if isinstance(job.schedule, OnExit):
+            raise InvalidArgumentError(
+                f"job_id {job_id!r} is an on-exit job: it fires once, when its command exits, so it is not "
+                "run now (that would fire it twice); wait for its command, or remove the job (that ends the "
+                "command)"
+            )
         if not floats(job) and not self.store.owns(job):
             raise JobOwnedElsewhereError(
                 f"job_id {job_id!r} runs only on engine {job.owner!r}, which added it; run it there"
