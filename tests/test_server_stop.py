@@ -8,6 +8,7 @@ while ``serve`` runs is bound again and meanwhile every client names the engine 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -24,7 +25,12 @@ import trio
 import trio.testing
 
 from engine.server import _socket_watch
-from engine.server._client import AsyncEngineClient, EngineClient, EngineSocketMissingError
+from engine.server._client import (
+    AsyncEngineClient,
+    EngineClient,
+    EngineConnectionError,
+    EngineSocketMissingError,
+)
 from engine.server._location import lock_holder
 
 from .children import ignoring_sigint, kill_leftovers, mark, pgrep
@@ -381,3 +387,26 @@ async def test_wait_socket_lost_without_inotify_checks_every_5_s(
         assert 0 <= noticed <= _socket_watch.SOCKET_CHECK_SECONDS
     finally:
         sock.close()
+
+
+def test_a_client_whose_engine_dies_mid_call_is_told_it_stopped(tmp_path: Path) -> None:
+    """Found by a new user: an engine killed during a call left the client saying it "refuses clients of
+    another user, or it is stopping"."""
+    served = start_serve(tmp_path / "state")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, EngineClient(str(served.state_dir)) as client:
+            waiting = pool.submit(client.call, "events.wait", seconds=30)
+            time.sleep(0.5)  # the call is in the engine, waiting
+            served.proc.send_signal(signal.SIGKILL)
+            served.proc.wait(10)
+            with pytest.raises(EngineConnectionError) as caught:
+                waiting.result(timeout=10)
+        said = str(caught.value)
+        assert said.startswith(f"the engine on {served.state_dir} stopped before answering (events.wait)"), (
+            said
+        )
+        assert "another user" not in said
+    finally:
+        if served.proc.poll() is None:
+            served.proc.kill()
+            served.proc.wait()

@@ -131,10 +131,35 @@ def _not_running(
     )
 
 
+#: ``PF_EXITING`` in ``/proc/<pid>/stat`` field 9: the process is exiting (its files are being closed).
+_PF_EXITING = 0x4
+
+
+def _engine_gone(state_dir: str) -> bool:
+    """Whether the engine of ``state_dir`` is gone or exiting: its lock is free, or held by a process that
+    is exiting (the lock goes with the last of its files, after the connection's)."""
+    holder = lock_holder(state_dir)
+    if holder is None:
+        return True
+    try:
+        with open(f"/proc/{holder}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
 def _broken(state_dir: str, method: str) -> EngineConnectionError:
+    """The connection closed before the answer: the engine is gone (its lock is free) or still there."""
+    if _engine_gone(state_dir):  # found by a new user: "another user" misled after a kill -9
+        return EngineConnectionError(
+            f"the engine on {state_dir} stopped before answering ({method}): it was stopped or died; what "
+            "the call did may be unfinished (its guardian, or the next engine on this state dir, ends what "
+            "it left running)"
+        )
     return EngineConnectionError(
         f"the engine on {state_dir} closed the connection before answering ({method}); "
-        "it refuses clients of another user, or it is stopping"
+        "it is stopping, or it refuses clients of another user"
     )
 
 
