@@ -71,8 +71,11 @@ async def test_exit_watcher_fires_once_and_new_engine_does_not_spawn_again(tmp_p
 @pytest.mark.parametrize(("name", "number"), [("SEGV", 11), ("KILL", 9)])
 async def test_exit_watcher_reports_signal_death(tmp_path: Path, name: str, number: int) -> None:
     async with engine_with(tmp_path / "s") as engine:
-        await engine.cron.add(OnExit(command=f"kill -{name} $$"), SystemEvent("crashed"))
+        job = await engine.cron.add(OnExit(command=f"kill -{name} $$"), SystemEvent("crashed"))
         (event,) = await wait_events(engine, 1)
+        # In words, as the event says it (was "ended: exit None, signal 11" in `cron get`).
+        stored = await engine.cron.get(job.id)
+        assert stored.last_error == f"'kill -{name} $$' was killed by signal {number} (SIG{name})"
     assert (event.exit_code, event.signal, event.reason) == (None, number, "signal")
     assert f"killed by signal {number} (SIG{name})" in event.text
     assert event.stderr_tail == ""  # the shim ends the same way, quietly (no traceback of ours)

@@ -20,6 +20,7 @@ __all__ = [
     "PENDING_FIRE_FIELDS",
     "FiredEvent",
     "PendingFire",
+    "describe_outcome",
     "exit_fire",
     "format_exit_text",
     "new_fire_id",
@@ -219,6 +220,20 @@ def read_tail(
     return kept.decode("utf-8", errors="replace"), size - len(kept)
 
 
+def describe_outcome(exit_code: int | None, signal: int | None) -> str:
+    """How a command ended, in words: ``exited with code 3``, ``was killed by signal 15 (SIGTERM)``, or
+    ``did not run to an exit``."""
+    if signal is not None:
+        try:
+            name = f" ({_signal.Signals(signal).name})"
+        except ValueError:
+            name = ""
+        return f"was killed by signal {signal}{name}"
+    if exit_code is not None:
+        return f"exited with code {exit_code}"
+    return "did not run to an exit"
+
+
 def format_exit_text(
     *,
     command: str,
@@ -233,16 +248,7 @@ def format_exit_text(
     intro: str | None = None,
 ) -> str:
     """The text an agent is told when a command ended: command, outcome, duration, the last lines."""
-    if signal is not None:
-        try:
-            name = f" ({_signal.Signals(signal).name})"
-        except ValueError:
-            name = ""
-        outcome = f"was killed by signal {signal}{name}"
-    elif exit_code is not None:
-        outcome = f"exited with code {exit_code}"
-    else:
-        outcome = "did not run to an exit"
+    outcome = describe_outcome(exit_code, signal)
     took = "" if duration_seconds is None else f" after {duration_seconds:.1f} s"
     parts = [intro] if intro else []
     parts.append(f"Command {command!r} {outcome}{took} (reason: {reason}).")

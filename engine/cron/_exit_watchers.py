@@ -41,7 +41,7 @@ from .._retry import RetryPolicy
 from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor, TerminationReason
 from .._sweep import end_processes, find_record_processes
 from ._arming import ArmTable, watchable
-from ._events import PendingFire, exit_fire
+from ._events import PendingFire, describe_outcome, exit_fire
 from ._job import CronJob, JobStatus, SystemEvent
 from ._protocol import JobStore
 from ._schedule import OnExit
@@ -677,6 +677,6 @@ def _exited(job: CronJob, *, fire: PendingFire, now: datetime) -> CronJob:
         last_run_at=now,
         updated_at=now,
         last_status=JobStatus.ERROR if failed else JobStatus.OK,
-        last_error=f"{fire.command!r} ended: exit {fire.exit_code}, signal {fire.signal}" if failed else None,
+        last_error=f"{fire.command!r} {describe_outcome(fire.exit_code, fire.signal)}" if failed else None,
         consecutive_errors=job.consecutive_errors + 1 if failed else 0,
     )
