@@ -117,6 +117,13 @@ def _history(client: EngineClient, args: argparse.Namespace, stream: str, out: _
         out.write(piece)
         return piece
     piece = client.call("subprocess.read_log", **common)
+    if piece.get("dropped_bytes") and not args.new:  # a new user saw a capped log begin mid-line, unsaid
+        counted = "; line numbers count from there" if args.grep is not None else ""
+        print(
+            f"gadget-engine: the log cap dropped the oldest {piece['dropped_bytes']} bytes of {stream}; what "
+            f"follows starts after them, perhaps in the middle of a line{counted}",
+            file=sys.stderr,
+        )
     out.write(piece)
     while piece["next_offset"] < piece["total_bytes"] and (args.grep is None or piece["truncated"]):
         at = {} if args.new else {"offset": piece["next_offset"]}

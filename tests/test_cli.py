@@ -549,6 +549,26 @@ def test_cli_wait_timeout_says_an_exited_leaders_leftovers_still_run(tmp_path: P
         assert served.stop() == 0
 
 
+def test_cli_log_of_a_capped_log_says_the_cap_dropped_its_start(served: Served, project: Path) -> None:
+    """Found by a new user: ``log`` of a log past the 50 MiB cap began in the middle of a line and did
+    not say that anything was dropped."""
+    pid = _create(served, project, "seq", "1", "8000000")  # 68 MB
+    with served.client() as client:
+        assert wait_until(
+            lambda: client.call("subprocess.read_log", pid=pid, stream="stdout", tail=1)["dropped_bytes"] > 0,
+            seconds=20,
+        )
+    found = served.cli("log", str(pid), "--grep", "^7999999$")
+    assert found.returncode == 0, found.stderr
+    assert re.fullmatch(r"\d+: 7999999\n", found.stdout), found.stdout
+    assert re.fullmatch(
+        r"gadget-engine: the log cap dropped the oldest \d+ bytes of stdout; what follows starts after them, "
+        r"perhaps in the middle of a line; line numbers count from there\n",
+        found.stderr,
+    ), found.stderr
+    served.cli("kill", str(pid))
+
+
 def test_cli_list_project_shows_that_projects_only(served: Served, tmp_path: Path) -> None:
     mine, other = tmp_path / "mine", tmp_path / "other"
     mine.mkdir()
