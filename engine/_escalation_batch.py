@@ -60,10 +60,14 @@ __all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
 COALESCE_SECONDS: Final = 0.001
 #: The members' first waits are made to end together when their deadlines are this close (see
 #: :meth:`_Batch._align`).
-ALIGN_SECONDS: Final = 0.25
+ALIGN_SECONDS: Final = 0.0
 
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
+
+#: The members make ahead what their looks need (:meth:`_Batch._prepare`) only while the earliest deadline
+#: is at least this far: some 10-20 us a member, 1000 of them.
+_PREPARE_MARGIN_SECONDS: Final = 0.01
 
 #: How many members a pass answers before it looks for leaders that exited meanwhile (:meth:`_Batch._pass`).
 _PASS_CHUNK: Final = 128
@@ -236,6 +240,7 @@ class _Batch:
             self._started = True
             self._align()
             self._answer(list(self.members))
+            self._prepare()
             return
         due = self._ready()
         while due:
@@ -243,6 +248,23 @@ class _Batch:
             self._answer(chunk)
             if due:
                 due = self._exited() + due
+
+    def _prepare(self) -> None:
+        """In the first pass, once every member waits: have each member waiting in its grace period make
+        ahead what its looks after the grace need (:meth:`~._escalation_driver.LeaderTarget.prepare`), while
+        the earliest deadline is more than :data:`_PREPARE_MARGIN_SECONDS` away. The pass at the end of the
+        grace, which aims SIGKILL at every member, then looks at each for less."""
+        waiting = [m for m in self.members if not (m.over or m.alone) and m.request.phase is Phase.GRACE]
+        for i, member in enumerate(waiting):
+            if i % _PASS_CHUNK == 0 and self._deadline_near():
+                return
+            member.target.prepare()
+
+    def _deadline_near(self) -> bool:
+        """Whether the earliest deadline is within :data:`_PREPARE_MARGIN_SECONDS`."""
+        if not self._deadlines:
+            return False
+        return trio.current_time() + _PREPARE_MARGIN_SECONDS >= self._deadlines[0][0]
 
     def _answer(self, due: list[_Member]) -> None:
         """Answer the members of ``due``, and set the deadlines of the waits they ask for next, measured
