@@ -76,6 +76,10 @@ class LeaderTarget(EscalationTarget, Protocol):
         """The leader's pidfd, or -1 once the leader is reaped (it turns readable when the leader exits)."""
         ...
 
+    def poll_leader(self) -> bool:
+        """Reap the leader if it has exited (its pidfd is closed then); ``True`` once it is reaped."""
+        ...
+
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
