@@ -114,8 +114,8 @@ async def drive_escalation(
     """Run the escalation ``steps`` on ``target`` under Trio.
 
     The escalations that start in one scheduler pass are driven together while their leaders live
-    (``_escalation_batch``: one task, one epoll of pidfds, aligned deadlines). An escalation whose
-    leader is reaped while the rest of its tree lives goes on alone: each wait polls
+    (``_escalation_batch``: one task, one epoll of pidfds, descriptors made ahead during the grace). An
+    escalation whose leader is reaped while the rest of its tree lives goes on alone: each wait polls
     :meth:`~EscalationTarget.gone`, woken by the target (:meth:`LeaderTarget.wait_change`) in steps that
     start at 0.5 ms and double up to 20 ms; a grace wait ends early when :attr:`LeaderTarget.force` is
     set.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -512,4 +513,33 @@ async def test_a_kill_all_closes_every_descriptor_its_batch_opened(tmp_path: Pat
             gc.collect()
             await wait_until(lambda: _open_fds() <= before)
     finally:
+        kill_leftovers(marker)
+
+
+async def test_a_kill_all_with_few_descriptors_to_spare_still_ends_everything(
+    tmp_path: Path, containment: str
+) -> None:
+    """Under a low ``RLIMIT_NOFILE`` the batch makes its looks' descriptors ahead for as many members as
+    leave 512 free (here a few), and looks by path at the others: every tree still ends, nothing fails
+    for want of a descriptor, and every descriptor is closed again."""
+    marker = mark("336.9")
+    project = make_project(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.2, containment=containment) as engine:
+            service = engine.service
+            records = [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(30)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 30)
+            before = _open_fds()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (before + 512 + 10, hard))  # 5 members' worth
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+            assert all(sp.exit is not None and sp.exit.escalated for sp in records)
+            assert _open_fds() < before
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         kill_leftovers(marker)
