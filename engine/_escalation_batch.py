@@ -10,10 +10,12 @@ or, detached (the supervisor's runs), return as soon as they have joined.
 Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.kill``) and reaps:
 
 - the first step of every member (a look, SIGINT, SIGCONT) is taken in one loop before the runs' tasks
-  even wake up (``Supervisor.begin_cancel``, in ``kill_all``), and the first waits are aligned on the
-  latest of their deadlines (never shorter than asked), so the members' grace periods end at one instant
-  and one pass of the driver aims SIGKILL at all of them (in chunks, the reaping of the trees already
-  gone in between); each later wait is measured from the end of the chunk that asked for it;
+  even wake up (``Supervisor.begin_cancel``, in ``kill_all``); each grace period ends at its own
+  deadline (its SIGINT plus the grace: the first SIGKILLs go out while the last SIGINTs' graces run
+  on, instead of all waiting for the last), and the driver aims SIGKILL at every member due in its pass
+  (in chunks, the reaping of the trees already gone in between); each later wait is measured from the
+  end of the chunk that asked for it. During the grace each member makes ahead what its looks after it
+  need (:meth:`~._escalation_driver.LeaderTarget.prepare`: descriptors on the leader's files);
 - a wait ends late by at most :data:`COALESCE_SECONDS`, so deadlines a few microseconds apart expire
   in one pass;
 - the members whose leaders exited together are settled together: each notes that nothing it knew of
@@ -37,6 +39,8 @@ on its own leader's pidfd through Trio.
 from __future__ import annotations
 
 import heapq
+import os
+import resource
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Final
@@ -53,17 +57,38 @@ from ._procfs import engine_children, sharing_children_reads
 if TYPE_CHECKING:
     from ._escalation_driver import LeaderTarget
 
-__all__ = ["ALIGN_SECONDS", "COALESCE_SECONDS", "drive_in_batch"]
+__all__ = ["COALESCE_SECONDS", "drive_in_batch"]
 
 #: A wait of the batch ends up to this much after its deadline, never before it: deadlines a few
 #: microseconds apart then expire in one pass of the driver.
 COALESCE_SECONDS: Final = 0.001
-#: The members' first waits are made to end together when their deadlines are this close (see
-#: :meth:`_Batch._align`).
-ALIGN_SECONDS: Final = 0.25
 
 #: The batch that escalations starting in this scheduler pass join, if one is forming.
 _FORMING: trio.lowlevel.RunVar[_Batch | None] = trio.lowlevel.RunVar("_FORMING", default=None)
+
+#: The members make ahead what their looks need (:meth:`_Batch._prepare`) only while the earliest deadline
+#: is at least this far: some 10-20 us a member, 1000 of them.
+_PREPARE_MARGIN_SECONDS: Final = 0.01
+
+#: The most descriptors one member's :meth:`~._escalation_driver.LeaderTarget.prepare` opens.
+_PREPARE_DESCRIPTORS: Final = 2
+#: Descriptors :meth:`_Batch._prepare` leaves free for everything else the engine opens meanwhile (the
+#: guardian's journal, logs, the next creates).
+_DESCRIPTORS_KEPT_FREE: Final = 512
+
+
+def _spare_descriptors() -> int:
+    """How many descriptors the process may open beyond those it has now and :data:`_DESCRIPTORS_KEPT_FREE`:
+    the members' descriptors made ahead never take the last ones (a ``RLIMIT_NOFILE`` of 1024 is common)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+    return max(soft - used - _DESCRIPTORS_KEPT_FREE, 0)
+
 
 #: How many members a pass answers before it looks for leaders that exited meanwhile (:meth:`_Batch._pass`).
 _PASS_CHUNK: Final = 128
@@ -152,7 +177,10 @@ class _Batch:
         exited: list[_Member] = []
         for fd, member in self._leaders.ready():
             if member.fd == fd:
-                self._unwatch(member)  # level-triggered: an exited leader stays readable
+                # Level-triggered: an exited leader stays readable. Reaped now, its pidfd is closed, and
+                # closing takes it out of the epoll (no ``epoll_ctl``, some 7 us each).
+                member.target.poll_leader()
+                self._unwatch(member)
                 exited.append(member)
         return exited
 
@@ -208,25 +236,11 @@ class _Batch:
         self._seq += 1
         heapq.heappush(self._deadlines, (member.deadline, self._seq, member))
 
-    def _align(self) -> None:
-        """Make the first waits of the members end together: in each phase, a deadline up to
-        :data:`ALIGN_SECONDS` before the latest one is moved to it (never earlier: each wait is at least
-        what its steps asked for). The first steps were taken in one loop (``kill_all``), or as the
-        members' tasks woke up: this is how long that took, at most."""
-        for phase in Phase:
-            members = [m for m in self.members if m.request.phase is phase]
-            if members:
-                top = max(m.deadline for m in members)
-                for member in members:
-                    if top - member.deadline <= ALIGN_SECONDS:
-                        member.deadline = top
-        for member in self.members:
-            self._schedule(member)
-
     def _pass(self) -> None:
         """Answer every member whose wait is over, and set the deadlines of the waits they ask for next.
 
-        Many due at once (the grace periods of a ``kill_all`` end together) are answered in chunks of
+        Many due at once (the grace periods of a ``kill_all`` end within a few milliseconds: the one loop
+        that sent their SIGINTs) are answered in chunks of
         :data:`_PASS_CHUNK`, and before each chunk the members whose leaders exited meanwhile: the reaping
         of the first trees killed overlaps the exits of the next ones (on the other core) instead of
         waiting for the last SIGKILL of the pass, while the killed processes' exits are what the machine
@@ -234,8 +248,10 @@ class _Batch:
         """
         if not self._started:
             self._started = True
-            self._align()
+            for member in self.members:
+                self._schedule(member)
             self._answer(list(self.members))
+            self._prepare()
             return
         due = self._ready()
         while due:
@@ -243,6 +259,24 @@ class _Batch:
             self._answer(chunk)
             if due:
                 due = self._exited() + due
+
+    def _prepare(self) -> None:
+        """In the first pass, once every member waits: have each member waiting in its grace period make
+        ahead what its looks after the grace need (:meth:`~._escalation_driver.LeaderTarget.prepare`), while
+        the earliest deadline is more than :data:`_PREPARE_MARGIN_SECONDS` away. The pass at the end of the
+        grace, which aims SIGKILL at every member, then looks at each for less."""
+        waiting = [m for m in self.members if not (m.over or m.alone) and m.request.phase is Phase.GRACE]
+        del waiting[_spare_descriptors() // _PREPARE_DESCRIPTORS :]
+        for i, member in enumerate(waiting):
+            if i % _PASS_CHUNK == 0 and self._deadline_near():
+                return
+            member.target.prepare()
+
+    def _deadline_near(self) -> bool:
+        """Whether the earliest deadline is within :data:`_PREPARE_MARGIN_SECONDS`."""
+        if not self._deadlines:
+            return False
+        return trio.current_time() + _PREPARE_MARGIN_SECONDS >= self._deadlines[0][0]
 
     def _answer(self, due: list[_Member]) -> None:
         """Answer the members of ``due``, and set the deadlines of the waits they ask for next, measured

@@ -76,6 +76,10 @@ class LeaderTarget(EscalationTarget, Protocol):
         """The leader's pidfd, or -1 once the leader is reaped (it turns readable when the leader exits)."""
         ...
 
+    def poll_leader(self) -> bool:
+        """Reap the leader if it has exited (its pidfd is closed then); ``True`` once it is reaped."""
+        ...
+
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
@@ -88,6 +92,10 @@ class LeaderTarget(EscalationTarget, Protocol):
         instant is noted, and a read of the engine's children made after it serves the look that decides
         the target is gone (one read for the targets that went quiet together)."""
         ...
+
+    def prepare(self) -> None:
+        """Make ahead, during a wait the batch driver has time for (the grace period), what lets the looks
+        after it cost less (descriptors opened on the leader's files); the looks are the same without it."""
 
     async def wait_change(self, step_seconds: float) -> None:
         """Wait until the target may have changed: its leader exited, a member left, or force was asked;
@@ -106,8 +114,8 @@ async def drive_escalation(
     """Run the escalation ``steps`` on ``target`` under Trio.
 
     The escalations that start in one scheduler pass are driven together while their leaders live
-    (``_escalation_batch``: one task, one epoll of pidfds, aligned deadlines). An escalation whose
-    leader is reaped while the rest of its tree lives goes on alone: each wait polls
+    (``_escalation_batch``: one task, one epoll of pidfds, descriptors made ahead during the grace). An
+    escalation whose leader is reaped while the rest of its tree lives goes on alone: each wait polls
     :meth:`~EscalationTarget.gone`, woken by the target (:meth:`LeaderTarget.wait_change`) in steps that
     start at 0.5 ms and double up to 20 ms; a grace wait ends early when :attr:`LeaderTarget.force` is
     set.

@@ -71,6 +71,42 @@ class LeafTree(ProcessTree):
     #: the leaf as a whole got its ``cgroup.kill`` (not only the leader its SIGKILL)
     _rest_killed: bool = attrs.field(init=False, default=False)
     _removal_handed: bool = attrs.field(init=False, default=False)
+    #: a descriptor on the leaf's ``cgroup.events`` (:meth:`prepare`), or -1
+    _events_fd: int = attrs.field(init=False, default=-1)
+
+    def prepare(self) -> None:
+        """Open the leaf's ``cgroup.events`` now (the grace period): the look after the leader's SIGKILL
+        that tells whether the leaf is empty is then one ``pread`` instead of an ``open``, a read and a
+        ``close`` (some 15-20 us, 1000 of them in a ``kill_all``). Closed by :meth:`close`."""
+        if self._events_fd < 0 and self.quiet_at is None:
+            try:
+                self._events_fd = os.open(self.leaf.events_path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass  # the leaf is read by path
+
+    def close(self) -> None:
+        """Close every descriptor the tree holds, :meth:`prepare`'s too (the run is over)."""
+        super().close()
+        self._close_events()
+
+    def _close_events(self) -> None:
+        if self._events_fd >= 0:
+            fd, self._events_fd = self._events_fd, -1
+            os.close(fd)
+
+    def _populated(self) -> bool:
+        """``Leaf.populated`` through :meth:`prepare`'s descriptor when there is one (the kernel makes the
+        file afresh at each read from offset 0; a removed leaf's fails, and the path says "empty")."""
+        if self._events_fd >= 0:
+            try:
+                text = os.pread(self._events_fd, 256, 0)
+            except OSError:
+                return self.leaf.populated()
+            for line in text.splitlines():
+                key, _, value = line.partition(b" ")
+                if key == b"populated":
+                    return value.strip() == b"1"
+        return self.leaf.populated()
 
     def snapshot(self, *, fresh: bool = True) -> None:
         """Nothing to look for: every descendant is in the leaf."""
@@ -137,11 +173,12 @@ class LeafTree(ProcessTree):
         engine moves no process into a leaf but at its run's spawn)."""
         if self.quiet_at is not None:
             return True
-        if self.leaf.populated():
+        if self._populated():
             if self.status is not None:
                 self._kill_rest()
             return False
         self.quiet_at = time.monotonic()
+        self._close_events()  # not read again; the leaf's removal follows
         return True
 
     def mark_quiet(self) -> bool:
@@ -166,9 +203,10 @@ class LeafTree(ProcessTree):
         """Whether the leader is reaped, the leaf holds no live process, and its zombies are reaped."""
         if not self.poll_leader():
             return False
-        self._seen = self.watcher.generation(self.leaf)  # before the look: no change is missed
-        if not self._empty():
-            return False
+        if self.quiet_at is None:  # a leaf seen empty stays so: no watch, no look (see _empty)
+            self._seen = self.watcher.generation(self.leaf)  # before the look: no change is missed
+            if not self._empty():
+                return False
         self._reap_leaf_zombies()
         if self._hand is not None and not self._removal_handed:
             # In a batch, the empty leaf is removed now from the worker thread, overlapping the ends of the

@@ -28,7 +28,10 @@ from ._escalation_detached import Spawn
 from ._escalation_driver import LeaderTarget, children_read_since, drive_escalation, wait_gone
 from ._pidfd import close_pidfd, wait_pidfd
 from ._procfs import (
+    children_by_fds,
+    children_of,
     engine_children,
+    open_children_of,
     read_marker,
     read_proc,
     scan_processes,
@@ -83,6 +86,8 @@ class ProcessTree(TreeWalk):
     _pidfd_waits: int = attrs.field(init=False, default=0)
     #: the escalation once :meth:`begin` took its first step: the steps, their first answer, and when
     _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
+    #: descriptors on the leader's ``/proc`` task folder and children list (:meth:`prepare`), or ``None``
+    _leader_fds: tuple[int, int] | None = attrs.field(init=False, default=None)
 
     # ---- the leader ------------------------------------------------------------------------------
 
@@ -97,7 +102,7 @@ class ProcessTree(TreeWalk):
         if pid == 0:
             return False
         self.status = status
-        self.close()
+        self._close_leader()
         return True
 
     async def wait_leader(self) -> None:
@@ -117,15 +122,42 @@ class ProcessTree(TreeWalk):
             self._pidfd_waits -= 1
 
     def close(self) -> None:
-        """Close the pidfd (idempotent). Trio is told first only while a task of this tree waits on it:
-        a pidfd waited on by a batch's own epoll only (``_escalation_batch``) leaves that set by closing,
-        and Trio's ``notify_closing`` of 1000 pidfds nobody waits on costs the loop some 5-10 ms."""
+        """Close the pidfd, and every descriptor the tree holds (idempotent): the run is over."""
+        self._close_leader()
+
+    def _close_leader(self) -> None:
+        """Close the pidfd and :meth:`prepare`'s descriptors (the leader is reaped). Trio is told first only
+        while a task of this tree waits on the pidfd: a pidfd waited on by a batch's own epoll only
+        (``_escalation_batch``) leaves that set by closing, and Trio's ``notify_closing`` of 1000 pidfds
+        nobody waits on costs the loop some 5-10 ms."""
         if self.pidfd >= 0:
             fd, self.pidfd = self.pidfd, -1
             if self._pidfd_waits:
                 close_pidfd(fd)
             else:
                 os.close(fd)
+        if self._leader_fds is not None:
+            fds, self._leader_fds = self._leader_fds, None
+            for fd in fds:
+                os.close(fd)
+
+    def prepare(self) -> None:
+        """Open the leader's ``/proc`` task folder and children list now (the grace period), so that the look
+        at its children before its SIGKILL is a ``fstat`` and a ``pread`` (:meth:`_children`): in a
+        ``kill_all`` that look is made for 1000 leaders at the end of the grace period. Nothing when the
+        leader is reaped, or the files cannot be opened (the look reads by path then)."""
+        if self._leader_fds is None and self.pidfd >= 0 and self.status is None:
+            self._leader_fds = open_children_of(self.pid)
+
+    def _children(self, pid: int) -> list[int] | None:
+        """The children of ``pid`` (see ``_procfs.children_of``); the leader's through :meth:`prepare`'s
+        descriptors when it made them (they stand for the leader itself, whatever its pid names later)."""
+        fds = self._leader_fds
+        if pid == self.pid and fds is not None:
+            kids = children_by_fds(*fds)
+            if kids is not None:
+                return kids
+        return children_of(pid)
 
     # ---- the rest of the tree --------------------------------------------------------------------
 

@@ -122,6 +122,10 @@ class TreeWalk:
             _not_leaders_memo = (children, self.known_leaders, result)
         return result
 
+    def _children(self, pid: int) -> list[int] | None:
+        """The children of ``pid`` (``_procfs.children_of``); a target may read some of them another way."""
+        return children_of(pid)
+
     def _snapshot_by_children(self, *, fresh: bool) -> bool:
         roots = [self.pid] if self.status is None else []  # a reaped leader's pid may be a stranger's now
         for pid, start in self.tracked.items():  # walk only from processes that are still ours
@@ -148,7 +152,7 @@ class TreeWalk:
             if pid in seen:
                 continue
             seen.add(pid)
-            kids = children_of(pid)
+            kids = self._children(pid)
             if kids is None:
                 return False
             roots.extend(kids)

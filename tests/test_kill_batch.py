@@ -9,12 +9,14 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import resource
 import time
 from pathlib import Path
 
 import trio
 
 from engine import RunState, SpawnSpec, SubProcessNotFoundError, open_supervisor
+from engine._procfs import children_of
 
 from .children import SESSION, kill_leftovers, mark, pgrep, proc_exists, py, wait_until
 from .service_support import engine_at, log_dir, log_paths, make_project
@@ -457,4 +459,87 @@ async def test_a_kill_all_ends_the_log_cap_during_the_grace_and_the_next_create_
             await wait_until(capped, seconds=10, interval=0.05)
             assert await service.kill_all() is True
     finally:
+        kill_leftovers(marker)
+
+
+async def test_a_scrubbed_setsid_child_forked_late_in_the_grace_is_killed_with_its_leader(
+    tmp_path: Path, containment: str
+) -> None:
+    """Leaders that, on SIGINT, wait a while (the batch has made its looks' descriptors ahead by then) and
+    then start a child in a session of its own with an empty environment: no group, no marker. The look at
+    each leader's children just before its SIGKILL finds it (in process-group mode nothing else could
+    attribute it once its leader is dead; in cgroup mode its leaf holds it): ``kill_all`` leaves nothing."""
+    marker = mark("336.7")
+    project = make_project(tmp_path)
+    script = f"trap 'sleep 0.1; setsid env -i sleep {marker} & ' INT; while :; do sleep 0.01; done"
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.4, containment=containment) as engine:
+            service = engine.service
+            records = [await service.create(project, "bash", ["-c", script]) for _ in range(6)]
+            # each bash has set its trap once its loop has started a sleep
+            await wait_until(lambda: all(children_of(sp.pid) for sp in records))
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+            assert all(sp.exit is not None and sp.exit.escalated for sp in records)
+    finally:
+        kill_leftovers(marker)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_kill_all_closes_every_descriptor_its_batch_opened(tmp_path: Path, containment: str) -> None:
+    """The descriptors a batch opens on the leaders' ``/proc`` files or the leaves' ``cgroup.events``
+    during the grace (to look at them for less after it) are closed by the time ``kill_all`` returns, with
+    the pidfds: as many open descriptors after as before the runs were created."""
+    marker = mark("336.8")
+    project = make_project(tmp_path)
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.2, containment=containment) as engine:
+            service = engine.service
+            await service.kill_all()  # the folder cache and the log cap as they are between kill_alls
+            gc.collect()
+            before = _open_fds()
+            records = [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(20)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 20)
+            assert _open_fds() > before
+            assert await service.kill_all() is True
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+            gc.collect()
+            await wait_until(lambda: _open_fds() <= before)
+    finally:
+        kill_leftovers(marker)
+
+
+async def test_a_kill_all_with_few_descriptors_to_spare_still_ends_everything(
+    tmp_path: Path, containment: str
+) -> None:
+    """Under a low ``RLIMIT_NOFILE`` the batch makes its looks' descriptors ahead for as many members as
+    leave 512 free (here a few), and looks by path at the others: every tree still ends, nothing fails
+    for want of a descriptor, and every descriptor is closed again."""
+    marker = mark("336.9")
+    project = make_project(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.2, containment=containment) as engine:
+            service = engine.service
+            records = [
+                await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(30)
+            ]
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 30)
+            before = _open_fds()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (before + 512 + 10, hard))  # 5 members' worth
+            assert await service.kill_all() is True
+            assert not pgrep(rf"^sleep {marker}")
+            assert not [sp.pid for sp in records if proc_exists(sp.pid)]
+            assert all(sp.exit is not None and sp.exit.escalated for sp in records)
+            assert _open_fds() < before
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         kill_leftovers(marker)
