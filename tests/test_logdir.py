@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -360,14 +361,25 @@ async def test_cached_gadget_folder_replaced_by_a_symlink_is_not_followed(tmp_pa
     assert sorted(os.listdir(target / "subprocess-logs")) == [".gitignore"]
 
 
-def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Path) -> None:
-    from engine._folder_cache import FolderCache
-    from engine._logpair import make_unnamed
-
+def _made_log_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A project folder ``p`` and its log folder, made as the engine makes it."""
     project = tmp_path / "p"
     project.mkdir()
     logs = project / ".gadget" / "subprocess-logs"
     LogFolder.make(str(logs), base=str(project))
+    return project, logs
+
+
+def _cache_threads() -> list[threading.Thread]:
+    """The folder caches' threads alive now."""
+    return [t for t in threading.enumerate() if t.name == "engine log files"]
+
+
+def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Path) -> None:
+    from engine._folder_cache import FolderCache
+    from engine._logpair import make_unnamed
+
+    project, logs = _made_log_folder(tmp_path)
     cache = FolderCache()
     before = _open_fds()
     folder, fd, spare = cache.open(str(logs), base=str(project))  # walked, kept
@@ -400,18 +412,13 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
     at once and the cache's thread makes the files (unnamed, 0600, in the very folder); the next ``open``
     hands them over; ``close`` ends the thread and closes what it made, also a job still queued or under
     way: no descriptor and no thread is left. While files are fast to make, no thread is started."""
-    import threading
-
     from engine import _folder_cache
     from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
     monkeypatch.setattr(_folder_cache, "SLOW_FILE_SECONDS", -1.0 if slow else 10.0)
 
-    project = tmp_path / "p"
-    project.mkdir()
-    logs = project / ".gadget" / "subprocess-logs"
-    LogFolder.make(str(logs), base=str(project))
+    project, logs = _made_log_folder(tmp_path)
     before = _open_fds()
     cache = FolderCache(background=True)
     folder, fd, spare = cache.open(str(logs), base=str(project))
@@ -434,11 +441,11 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
             assert (info.st_dev, info.st_ino) == identity and stat.S_IMODE(info.st_mode) == 0o600
             assert info.st_nlink == 0  # unnamed
             os.close(opened)
-    assert bool([t for t in threading.enumerate() if t.name == "engine log files"]) == slow
+    assert bool(_cache_threads()) == slow
     assert os.listdir(logs) == [".gitignore"]
     cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)  # queued or under way: closed
     cache.close()
-    assert not [t for t in threading.enumerate() if t.name == "engine log files"]
+    assert not _cache_threads()
     assert _open_fds() == before
     folder, fd, spare = cache.open(str(logs), base=str(project))  # usable again after close
     os.close(fd)
@@ -453,34 +460,26 @@ def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
     """``close(wait=False)`` (``kill_all`` removing the last record) returns without joining the cache's
     thread: the thread ends on its own once done with its job, and closes the files it made then (their
     entry is closed); a thread started after it serves the next ``prepare``."""
-    import threading
-
     from engine import _folder_cache
     from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
     monkeypatch.setattr(_folder_cache, "SLOW_FILE_SECONDS", -1.0)
-    project = tmp_path / "p"
-    project.mkdir()
-    logs = project / ".gadget" / "subprocess-logs"
-    LogFolder.make(str(logs), base=str(project))
+    project, logs = _made_log_folder(tmp_path)
     before = _open_fds()
     cache = FolderCache(background=True)
-
-    def threads() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name == "engine log files"]
 
     for _ in range(3):
         _, fd, _ = cache.open(str(logs), base=str(project))
         os.close(fd)
         cache.prepare(str(logs), base=str(project), make=make_unnamed, count=1)  # made here: found slow
         cache.prepare(str(logs), base=str(project), make=make_unnamed, count=50)  # under way at the close
-        assert threads()
+        assert _cache_threads()
         cache.close(wait=False)
         deadline = time.monotonic() + 10
-        while (threads() or _open_fds() != before) and time.monotonic() < deadline:
+        while (_cache_threads() or _open_fds() != before) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not threads()
+        assert not _cache_threads()
         assert _open_fds() == before
     assert os.listdir(logs) == [".gitignore"]
 
@@ -514,10 +513,7 @@ def test_folder_cache_hands_out_only_the_files_asked_for_and_keeps_the_rest(tmp_
     from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
 
-    project = tmp_path / "p"
-    project.mkdir()
-    logs = project / ".gadget" / "subprocess-logs"
-    LogFolder.make(str(logs), base=str(project))
+    project, logs = _made_log_folder(tmp_path)
     cache = FolderCache()
     before = _open_fds()
     _, fd, _ = cache.open(str(logs), base=str(project))
