@@ -46,6 +46,7 @@ __all__ = [
     "load_recorded_parent",
     "parent_leaves",
     "parent_name",
+    "populated_in",
     "remove_leaves",
     "watched_leaf",
 ]
@@ -143,6 +144,15 @@ def parent_name(state_dir: str) -> str:
     return "gadget-engine-" + hashlib.sha256(os.fsencode(os.path.abspath(state_dir))).hexdigest()[:16]
 
 
+def populated_in(events: str) -> bool:
+    """Whether a ``cgroup.events`` text says a live process is in its cgroup (``populated 1``)."""
+    for line in events.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "populated":
+            return value.strip() == "1"
+    return False
+
+
 @attrs.frozen
 class Leaf:
     """One run's cgroup.
@@ -180,14 +190,9 @@ class Leaf:
     def populated(self) -> bool:
         """Whether a live process is in the leaf (``populated 1``); ``False`` once it is removed."""
         try:
-            text = _read(self.events_path)
+            return populated_in(_read(self.events_path))
         except FileNotFoundError:
             return False
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "populated":
-                return value.strip() == "1"
-        return False
 
     def holds(self, pid: int) -> bool:
         """Whether the process ``pid`` (zombies included) is in this leaf now."""

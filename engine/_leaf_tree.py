@@ -16,7 +16,7 @@ import time
 
 import attrs
 
-from ._cgroup import Leaf
+from ._cgroup import Leaf, populated_in
 from ._cgroup_watch import LeafWatcher
 from ._escalation_driver import children_read_since
 from ._procfs import engine_children
@@ -99,13 +99,9 @@ class LeafTree(ProcessTree):
         file afresh at each read from offset 0; a removed leaf's fails, and the path says "empty")."""
         if self._events_fd >= 0:
             try:
-                text = os.pread(self._events_fd, 256, 0)
+                return populated_in(os.pread(self._events_fd, 256, 0).decode("ascii", "replace"))
             except OSError:
-                return self.leaf.populated()
-            for line in text.splitlines():
-                key, _, value = line.partition(b" ")
-                if key == b"populated":
-                    return value.strip() == b"1"
+                pass
         return self.leaf.populated()
 
     def snapshot(self, *, fresh: bool = True) -> None:
