@@ -183,13 +183,22 @@ def children_of(pid: int) -> list[int] | None:
         except ProcessLookupError:
             continue
         try:
-            chunks = []
-            while chunk := os.read(fd, 65536):
-                chunks.append(chunk)
+            pids.extend(map(int, _read_list(fd).split()))
         finally:
             os.close(fd)
-        pids.extend(map(int, b"".join(chunks).split()))
     return pids
+
+
+def _read_list(fd: int) -> bytes:
+    """All of a ``/proc`` list file open on ``fd``, read from its start (the kernel makes it afresh at
+    each read from offset 0; a read shorter than asked is its end, so one read is the usual cost)."""
+    data = os.pread(fd, 65536, 0)
+    while data and len(data) % 65536 == 0:  # a very long list: the rest, from where it stopped
+        more = os.pread(fd, 65536, len(data))
+        if not more:
+            break
+        data += more
+    return data
 
 
 def open_children_of(pid: int) -> tuple[int, int] | None:
@@ -217,12 +226,7 @@ def children_by_fds(task_fd: int, children_fd: int) -> list[int] | None:
     try:
         if os.fstat(task_fd).st_nlink != _ONE_THREAD_LINKS:
             return None
-        data = os.pread(children_fd, 65536, 0)
-        while len(data) % 65536 == 0 and data:  # a very long list: the rest, from where it stopped
-            more = os.pread(children_fd, 65536, len(data))
-            if not more:
-                break
-            data += more
+        data = _read_list(children_fd)
     except OSError:
         return None
     return [int(p) for p in data.split()]
