@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Protocol, final, runtime_checkable
+from typing import Protocol, final
 
 import attrs
 import trio
@@ -333,9 +333,9 @@ class RunObserver(Protocol):
         later, so that the housekeeping does not delay them)."""
 
 
-@runtime_checkable
 class RunsObserver(RunObserver, Protocol):
-    """A :class:`RunObserver` that is told of the runs ended together (a ``kill_all``'s) in one call."""
+    """A :class:`RunObserver` that is told of the runs ended together (a ``kill_all``'s) in one call
+    (found by its ``runs_ended`` attribute, not by ``isinstance``: see ``Supervisor._housekeep``)."""
 
     def runs_ended(self, runs: list[ManagedRun]) -> None:
         """:meth:`RunObserver.run_ended` of each of ``runs``, in one call (the guardian link writes its
