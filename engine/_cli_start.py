@@ -210,6 +210,7 @@ def start(args: argparse.Namespace) -> int:
             if status is not None or (status := _running(state_dir)) is not None:
                 return _already(state_dir, status, args.json)  # another start won the race
             why = _error_lines(state_dir, offset) or "it exited at once"
+            why = why.removeprefix("the engine could not start: ")  # serve's own words, said once
             raise CommandFailedError(f"the engine did not start: {why} (its log: {log_path(state_dir)})")
         if time.monotonic() > deadline:
             raise CommandFailedError(

@@ -118,6 +118,18 @@ def test_start_reports_the_servers_own_error_and_its_log(state_dir: Path) -> Non
     )
 
 
+def test_start_says_a_servers_start_failure_once(state_dir: Path) -> None:
+    """Found by a new user: "the engine did not start: the engine could not start: ..." for a FIFO in the
+    state directory."""
+    state_dir.mkdir(mode=0o700)
+    os.mkfifo(state_dir / "cron.sqlite3")
+    out = _ge(state_dir, "start")
+    assert out.returncode == 1
+    assert out.stderr.startswith("gadget-engine: the engine did not start: "), out.stderr
+    assert "could not start" not in out.stderr and "FIFO" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1
+
+
 def test_stop_end_watched_ends_watched_commands(state_dir: Path, tmp_path: Path) -> None:
     sleeper = mark("351.1")
     pid = _start(state_dir)
