@@ -86,7 +86,10 @@ def _parser() -> argparse.ArgumentParser:
         "--quiet-wait",
         type=float,
         default=None,
-        help="seconds to wait for --max-load at most (default 900, 0 with --quick); then run anyway, noted",
+        help=(
+            "seconds to wait for --max-load at most (default 900, 0 with --quick); then run anyway, noted. "
+            "The spawn workload also waits (up to 120 s of it) for a quiet filesystem in its scratch folder"
+        ),
     )
     p.add_argument(
         "--modes",
@@ -153,7 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             notes.append("supervisord rows skipped (--no-supervisord)")
         ctx = Context(
-            quick=args.quick, log_bytes=log_bytes, tmp=tmp, supervisord=sd, notes=notes, modes=modes
+            quick=args.quick,
+            log_bytes=log_bytes,
+            tmp=tmp,
+            supervisord=sd,
+            notes=notes,
+            modes=modes,
+            quiet_wait_seconds=min(quiet_wait, 120.0),
         )
         rows = trio.run(_main, ctx, names, loads)
         meta: dict[str, object] = {

@@ -2,8 +2,19 @@
 ``os.posix_spawn`` + ``waitpid`` (the floor: no Python object, no event loop) and supervisord.
 
 The service and the supervisor run in each containment mode (one engine per mode, open side by side).
-Every round runs each variant once, in a rotating order, so drift and background load hit them alike;
-ratios are medians over blocks of rounds (one ratio per block).
+Every round runs each variant once, in an order drawn afresh (seeded), so drift, background load and
+the after-effects of one variant (supervisord's own work once its child has exited) hit every variant
+alike: a fixed rotation kept the same neighbour before each variant. Ratios are medians over blocks of
+rounds (one ratio per block).
+
+Nothing is deleted during the rounds: the service's records (and their logs) and the log-pair files are
+kept until the rounds are over (the engines' process limits are raised so that 820 kept records are not
+refused: a service holding as many records as a limit counts its live ones at each create). On this
+machine's ext4, which has no journal, every file deleted slows each file allocated near it for the next
+30-60 s (:func:`~benchmarks._common.file_allocation_us`): a ``kill_all`` every 50 rounds, as earlier
+versions did, made the service's later creates pay 0.1-1 ms per log file for the benchmark's own
+clean-up. For the same reason the workload first waits for a quiet filesystem in its scratch folder, and records the
+cost of a file allocation there at its start and end.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import random
 import statistics
 import subprocess
 import time
@@ -22,7 +34,7 @@ from engine import Engine, EngineConfig, Project, SpawnSpec, open_engine
 from engine._folder_cache import FolderCache
 from engine._logpair import LogPair
 
-from ._common import Context, Row, block_ratios
+from ._common import Context, Row, block_ratios, file_allocation_us, wait_files_quiet
 
 TRUE = "/bin/true"
 WORKLOAD = "spawn-to-exit of `true`"
@@ -48,12 +60,22 @@ def _posix_spawn_true() -> None:
 async def run(ctx: Context) -> list[Row]:
     rounds = 60 if ctx.quick else 400
     blocks = 5 if ctx.quick else 10
+    warm = 10
     project_dir = ctx.scratch("spawn-project")
     project = Project.from_directory(project_dir)
+    # Every record is kept until the end (see the module's docstring): room for all of them.
+    limit = 2 * (rounds + warm)
     async with contextlib.AsyncExitStack() as stack:
         engines = {
             mode: await stack.enter_async_context(
-                open_engine(EngineConfig(state_dir=ctx.scratch(f"spawn-state-{mode}"), containment=mode))
+                open_engine(
+                    EngineConfig(
+                        state_dir=ctx.scratch(f"spawn-state-{mode}"),
+                        containment=mode,
+                        max_processes_per_project=limit,
+                        max_processes=limit,
+                    )
+                )
             )
             for mode in ctx.modes
         }
@@ -112,32 +134,34 @@ async def run(ctx: Context) -> list[Row]:
         samples: dict[str, list[float]] = {name: [] for name in variants}
         names = list(variants)
 
-        async def drop_records() -> None:  # the finished records (and their logs), outside the timed part
-            for engine in engines.values():
-                await engine.service.kill_all()
-            for pair in pairs:
-                pair.delete()
-            pairs.clear()
-
-        for _warm in range(10):
+        allocation_start, waited = await trio.to_thread.run_sync(
+            wait_files_quiet, project_dir, ctx.quiet_wait_seconds
+        )
+        rng = random.Random(0)
+        for _warm in range(warm):
             for name in names:
                 await variants[name]()
-        await drop_records()
-        for i in range(rounds):
-            order = names[i % len(names) :] + names[: i % len(names)]
-            for name in order:
+        for _round in range(rounds):
+            for name in rng.sample(names, len(names)):
                 t0 = time.perf_counter()
                 await variants[name]()
                 samples[name].append(time.perf_counter() - t0)
-            if i % 50 == 49:
-                await drop_records()
-        await drop_records()
+        allocation_end = file_allocation_us(project_dir)
+        # The clean-up, after the timed rounds: the finished records with their logs, and the log pairs.
+        for engine in engines.values():
+            await engine.service.kill_all()
+        for pair in pairs:
+            pair.delete()
 
     ms = {name: [s * 1e3 for s in values] for name, values in samples.items()}
-    return _rows(ms, ctx.modes, blocks)
+    files = (
+        f"a file allocation in the scratch folder took {allocation_start:.0f} us at the start (after "
+        f"{waited:.0f} s of waiting for <= 50 us) and {allocation_end:.0f} us at the end"
+    )
+    return _rows(ms, ctx.modes, blocks, files)
 
 
-def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int) -> list[Row]:
+def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int, files: str) -> list[Row]:
     trio_ms = ms[TRIO]
     rows: list[Row] = []
     for mode in modes:
@@ -150,7 +174,7 @@ def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int) -> li
             TRIO,
             block_ratios(svc, trio_ms, blocks),
             target="<= 1.0x trio",
-            note="includes the two log files and, in process-group mode, the guardian's record",
+            note=f"includes the two log files and, in process-group mode, the guardian's record; {files}",
             mode=mode,
         )
         row.met = statistics.median(row.ratios) <= 1.0
@@ -187,7 +211,8 @@ def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int) -> li
             block_ratios(ms[LOG_PAIR], trio_ms, blocks),
             note=(
                 "the service's file work per create, alone: its floor on this filesystem (an O_TMPFILE "
-                "file cost 5-8 us on a quiet ext4 here, 20-240 us while other processes wrote to it)"
+                "file costs 5-10 us on a quiet ext4 here, up to 1 ms within a minute of many deletions "
+                "near it: see the scratch folder's figures in the service rows)"
             ),
         )
     )
