@@ -280,3 +280,23 @@ def test_an_events_wait_is_ended_with_its_connection_at_the_stop(tmp_path: Path)
     _stopped_cleanly(served)
     print(f"events.wait closed {closed:.3f} s after SIGTERM")
     assert closed < 1.0 + SLACK
+
+
+@pytest.mark.serial
+def test_a_log_follower_told_the_engine_stops_waits_out_a_stop_longer_than_5_s(
+    tmp_path: Path, project: Path, cleanup: list[str]
+) -> None:
+    """Its next read after the stop gets the stopping error; the stop then takes the 6 s grace of a child
+    ignoring SIGINT, longer than a follower's 5 s for a broken connection: it still ends with exit 0."""
+    served = start_serve(tmp_path / "state", "--grace-seconds", "6")
+    pid = _stubborn(served, project, cleanup, "6125.5")
+    follower = _client_process(served, "log", str(pid), "-f")
+    assert follower.stdout is not None and follower.stdout.readline() == "ready\n"
+    stop_at = time.monotonic()
+    served.proc.send_signal(signal.SIGTERM)
+    (ended_at,) = _finish([follower])
+    _out, err = follower.communicate(timeout=5)
+    assert (follower.returncode, err) == (0, "gadget-engine: engine stopped\n")
+    _stopped_cleanly(served)
+    print(f"log -f ended {ended_at - stop_at:.3f} s after SIGTERM (grace 6 s)")
+    assert 6.0 <= ended_at - stop_at < 6.0 + SLACK
