@@ -81,10 +81,10 @@ def _status(served: Served, pid: int) -> str:
     return status
 
 
-def _waiting(
-    pool: concurrent.futures.ThreadPoolExecutor, served: Served, pid: int
+def _call(
+    pool: concurrent.futures.ThreadPoolExecutor, served: Served, method: str, **params: object
 ) -> concurrent.futures.Future[tuple[dict[str, Any], float]]:
-    """A ``subprocess.wait`` for ``pid`` from a thread: its answer and the monotonic time it came at.
+    """``method`` called from a thread: its answer and the monotonic time it came at.
 
     From the test process, not a client process: it is in the engine before the stop is asked (a client
     process that connects into the listen backlog just as the stop closes the socket is refused).
@@ -92,12 +92,19 @@ def _waiting(
 
     def call() -> tuple[dict[str, Any], float]:
         with EngineClient(str(served.state_dir), timeout_seconds=60) as client:
-            summary: dict[str, Any] = client.call("subprocess.wait", pid=pid, timeout_seconds=60)
-        return summary, time.monotonic()
+            result: dict[str, Any] = client.call(method, **params)
+        return result, time.monotonic()
 
     future = pool.submit(call)
     time.sleep(0.3)  # connected and sent (an idle engine reads it at once)
     return future
+
+
+def _waiting(
+    pool: concurrent.futures.ThreadPoolExecutor, served: Served, pid: int
+) -> concurrent.futures.Future[tuple[dict[str, Any], float]]:
+    """A ``subprocess.wait`` for ``pid`` (see :func:`_call`)."""
+    return _call(pool, served, "subprocess.wait", pid=pid, timeout_seconds=60)
 
 
 def _stopped_cleanly(served: Served) -> None:
@@ -157,6 +164,35 @@ def test_sigterm_ends_the_child_a_wait_waits_for_and_answers_it(
     _stopped_cleanly(served)
     print(f"wait answered {waited_at - stop_at:.3f} s after SIGTERM (grace 1 s)")
     assert 1.0 <= waited_at - stop_at < 1.0 + SLACK
+
+
+@pytest.mark.serial
+def test_sigterm_answers_a_create_waiting_for_its_child_to_be_ready(
+    tmp_path: Path, project: Path, cleanup: list[str]
+) -> None:
+    """The stop ends the child a ``create --ready-log`` waits for: the create answers ``ready: exited``."""
+    served = start_serve(tmp_path / "state", "--grace-seconds", "1")
+    marker = mark("6126.5")
+    cleanup.append(marker)
+    command, *args = ignoring_sigint(marker)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        creating = _call(
+            pool,
+            served,
+            "subprocess.create",
+            project=str(project),
+            command=command,
+            args=args,
+            ready={"log": "never printed", "timeout": 60},
+        )
+        stop_at = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        summary, created_at = creating.result(timeout=20)
+    assert (summary["ready"], summary["signal"], summary["reason"]) == ("exited", 9, "cancelled")
+    _stopped_cleanly(served)
+    print(f"create answered {created_at - stop_at:.3f} s after SIGTERM (grace 1 s)")
+    assert 1.0 <= created_at - stop_at < 1.0 + SLACK
+    assert not alive(summary["pid"])
 
 
 @pytest.mark.serial
