@@ -26,6 +26,7 @@ from .server._client import (
     EngineConnectionError,
     EngineNotRunningError,
     EngineSocketMissingError,
+    EngineStoppingError,
     RpcError,
 )
 from .server._protocol import METHOD_NOT_FOUND
@@ -42,6 +43,9 @@ EVENTS_WAIT_SECONDS: Final = 30.0
 #: How long a follower whose connection broke watches for the socket to go (graceful) or the engine's
 #: process to end with it still there (a crash), in seconds.
 GONE_SECONDS: Final = 5.0
+#: The same when the engine said it is stopping (its stop ends every child by escalation first, a
+#: grace period and more): as long as ``stop`` waits by default, in seconds.
+STOPPING_SECONDS: Final = 30.0
 _PAGE_BYTES: Final = 1024 * 1024
 #: The ``new_only`` reader of ``log --new`` (each reader has a cursor of its own in the engine).
 CLI_READER: Final = "cli"
@@ -53,9 +57,10 @@ def engine_went_away(client: EngineClient, socket_path: str, engine_pid: int, er
     Raises:
         EngineNotRunningError: the engine's process ended and left its socket (killed or crashed).
         EngineConnectionError, EngineNotRunningError: ``error``, when neither is seen within
-            :data:`GONE_SECONDS`.
+            :data:`GONE_SECONDS` (:data:`STOPPING_SECONDS` when ``error`` says the engine is stopping).
     """
-    deadline = time.monotonic() + GONE_SECONDS
+    seconds = STOPPING_SECONDS if isinstance(error, EngineStoppingError) else GONE_SECONDS
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if not os.path.lexists(socket_path):
             print("gadget-engine: engine stopped", file=sys.stderr)

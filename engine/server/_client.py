@@ -100,9 +100,12 @@ class EngineSocketMissingError(EngineError, ConnectionError):
         self.pid = pid
 
 
-class EngineStoppingError(EngineSocketMissingError):
+class EngineStoppingError(EngineSocketMissingError, EngineConnectionError):
     """Raised by :meth:`EngineClient.connect` when the engine that holds the state directory refuses
-    connections on its socket file: it is stopping (it stops listening first, and removes the file last).
+    connections on its socket file: it is stopping (it stops listening first, and removes the file last);
+    and by :meth:`EngineClient.call` when the engine answers a request sent on a connection opened before
+    its stop with an error saying it stops (the request was not run). It is an
+    :class:`EngineConnectionError` too: the engine is going away, as when it closes the connection.
 
     Attributes:
         pid: the engine's pid.
@@ -188,7 +191,11 @@ def _result(line: bytes, request_id: int) -> Any:
         error = response["error"]
         if not isinstance(error, dict):
             raise RpcError(f"malformed error response: {error!r}", code=-32603)
-        raise exception_from_error(error.get("code"), error.get("message"), error.get("data"))
+        data = error.get("data")
+        if isinstance(data, dict) and data.get("type") == EngineStoppingError.__name__:
+            pid = data.get("pid")  # the request came after the engine's stop began: it was not run
+            raise EngineStoppingError(str(error.get("message")), pid if isinstance(pid, int) else 0)
+        raise exception_from_error(error.get("code"), error.get("message"), data)
     return response.get("result")
 
 
@@ -277,6 +284,7 @@ class EngineClient:
             EngineNotRunningError: no engine is running on the state directory.
             EngineConnectionError: the connection broke before the answer (the connection is closed).
             TimeoutError: no answer within ``timeout_seconds`` (the connection is closed).
+            EngineStoppingError: the engine is stopping; the request was not run.
             EngineError: the engine's error, as its own class (``SpawnError``, ``JobNotFoundError``, ...)
                 or :class:`RpcError` for the standard JSON-RPC errors.
         """
@@ -418,6 +426,7 @@ class AsyncEngineClient:
         Raises:
             EngineNotRunningError: no engine is running on the state directory.
             EngineConnectionError: the connection broke before the answer (the connection is closed).
+            EngineStoppingError: the engine is stopping; the request was not run.
             EngineError: the engine's error, as its own class (``SpawnError``, ``JobNotFoundError``, ...)
                 or :class:`RpcError` for the standard JSON-RPC errors.
         """

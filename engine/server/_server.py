@@ -10,8 +10,10 @@ a new one is refused (``docs/security.md``).
 Stopping (``docs/guide-cli.md`` has the table): SIGTERM, SIGHUP, a first SIGINT or the ``engine.stop``
 method stop it gracefully (every child ended by escalation, watched on-exit commands left running for
 the next engine); a second SIGINT, SIGTERM or SIGHUP during that stop sends SIGKILL to what is still
-being ended (``_stopping``). If the socket file is removed while it runs, it is bound again
-(``_socket_watch``).
+being ended (``_stopping``). The connections stay open while the subprocesses are ended, so a request
+waiting for one of them (a ``kill`` in its grace period, a ``wait``) gets its answer; a new request on
+an open connection gets an error saying the engine is stopping. If the socket file is removed while it
+runs, it is bound again (``_socket_watch``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ._protocol import (
     parse_request,
 )
 from ._socket_watch import serve_socket
-from ._stopping import STOP_SIGNALS, StopRequest, force_on_next_signal
+from ._stopping import STOP_SIGNALS, StopRequest, end_subprocesses, force_on_next_signal
 
 __all__ = ["RpcServer", "serve"]
 
@@ -58,7 +60,8 @@ _PEERCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _RECEIVE_BYTES: Final = 64 * 1024
 #: How long a start-up waits for an answer on a leftover socket before calling it stale, in seconds.
 _PROBE_SECONDS: Final = 1.0
-#: At a stop: how long requests being answered get to finish before their connections close, in seconds.
+#: At a stop, once every subprocess has ended: how long the requests still being answered get to finish
+#: before their connections close, in seconds.
 _ANSWER_SECONDS: Final = 1.0
 #: How long the error line sent before a refused connection is closed may wait for the peer, in seconds.
 _LAST_WORD_SECONDS: Final = 1.0
@@ -101,6 +104,16 @@ class RpcServer:
     _refusal_logged_at: float = attrs.field(init=False, default=-math.inf)
     _answering: int = attrs.field(init=False, default=0)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
+    _stopping: bool = attrs.field(init=False, default=False)
+
+    def refuse_new_requests(self) -> None:
+        """From now on (the engine stops), answer each new request with an error saying so, unrun.
+
+        The requests already being answered go on. The error is an ``EngineError`` (code ``-32000``)
+        with ``data: {"type": "EngineStoppingError", "pid": ...}``; the clients raise
+        ``EngineStoppingError`` for it, as for a connection refused while the engine stops.
+        """
+        self._stopping = True
 
     async def wait_idle(self) -> None:
         """Wait until no request is being answered (every answer under way is sent).
@@ -247,6 +260,9 @@ class RpcServer:
         except ProtocolError as exc:
             await trio.lowlevel.checkpoint()
             return encode_error(exc.request_id, exc.code, exc.message)
+        if self._stopping:
+            await trio.lowlevel.checkpoint()
+            return None if request.notification else self._refuse_stopping(request.id, request.method)
         try:
             result = await self.methods.call(request.method, request.params)
             response = encode_result(request.id, result)
@@ -263,6 +279,16 @@ class RpcServer:
             message = f"internal error: {type(exc).__name__}: {exc}"
             response = encode_error(request.id, INTERNAL_ERROR, message)
         return None if request.notification else response
+
+    def _refuse_stopping(self, request_id: str | int | None, method: str) -> bytes:
+        """The error line a request gets once the engine stops (:meth:`refuse_new_requests`)."""
+        pid = os.getpid()
+        message = (
+            f"the engine on {self.methods.engine.state_dir} (pid {pid}) is stopping and takes no new "
+            f"requests ({method} was not run); try again once it has stopped"
+        )
+        code, message, _ = error_from_exception(EngineError(message))
+        return encode_error(request_id, code, message, {"type": "EngineStoppingError", "pid": pid})
 
 
 async def _answers(path: str) -> bool:
@@ -365,8 +391,15 @@ async def _serve_until_stopped(
 ) -> None:
     """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body).
 
+    At the stop: no new connection (the listener closes) and no new request (each gets the stopping
+    error); every subprocess is ended by escalation (:func:`end_subprocesses`) while the connections
+    stay open, so that the requests waiting for those ends (a ``kill`` in its grace period, a ``wait``, a
+    ``kill-all``) are answered; the requests still under way then get up to :data:`_ANSWER_SECONDS`
+    before every connection closes. A request that waits for something the stop does not end
+    (``events.wait``) is ended with its connection.
+
     From the stop on, a further signal forces it (:func:`force_on_next_signal`, started in ``stopping``):
-    also while requests still being answered wait for their kills (a ``kill`` in its grace period).
+    the subprocesses get SIGKILL at once, and the requests waiting for them are answered right after.
     The socket's path goes into ``bound``: its file stays until the engine has closed (``serve`` removes
     it), so that meanwhile clients are refused and say the engine is stopping.
     """
@@ -387,9 +420,12 @@ async def _serve_until_stopped(
             log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
             task_status.started(path)
             reason = await stop.wait(signals)
+            server.refuse_new_requests()
             log_event("stopping", **reason, pid=os.getpid())
             stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
             listening.cancel_scope.cancel()
+        # Bounded by the escalation (grace, SIGKILL, the wait after it), or at once by a second signal.
+        await end_subprocesses(engine.service, engine.supervisor)
         with trio.move_on_after(_ANSWER_SECONDS):
             await server.wait_idle()
         connections.cancel_scope.cancel()
@@ -402,12 +438,13 @@ async def serve(
 
     Starts :func:`open_engine` (with an observer that logs every fire), listens on the socket (bound
     again if its file is removed: :func:`serve_socket`), and on the first SIGTERM, SIGHUP or SIGINT, or
-    the ``engine.stop`` method, stops gracefully: it logs ``stopping``, stops listening, lets the
-    requests being answered finish (about a second at most), closes every connection and closes the
-    engine. Every child is ended by escalation and reaped, but the commands of on-exit jobs: those are
-    left running for the next engine (``engine.stop`` with ``end_watched`` first ends them on purpose).
-    A further signal during that stop sends SIGKILL at once (:func:`force_on_next_signal`); more are
-    absorbed. ``stopped`` is logged at the end.
+    the ``engine.stop`` method, stops gracefully: it logs ``stopping``, stops listening, answers each
+    new request with an error saying it stops, ends every subprocess by escalation while the requests
+    waiting for those ends are answered, lets the requests still under way finish (a second at most),
+    closes every connection and closes the engine. Every child is ended by escalation and reaped, but
+    the commands of on-exit jobs: those are left running for the next engine (``engine.stop`` with
+    ``end_watched`` first ends them on purpose). A further signal during that stop sends SIGKILL at once
+    (:func:`force_on_next_signal`); more are absorbed. ``stopped`` is logged at the end.
 
     Cancellation: the same stop as a signal; then the cancellation propagates.
 

@@ -2,9 +2,11 @@
 
 ``serve`` stops gracefully on the first SIGTERM, SIGHUP or SIGINT (:data:`STOP_SIGNALS`), or when the
 ``engine.stop`` method asks (:class:`StopRequest`): every child is ended by escalation and reaped, but the
-watched on-exit commands, left running for the next engine. A further signal during that stop
-(:func:`force_on_next_signal`) sends SIGKILL to every child still running or being ended; the watched
-commands are still left running. ``docs/guide-cli.md`` has the table.
+watched on-exit commands, left running for the next engine. The agents' subprocesses are ended first,
+while the requests waiting for them are still answered (:func:`end_subprocesses`); the rest when the
+engine closes. A further signal during that stop (:func:`force_on_next_signal`) sends SIGKILL to every
+child still running or being ended; the watched commands are still left running. ``docs/guide-cli.md``
+has the table.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import Any, Final, final
 import attrs
 import trio
 
+from .._subprocesses import SubProcessService
 from .._supervisor import RunState, Supervisor
 from ._eventlog import log_event
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "force_on_next_signal"]
+__all__ = ["STOP_SIGNALS", "StopRequest", "end_subprocesses", "force_on_next_signal"]
 
 #: The signals that stop ``serve`` gracefully; another one during the stop forces it.
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -67,6 +70,27 @@ class StopRequest:
             nursery.cancel_scope.cancel()
         assert self.reason is not None
         return self.reason
+
+
+async def end_subprocesses(service: SubProcessService, supervisor: Supervisor) -> None:
+    """A graceful stop's first step: end the run of every subprocess of ``service`` by escalation (SIGINT,
+    grace, SIGKILL, the wait after it) and return once each is reaped.
+
+    ``serve`` runs it while its connections are still open, so that the requests waiting for one of those
+    ends (a ``kill`` or ``halt`` in its grace period, a ``kill_all``, a ``wait``) are answered as they
+    would be without the stop: a run a request is ending already is waited for, not signalled again.
+    Each run ends with reason ``cancelled``, so none is restarted; a run that started meanwhile (a
+    ``create`` under way at the stop) is ended too. The records and their logs stay until the engine
+    closes (its ``kill_all``), and the commands of cron jobs are ended by the cron service as it closes
+    (their jobs then show "interrupted"; nothing fires).
+
+    Cancellation: as ``Supervisor.cancel_many``: the runs are still ended and reaped, then it propagates.
+    """
+    while runs := [
+        run for scope in {sp.project.scope_key for sp in service.ps()} for run in supervisor.runs(scope)
+    ]:
+        await supervisor.cancel_many(runs)
+    await trio.lowlevel.checkpoint()
 
 
 async def force_on_next_signal(signals: AsyncIterator[int], supervisor: Supervisor) -> None:
