@@ -73,7 +73,7 @@ class Context:
     notes: list[str] = field(default_factory=list)
     #: the containment modes measured side by side (``"cgroup"`` only where a cgroup v2 is writable)
     modes: tuple[str, ...] = ("process-group",)
-    #: how long a workload may wait for a quiet filesystem in its scratch folder (``--quiet-wait``)
+    #: how long a workload may wait for a quiet filesystem in its folders (``--quiet-wait``)
     quiet_wait_seconds: float = 0.0
 
     def scratch(self, name: str) -> str:
@@ -166,7 +166,7 @@ def wait_quiet(max_load: float, max_wait_seconds: float) -> tuple[float, float]:
         time.sleep(min(10.0, max_wait_seconds - waited))
 
 
-#: A file allocation in the scratch folder at most this long counts as a quiet filesystem, in microseconds.
+#: A file allocation at most this long counts as a quiet filesystem, in microseconds.
 QUIET_FILE_US = 50.0
 
 

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=(
             "seconds to wait for --max-load at most (default 900, 0 with --quick); then run anyway, noted. "
-            "The spawn workload also waits (up to 120 s of it) for a quiet filesystem in its scratch folder"
+            "The spawn workload also waits (up to 120 s of it) for a quiet filesystem where it makes logs"
         ),
     )
     p.add_argument(
