@@ -62,6 +62,13 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
             "- load average per workload (start -> end): "
             + "; ".join(f"{name} {pair[0]} -> {pair[1]}" for name, pair in loads.items())
         )
+    files = meta.get("workload_files")
+    if isinstance(files, dict) and files:
+        lines.append(
+            "- a file allocation in the scratch directory per workload, in us (start -> end; seconds "
+            "waited for <= 50 us first): "
+            + "; ".join(f"{name} {f[0]} -> {f[1]} ({f[2]} s)" for name, f in files.items())
+        )
     lines += [
         "",
         "## Results",

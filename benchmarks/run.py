@@ -28,7 +28,18 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from . import cron, fleet, logs, report, scale, spawn, terminate, tool_log
-from ._common import Context, GiB, MiB, Row, containment_modes, loadavg, machine, wait_quiet
+from ._common import (
+    Context,
+    GiB,
+    MiB,
+    Row,
+    containment_modes,
+    file_allocation_us,
+    loadavg,
+    machine,
+    wait_files_quiet,
+    wait_quiet,
+)
 from ._supervisord import Supervisord
 
 WORKLOADS: dict[str, Callable[[Context], Awaitable[list[Row]]]] = {
@@ -88,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=(
             "seconds to wait for --max-load at most (default 900, 0 with --quick); then run anyway, noted. "
-            "The spawn workload also waits (up to 120 s of it) for a quiet filesystem where it makes logs"
+            "Each workload also waits (up to 120 s of it) for a quiet filesystem in the scratch directory"
         ),
     )
     p.add_argument(
@@ -99,14 +110,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _main(ctx: Context, names: list[str], loads: dict[str, list[str]]) -> list[Row]:
+async def _main(
+    ctx: Context, names: list[str], loads: dict[str, list[str]], files: dict[str, list[str]]
+) -> list[Row]:
     rows: list[Row] = []
     for name in names:
+        # A quiet filesystem first, as a quiet CPU: the last workload's clean-up (thousands of files
+        # deleted) slows every file allocated near it for 30-60 s (``file_allocation_us``).
+        probe = ctx.scratch(f"fs-probe-{name}")
+        allocation, waited = await trio.to_thread.run_sync(wait_files_quiet, probe, ctx.quiet_wait_seconds)
         t0 = time.perf_counter()
         start = loadavg()
-        print(f"[{name}] running (load {start}) ...", flush=True)
+        print(
+            f"[{name}] running (load {start}; a file allocation {allocation:.0f} us, after {waited:.0f} s)",
+            flush=True,
+        )
         rows += await WORKLOADS[name](ctx)
         loads[name] = [start.split()[0], loadavg().split()[0]]
+        files[name] = [f"{allocation:.0f}", f"{file_allocation_us(probe):.0f}", f"{waited:.0f}"]
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
 
@@ -147,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sd: Supervisord | None = None
     loads: dict[str, list[str]] = {}
+    files: dict[str, list[str]] = {}
     try:
         if "logs" in names:
             logs.check_disk(tmp, log_bytes)
@@ -162,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             supervisord=sd,
             notes=notes,
             modes=modes,
-            quiet_wait_seconds=min(quiet_wait, 120.0),
+            quiet_wait_seconds=min(quiet_wait, 120.0),  # per workload
         )
-        rows = trio.run(_main, ctx, names, loads)
+        rows = trio.run(_main, ctx, names, loads, files)
         meta: dict[str, object] = {
             "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
             "mode": "quick" if args.quick else "full",
@@ -174,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_start": load_start,
             "load_end": loadavg(),
             "workload_loads": loads,
+            "workload_files": files,
             "waited_for_quiet": f"{waited:.0f} s",
             "modes": list(modes),
             "notes": notes,
