@@ -115,8 +115,11 @@ async def _main(
 ) -> list[Row]:
     rows: list[Row] = []
     for name in names:
-        # A quiet filesystem first, as a quiet CPU: the last workload's clean-up (thousands of files
-        # deleted) slows every file allocated near it for 30-60 s (``file_allocation_us``).
+        # A quiet disk and filesystem first, as a quiet CPU: the last workload's data written back (the
+        # log workload leaves gigabytes to write: every fsync waits behind them), and its clean-up
+        # (thousands of files deleted), which slows every file allocated near it for 30-60 s
+        # (``file_allocation_us``).
+        await trio.to_thread.run_sync(os.sync)
         probe = ctx.scratch(f"fs-probe-{name}")
         allocation, waited = await trio.to_thread.run_sync(wait_files_quiet, probe, ctx.quiet_wait_seconds)
         t0 = time.perf_counter()
