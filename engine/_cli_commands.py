@@ -185,7 +185,7 @@ def wait(client: EngineClient, args: argparse.Namespace) -> int:
     if summary.get("leftovers_running"):
         raise CommandFailedError(
             f"{args.pid} exited ({summary['status']}), but what it left running is still running after "
-            f"{args.timeout:g} s; it is ended after the grace period at most"
+            f"{args.timeout:g} s; it gets the grace period to end, then SIGINT, another grace period, SIGKILL"
         )
     if not summary["finished"]:
         raise CommandFailedError(f"{args.pid} is still running after {args.timeout:g} s")

@@ -334,8 +334,8 @@ def read_project(value: object, field: str = "project") -> Project:
     path = read_directory(value, field)
     try:
         return Project.from_directory(path)
-    except ValueError as exc:
-        raise InvalidArgumentError(f"{field}: {exc}") from None
+    except ValueError as exc:  # its message names the project directory already
+        raise InvalidArgumentError(str(exc)) from None
 
 
 # ---- objects: parameters, schedules, payloads --------------------------------------------------------

@@ -158,7 +158,7 @@ class SubProcess:
 
     async def wait_drained(self) -> RunExit:
         """:meth:`wait_finished`, then until the rest of the last process's tree is gone too (what a
-        leader that exited on its own left running is ended after the grace period at most), so that its
+        leader that exited on its own left running gets the grace period, then the escalation), so that its
         logs hold everything it will ever write; return the leader's exit.
 
         Cancellation: safe; nothing changes.

@@ -128,6 +128,8 @@ class SubProcessService:
     #: The log cap's wait for a write, while it waits: :meth:`_wake_capper` cancels it.
     _cap_idle: trio.CancelScope | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
+    #: No record restarts any more: the engine is stopping (:meth:`call_off_restarts`).
+    _restarts_off: bool = attrs.field(init=False, default=False)
     #: The projects' log folders, walked once and kept open (checked again at each create) while the
     #: service has records.
     _folders: FolderCache = attrs.field(init=False, factory=lambda: FolderCache(background=True))
@@ -376,7 +378,19 @@ class SubProcessService:
     def _asked(self, sp: SubProcess, exit: RunExit) -> bool:
         """Whether the end of ``sp``'s process was asked for (a kill, a halt, the engine's stop, a fence)."""
         fenced = bool(self._fences.get(None) or self._fences.get(sp.project.id))
-        return sp._ended_on_purpose or exit.reason is TerminationReason.CANCELLED or self._closed or fenced
+        stopping = self._closed or self._restarts_off
+        return sp._ended_on_purpose or exit.reason is TerminationReason.CANCELLED or stopping or fenced
+
+    def call_off_restarts(self) -> None:
+        """The engine is stopping: from now on no record is restarted. A restart waiting out its back-off
+        is called off at once, and a process that exits later is not restarted: its record ends as after
+        a kill (a ``wait`` on it answers; no exit notice is sent). ``serve``'s graceful stop calls it
+        before it ends the processes. Not undone; sync.
+        """
+        self._restarts_off = True
+        for sp in self._records:
+            if sp._backoff is not None:
+                sp._backoff.cancel()
 
     async def write_stdin(self, pid: int, data: str | bytes, *, eof: bool = False) -> None:
         """Write ``data`` to the stdin of the record ``pid`` names (created with ``stdin=True``); with

@@ -275,8 +275,8 @@ class ToolExtensions:
         lines = ["SUBPROCESS WAIT", f"pid: {sp.pid}", f"status: {summary.status}"]
         if sp.finished and not sp.drained:
             lines.append(
-                f"[exited, but what it left running is still running after {seconds:g} s (ended after the "
-                "grace period at most); call wait again, or read its log]"
+                f"[exited, but what it left running is still running after {seconds:g} s (it gets the grace "
+                "period, then SIGINT, another grace period, SIGKILL); call wait again, or read its log]"
             )
         elif not sp.finished:
             lines.append(f"[still running after {seconds:g} s; call wait again, or read its log]")

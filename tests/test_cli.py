@@ -538,7 +538,7 @@ def test_cli_wait_timeout_says_an_exited_leaders_leftovers_still_run(tmp_path: P
         assert waited.returncode == 1 and waited.stdout == "", waited
         assert waited.stderr.strip() == (
             f"gadget-engine: {pid} exited (exited 0), but what it left running is still running after 0.3 s; "
-            "it is ended after the grace period at most"
+            "it gets the grace period to end, then SIGINT, another grace period, SIGKILL"
         )
         shown = json.loads(served.cli("wait", str(pid), "--timeout", "0.3", "--json").stdout)
         assert (shown["finished"], shown["leftovers_running"]) == (False, True)

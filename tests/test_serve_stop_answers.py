@@ -336,3 +336,41 @@ def test_a_log_follower_told_the_engine_stops_waits_out_a_stop_longer_than_5_s(
     _stopped_cleanly(served)
     print(f"log -f ended {ended_at - stop_at:.3f} s after SIGTERM (grace 6 s)")
     assert 6.0 <= ended_at - stop_at < 6.0 + SLACK
+
+
+@pytest.mark.serial
+def test_a_stop_during_a_restart_back_off_restarts_nothing_and_answers_the_wait(
+    tmp_path: Path, project: Path, cleanup: list[str]
+) -> None:
+    """Found by a new user: a record waiting out its restart back-off at the stop was restarted after the
+    stop had ended the processes, and a ``wait`` on it was closed unanswered."""
+    served = start_serve(tmp_path / "state", "--grace-seconds", "1")
+    marker = mark("6131.5")
+    cleanup.append(marker)
+    # exits 1 at once, every time: restarted after 1 s, 2 s, 4 s ... (on-failure)
+    out = served.cli(
+        "create", "--project", str(project), "--json", "--restart", "on-failure",
+        "--", "sh", "-c", f"echo {marker}; exit 1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pid: int = json.loads(out.stdout)["pid"]
+    # after its second restart the back-off is 4 s: the stop comes well inside it
+    assert wait_until(lambda: _summary(served, pid)["restarts"] >= 2, seconds=20)
+    assert wait_until(lambda: "restarting in" in _summary(served, pid)["status"])
+    before = _summary(served, pid)["restarts"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = _waiting(pool, served, pid)
+        stop_at = time.monotonic()
+        served.proc.send_signal(signal.SIGTERM)
+        summary, waited_at = waiting.result(timeout=30)
+    _stopped_cleanly(served)
+    assert waited_at - stop_at < 1.0 + SLACK  # not held for a back-off and a restarted process's grace
+    assert summary["finished"] is True and summary["restarts"] == before, summary
+    log = served.log()
+    assert "event=spawned" not in log[log.index("event=stopping") :], log
+
+
+def _summary(served: Served, pid: int) -> dict[str, Any]:
+    with served.client() as client:
+        summary: dict[str, Any] = client.call("subprocess.summarize", pid=pid)
+    return summary

@@ -166,8 +166,8 @@ async def test_wait_on_an_exited_leader_whose_leftovers_still_run_says_so(tmp_pa
             waited = await tool.execute({"cmd": "wait", "pid": pid, "timeout": 0.3}, project)
             assert waited == (
                 f"SUBPROCESS WAIT\npid: {pid}\nstatus: exited 0\n[exited, but what it left running is "
-                "still running after 0.3 s (ended after the grace period at most); call wait again, or read "
-                "its log]"
+                "still running after 0.3 s (it gets the grace period, then SIGINT, another grace period, "
+                "SIGKILL); call wait again, or read its log]"
             )
             assert pgrep(rf"^sleep {marker}$")
             killed = await tool.execute({"cmd": "kill", "pid": pid}, project)

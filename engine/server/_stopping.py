@@ -79,13 +79,15 @@ async def end_subprocesses(service: SubProcessService, supervisor: Supervisor) -
     ``serve`` runs it while its connections are still open, so that the requests waiting for one of those
     ends (a ``kill`` or ``halt`` in its grace period, a ``kill_all``, a ``wait``) are answered as they
     would be without the stop: a run a request is ending already is waited for, not signalled again.
-    Each run ends with reason ``cancelled``, so none is restarted; a run that started meanwhile (a
-    ``create`` under way at the stop) is ended too. The records and their logs stay until the engine
-    closes (its ``kill_all``), and the commands of cron jobs are ended by the cron service as it closes
-    (their jobs then show "interrupted"; nothing fires).
+    Restarts are called off first (``SubProcessService.call_off_restarts``: a record waiting out its
+    back-off ends at once, and its ``wait`` answers), and each run ends with reason ``cancelled``, so none
+    is restarted; a run that started meanwhile (a ``create`` under way at the stop) is ended too. The
+    records and their logs stay until the engine closes (its ``kill_all``), and the commands of cron jobs
+    are ended by the cron service as it closes (their jobs then show "interrupted"; nothing fires).
 
     Cancellation: as ``Supervisor.cancel_many``: the runs are still ended and reaped, then it propagates.
     """
+    service.call_off_restarts()  # a record waiting out its restart back-off ends now, unrestarted
     while runs := [
         run for scope in {sp.project.scope_key for sp in service.ps()} for run in supervisor.runs(scope)
     ]:
