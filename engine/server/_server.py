@@ -63,6 +63,24 @@ _PROBE_SECONDS: Final = 1.0
 #: At a stop, once every subprocess has ended: how long the requests still being answered get to finish
 #: before their connections close, in seconds.
 _ANSWER_SECONDS: Final = 1.0
+#: The methods still answered once the engine stops (they only read, and never wait): a ``log -f`` keeps
+#: reading what the children write while the stop ends them, and ``status`` tells a client it stops.
+READS_WHILE_STOPPING: Final = frozenset(
+    {
+        "status",
+        "subprocess.read_log",
+        "subprocess.summarize",
+        "subprocess.list",
+        "subprocess.stats",
+        "cron.list",
+        "cron.get",
+        "events",
+        "tool.definition",
+    }
+)
+#: At a stop, once every subprocess has ended: how long open connections get for their last reads before
+#: the answer window (a ``log -f`` reads every 0.25 s: what a process wrote as it ended is read), in seconds.
+_LAST_READS_SECONDS: Final = 0.5
 #: How long the error line sent before a refused connection is closed may wait for the peer, in seconds.
 _LAST_WORD_SECONDS: Final = 1.0
 #: Refused connections (over ``max_connections``) are logged at most once per this many seconds.
@@ -107,13 +125,19 @@ class RpcServer:
     _stopping: bool = attrs.field(init=False, default=False)
 
     def refuse_new_requests(self) -> None:
-        """From now on (the engine stops), answer each new request with an error saying so, unrun.
+        """From now on (the engine stops), answer each new request with an error saying so, unrun, but
+        the reads of :data:`READS_WHILE_STOPPING` (until the connections close).
 
         The requests already being answered go on. The error is an ``EngineError`` (code ``-32000``)
         with ``data: {"type": "EngineStoppingError", "pid": ...}``; the clients raise
         ``EngineStoppingError`` for it, as for a connection refused while the engine stops.
         """
         self._stopping = True
+
+    @property
+    def open_connections(self) -> int:
+        """How many connections are being served now."""
+        return self._active
 
     async def wait_idle(self) -> None:
         """Wait until no request is being answered (every answer under way is sent).
@@ -260,7 +284,7 @@ class RpcServer:
         except ProtocolError as exc:
             await trio.lowlevel.checkpoint()
             return encode_error(exc.request_id, exc.code, exc.message)
-        if self._stopping:
+        if self._stopping and request.method not in READS_WHILE_STOPPING:
             await trio.lowlevel.checkpoint()
             return None if request.notification else self._refuse_stopping(request.id, request.method)
         try:
@@ -391,11 +415,13 @@ async def _serve_until_stopped(
 ) -> None:
     """Serve the socket until a stop is asked, then close it and every connection (``serve``'s body).
 
-    At the stop: no new connection (the listener closes) and no new request (each gets the stopping
-    error); every subprocess is ended by escalation (:func:`end_subprocesses`) while the connections
-    stay open, so that the requests waiting for those ends (a ``kill`` in its grace period, a ``wait``, a
-    ``kill-all``) are answered; the requests still under way then get up to :data:`_ANSWER_SECONDS`
-    before every connection closes. A request that waits for something the stop does not end
+    At the stop: no new connection (the listener closes) and no new request but the reads of
+    :data:`READS_WHILE_STOPPING` (each other gets the stopping error); every subprocess is ended by
+    escalation (:func:`end_subprocesses`) while the connections stay open, so that the requests waiting
+    for those ends (a ``kill`` in its grace period, a ``wait``, a ``kill-all``) are answered and a
+    follower reads what the processes wrote as they ended (:data:`_LAST_READS_SECONDS` more while a
+    connection is open); the requests still under way then get up to :data:`_ANSWER_SECONDS` before
+    every connection closes. A request that waits for something the stop does not end
     (``events.wait``) is ended with its connection.
 
     From the stop on, a further signal forces it (:func:`force_on_next_signal`, started in ``stopping``):
@@ -426,6 +452,8 @@ async def _serve_until_stopped(
             listening.cancel_scope.cancel()
         # Bounded by the escalation (grace, SIGKILL, the wait after it), or at once by a second signal.
         await end_subprocesses(engine.service, engine.supervisor)
+        if server.open_connections:  # a follower's last read of what the ended processes wrote
+            await trio.sleep(_LAST_READS_SECONDS)
         with trio.move_on_after(_ANSWER_SECONDS):
             await server.wait_idle()
         connections.cancel_scope.cancel()
