@@ -398,6 +398,7 @@ async def test_exit_watcher_cancel_all_ends_commands_and_fires_cancelled(tmp_pat
         assert events[job.id].exit_code == 7 and events[job.id].stdout_tail == "started\n"
         assert events[earlier.id].signal == 2  # adopted: ended by the same escalation
         assert events[stubborn.id].signal == 9
+        assert not [p.name for p in (tmp_path / "s" / "watch-logs").iterdir() if ".tmp." in p.name]
         assert (events[waiting.id].exit_code, events[waiting.id].signal) == (None, None)
         assert "did not run to an exit (reason: cancelled)" in events[waiting.id].text
         assert not any(j.enabled for j in jobs.values())
@@ -408,6 +409,32 @@ async def test_exit_watcher_cancel_all_ends_commands_and_fires_cancelled(tmp_pat
             assert len(await engine.cron.events()) == 4
     finally:
         kill_leftovers(rf"^sleep ({marker}|{adopted_marker}|{stubborn_marker})$")
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "process-group"])
+async def test_exit_watcher_sigkilled_shim_leaves_no_temp_file_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, containment: str
+) -> None:
+    # Found by a new user: `stop --end-watched` of a command deaf to SIGINT left the shim's reserved
+    # `<exit file>.tmp.<pid>` in watch-logs, and the warning sent them to a stderr log the SIGKILLed shim
+    # never wrote to.
+    marker = mark("368.1")
+    caplog.set_level(logging.WARNING, logger="engine.cron")
+    try:
+        async with engine_with(tmp_path / "s", containment=containment, grace_seconds=0.2) as engine:
+            job = await engine.cron.add(OnExit(command=f"trap '' INT; sleep {marker}"), SystemEvent("d"))
+            await wait_until(lambda: bool(pgrep(rf"^sleep {marker}$")))
+            logs = tmp_path / "s" / "watch-logs"
+            assert [p.name for p in logs.iterdir() if ".exit.json.tmp." in p.name]  # the shim's reserve
+            with trio.fail_after(10):
+                await engine.watchers.cancel_all()
+            (event,) = await engine.cron.events()
+        assert (event.job_id, event.reason, event.signal) == (job.id, "cancelled", 9)
+        assert sorted(p.name for p in logs.iterdir() if ".tmp." in p.name) == []
+        (said,) = [r.getMessage() for r in caplog.records if job.id in r.getMessage()]
+        assert "ended by SIGKILL with its shim" in said and "the shim says why" not in said
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
 
 
 async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
 from ._shell import shell_installed, shim_argv, watch_argv
-from ._shim import read_exit_file
+from ._shim import read_exit_file, remove_reserved
 from ._watch_state import WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
@@ -373,13 +373,22 @@ class CronExitWatchers:
         result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
         record = await trio.to_thread.run_sync(read_exit_file, paths.exit_file)
         if record is None:  # the shim was killed, or could not write (a full disk): what the supervisor saw
-            logger.warning(
-                "on-exit job %s: its exit was not recorded (the shim says why in %s); "
-                "using what the supervisor saw: %s",
-                job.id,
-                paths.stderr,
-                result.describe(),
-            )
+            await trio.to_thread.run_sync(remove_reserved, paths.exit_file, run.pid)
+            if result.signal == SIGKILL and result.escalated:
+                logger.warning(
+                    "on-exit job %s: the command outlived the grace period and was ended by SIGKILL with "
+                    "its shim; nothing recorded, using what the supervisor saw: %s",
+                    job.id,
+                    result.describe(),
+                )
+            else:
+                logger.warning(
+                    "on-exit job %s: its exit was not recorded (the shim says why in %s); "
+                    "using what the supervisor saw: %s",
+                    job.id,
+                    paths.stderr,
+                    result.describe(),
+                )
             record = {"exit_code": result.exit_code, "signal": result.signal}
         if env and not await trio.Path(paths.started).exists():
             record = {**record, "reason": "not_started"}
@@ -433,6 +442,8 @@ class CronExitWatchers:
         watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)
         record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
+        if record is None:
+            await trio.to_thread.run_sync(remove_reserved, state.exit_file, state.pid)
         if record is None and watch.ending:
             # Ended on purpose: the escalation's SIGKILL reached the shim too (it outlives every other
             # signal of the group), so nothing was recorded; fire as a command this engine started does.
@@ -627,6 +638,8 @@ class CronExitWatchers:
             if not alive:
                 _reap_if_ours(state.pid, state.start_time)
             record = read_exit_file(state.exit_file)
+            if not alive and record is None:  # its shim was killed: the temp file it reserved is all left
+                remove_reserved(state.exit_file, state.pid)
             current = (
                 job is not None
                 and watchable(job)

@@ -20,6 +20,7 @@ fallback. All three take the same arguments, write the same record and end the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -158,6 +159,14 @@ def read_exit_file(path: str) -> dict[str, object] | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def remove_reserved(path: str, shim_pid: int) -> None:
+    """Remove the temp file the shim ``shim_pid`` reserved for ``path``'s record and never renamed: what
+    a shim killed with its command (SIGKILL, ``stop --end-watched`` of a command that ignores SIGINT)
+    leaves behind. Missing is fine; call it once that shim has ended."""
+    with contextlib.suppress(OSError):
+        os.unlink(f"{path}.tmp.{shim_pid}")
 
 
 if __name__ == "__main__":
