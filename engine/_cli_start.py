@@ -91,11 +91,14 @@ def wait_process_gone(pid: int, seconds: float) -> bool:
 
 
 def _running(state_dir: str) -> dict[str, Any] | None:
-    """The ``status`` of the engine answering on ``state_dir``, or ``None`` when none does."""
+    """The ``status`` of the engine answering on ``state_dir``, or ``None`` when none does; for one that
+    is stopping (it refuses connections), ``{"pid": ..., "stopping": True}``."""
     try:
         with EngineClient(state_dir, timeout_seconds=_CALL_SECONDS) as client:
             result: dict[str, Any] = client.call("status")
             return result
+    except EngineStoppingError as exc:
+        return {"pid": exc.pid, "stopping": True}
     except (EngineNotRunningError, EngineSocketMissingError):  # none, or one still binding its socket
         return None
 
@@ -183,6 +186,23 @@ def _already(state_dir: str, status: dict[str, Any], as_json: bool) -> int:
     return 0
 
 
+def _wait_stopped(state_dir: str, pid: int, seconds: float) -> None:
+    """Wait up to ``seconds`` for the engine ``pid``, which is stopping, to exit.
+
+    Raises:
+        CommandFailedError: it is still stopping after ``seconds``.
+    """
+    print(
+        f"gadget-engine: the engine on {state_dir} (pid {pid}) is stopping; starting once it has exited",
+        file=sys.stderr,
+    )
+    if not wait_process_gone(pid, seconds):
+        raise CommandFailedError(
+            f"the engine on {state_dir} (pid {pid}) is still stopping after {seconds:g} s; start again once "
+            "it has exited (gadget-engine status tells)"
+        )
+
+
 def start(args: argparse.Namespace) -> int:
     """``gadget-engine start``: ``serve`` in the background; 0 once a client call succeeds.
 
@@ -192,6 +212,9 @@ def start(args: argparse.Namespace) -> int:
     """
     state_dir = resolve_state_dir(args.state_dir)
     status = _running(state_dir)
+    if status is not None and status.get("stopping"):  # as systemd queues a start behind a stop
+        _wait_stopped(state_dir, int(status["pid"]), args.wait_seconds)
+        status = _running(state_dir)
     if status is not None:
         return _already(state_dir, status, args.json)
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -295,7 +318,11 @@ def status(client: EngineClient, args: argparse.Namespace) -> int:
     run_lines = [f"{count} in {directory}" for directory, count in sorted(runs.items())] or ["none"]
     watched = result.get("watched", 0)
     rows = [
-        ("engine", f"running, pid {result['pid']}, version {result['version']}"),
+        (
+            "engine",
+            f"{'stopping' if result.get('stopping') else 'running'}, pid {result['pid']}, "
+            f"version {result['version']}",
+        ),
         ("uptime", format_duration(int(result.get("uptime_seconds", 0)))),
         ("state dir", result["state_dir"]),
         ("socket", result.get("socket", "-")),

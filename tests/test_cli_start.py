@@ -158,6 +158,30 @@ def test_stop_past_its_bound_exits_1_and_says_still_stopping(state_dir: Path, pr
     _reap(pid)
 
 
+def test_start_while_the_engine_stops_waits_for_the_stop_then_starts(state_dir: Path, project: Path) -> None:
+    # Found by a new user: `start` during a stop said "the engine did not start: an engine is already
+    # running" (exit 1). As systemd queues a start behind a stop, it now waits for the stop to end.
+    old = _start(state_dir, "--grace-seconds", "2")
+    ignoring = "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    created = _ge(state_dir, "create", "--project", str(project), "--", sys.executable, "-c", ignoring)
+    assert created.returncode == 0, created.stderr
+    slow = _ge(state_dir, "stop", "--wait-seconds", "0.2")  # the stop is under way: the grace is 2 s
+    assert slow.returncode == 1 and alive(old)
+    too_soon = _ge(state_dir, "start", "--wait-seconds", "0.2")
+    assert too_soon.returncode == 1
+    assert f"the engine on {state_dir} (pid {old}) is still stopping after 0.2 s" in too_soon.stderr
+    started = _ge(state_dir, "start", "--grace-seconds", "0.5", *SHELL, "--json")
+    assert started.returncode == 0, started.stderr
+    assert f"(pid {old}) is stopping; starting once it has exited" in started.stderr
+    new = json.loads(started.stdout)
+    assert new["started"] is True and new["pid"] != old and not alive(old)
+    _reap(old)
+    status = _ge(state_dir, "status", "--json")
+    assert json.loads(status.stdout)["pid"] == new["pid"] and json.loads(status.stdout)["stopping"] is False
+    assert _ge(state_dir, "stop").returncode == 0
+    _reap(new["pid"])
+
+
 def test_version_prints_the_version() -> None:
     out = cli("--version")
     assert (out.returncode, out.stdout) == (0, f"gadget-engine {__version__}\n")

@@ -291,6 +291,8 @@ def test_a_request_on_an_open_connection_after_the_stop_began_gets_the_stopping_
         )
         _send(sock, "subprocess.list", 3)  # a read is still answered while the stop goes on
         assert [run["pid"] for run in json.loads(_read_line(sock))["result"]] == [pid]
+        _send(sock, "status", 4)  # and says the engine is stopping
+        assert json.loads(_read_line(sock))["result"]["stopping"] is True
         with pytest.raises(EngineStoppingError, match="is stopping and takes no new requests") as raised:
             client.call("subprocess.kill", pid=pid)
         assert raised.value.pid == served.proc.pid

@@ -177,12 +177,15 @@ class Methods:
         stop: what ``engine.stop`` calls, with its ``end_watched``, once the watched commands it was
             asked to end are ended: ``serve``'s graceful stop (``None``: this engine cannot be stopped
             over RPC, e.g. the one an ``mcp`` session embeds).
+        stopping: whether the engine is stopping (set by the server when its stop begins; ``status``
+            says so, and ``gadget-engine start`` then waits for the stop to end before starting anew).
     """
 
     engine: Engine
     socket_path: str
     version: str
     stop: Callable[[bool], None] | None = None
+    stopping: bool = attrs.field(init=False, default=False)
     _started: float = attrs.field(init=False, factory=trio.current_time)
     _last_event: dict[str, object] | None = attrs.field(init=False, default=None)
     _stats: RunStats = attrs.field(
@@ -240,6 +243,7 @@ class Methods:
             **status,
             "socket": self.socket_path,
             "uptime_seconds": round(trio.current_time() - self._started, 3),
+            "stopping": self.stopping,
             "subprocesses": {"total": len(records), "running": sum(1 for sp in records if sp.running)},
             "cron_jobs": {"total": len(jobs), "enabled": sum(1 for job in jobs if job.enabled)},
             "last_event": await self._newest_event(),

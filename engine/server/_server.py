@@ -133,6 +133,7 @@ class RpcServer:
         ``EngineStoppingError`` for it, as for a connection refused while the engine stops.
         """
         self._stopping = True
+        self.methods.stopping = True
 
     @property
     def open_connections(self) -> int:
