@@ -397,6 +397,12 @@ def cron_change(method: str, verb: str) -> Callable[[EngineClient, argparse.Name
             emit_json([result])
         else:
             print(f"{verb} {args.job_id}")
+            schedule = result.get("schedule") if isinstance(result, dict) else None
+            if method == "cron.enable" and isinstance(schedule, dict) and schedule.get("kind") == "on_exit":
+                again = (
+                    f", again (it last ran at {result['last_run_at']})" if result.get("last_run_at") else ""
+                )
+                print(f"its command runs now{again}; the job fires once when it exits")
         return EXIT_OK
 
     return run

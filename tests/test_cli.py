@@ -286,6 +286,12 @@ def test_cli_cron_add_every_kind_then_list_disable_enable_rm(served: Served, tmp
         assert client.call("cron.get", job_id=ids["every"])["enabled"] is False
         assert served.cli("cron", "enable", ids["every"]).stdout == f"enabled {ids['every']}\n"
         assert client.call("cron.get", job_id=ids["every"])["enabled"] is True
+        # an on-exit job enabled again runs its command again: `enable` says so (found by a new user)
+        assert served.cli("cron", "disable", ids["on_exit"]).returncode == 0
+        enabled = served.cli("cron", "enable", ids["on_exit"]).stdout
+        assert (
+            enabled == f"enabled {ids['on_exit']}\nits command runs now; the job fires once when it exits\n"
+        )
         removed = served.cli_parallel(*(("cron", "rm", job_id) for job_id in ids.values()))
         assert [out.returncode for out in removed] == [0, 0, 0, 0]
         remaining = {job["id"] for job in client.call("cron.list")}
@@ -607,6 +613,14 @@ def test_cli_cron_durations_nicknames_zones_get_run_and_list_all(served: Served,
     fields = {line[:12].strip(): line[13:] for line in got.stdout.splitlines()}
     assert fields["name"] == "once" and fields["enabled"] == "no" and fields["last status"] == "error"
     assert _json_lines(served.cli("cron", "get", once_id, "--json").stdout)[0]["id"] == once_id
+    with served.client() as client:
+        last = client.call("cron.get", job_id=once_id)["last_run_at"]
+        again = served.cli("cron", "enable", once_id).stdout.splitlines()
+        assert again == [
+            f"enabled {once_id}",
+            f"its command runs now, again (it last ran at {last}); the job fires once when it exits",
+        ]
+        assert wait_until(lambda: client.call("cron.get", job_id=once_id)["last_run_at"] != last)
 
     ran = served.cli("cron", "run", jobs[0]["id"])
     assert ran.returncode == 0, ran.stderr
