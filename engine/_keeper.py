@@ -45,7 +45,9 @@ def exited(service: SubProcessService, sp: SubProcess) -> None:
     alive), and the stdin pipe is closed. Sync: a hook of the run for a record without a keeper task."""
     service._wake_capper()
     if sp._stdin is not None:
-        sp._stdin.close("the process exited")
+        ended = sp.exit
+        how = "" if ended is None else f" ({ended.describe()}{', halted' if sp._ended_on_purpose else ''})"
+        sp._stdin.close(f"the process ended{how}")
 
 
 def finish(service: SubProcessService, sp: SubProcess) -> None:

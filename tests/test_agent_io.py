@@ -189,8 +189,12 @@ async def test_a_child_answers_a_prompt_through_stdin(tmp_path: Path) -> None:
             summary = await service.wait(sp.pid)
         assert summary.status == "exited 0"
         assert (await service.read_log(sp.pid, "stdout")).text == "Proceed? [y/N] answered y\n"
-        with pytest.raises(StdinClosedError, match="exited"):
+        with pytest.raises(StdinClosedError, match=r"the process ended \(exited 0\); nothing was written"):
             await service.write_stdin(sp.pid, "again\n")
+        halted = await service.create(project, "sleep", ["60"], stdin=True)
+        await service.halt_pid(halted.pid)
+        with pytest.raises(StdinClosedError, match=r"ended \(killed by signal 2 \(SIGINT\), halted\)"):
+            await service.write_stdin(halted.pid, "late\n")
 
 
 async def test_stdin_eof_and_bytes_and_refusals(tmp_path: Path) -> None:

@@ -113,7 +113,7 @@ async def test_create_with_ready_and_stdin_then_input_and_wait(tmp_path: Path) -
         log = await tool.execute({"cmd": "log", "pid": pid, "which": "stdout"}, project)
         assert log == f"SUBPROCESS LOG (stdout)\npid: {pid}\n---\nready for input\ngot yes\n"
         late = await tool.execute({"cmd": "input", "pid": pid, "text": "more\n"}, project)
-        assert late.startswith("SUBPROCESS ERROR: cannot write to the stdin") and "exited" in late
+        assert late.startswith("SUBPROCESS ERROR: cannot write to the stdin") and "ended (exited 0)" in late
 
 
 async def test_create_ready_timeout_and_wait_timeout_say_it_still_runs(tmp_path: Path) -> None:
