@@ -24,6 +24,7 @@ import os
 import select
 import socket
 import struct
+import time
 from types import TracebackType
 from typing import Any
 
@@ -43,6 +44,8 @@ __all__ = [
 
 #: The longest response line the client accepts, in bytes.
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
+#: How often a blocking read looks again, so that a Ctrl-C is raised (``EngineClient._wait_readable``).
+_SIGNAL_LOOK_SECONDS = 0.25
 
 
 class EngineNotRunningError(EngineError, ConnectionError):
@@ -333,10 +336,27 @@ class EngineClient:
                 return line
             if len(self._buffer) > MAX_RESPONSE_BYTES:
                 raise EngineConnectionError(f"a response is longer than {MAX_RESPONSE_BYTES} bytes")
+            self._wait_readable()
             chunk = self._sock.recv(1024 * 1024)
             if not chunk:
                 raise EngineConnectionError("end of stream")
             self._buffer += chunk
+
+    def _wait_readable(self) -> None:
+        """Wait until the socket has something to read, looking again every 0.25 s.
+
+        CPython runs a signal's Python handler between bytecodes: a Ctrl-C that came just before a
+        blocking ``recv`` began would wait there for the answer (a ``create --ready-log`` waits up to
+        300 s). Looking again in a loop raises its ``KeyboardInterrupt`` within 0.25 s.
+
+        Raises:
+            TimeoutError: nothing came within ``timeout_seconds``.
+        """
+        assert self._sock is not None
+        deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+        while not select.select([self._sock], [], [], _SIGNAL_LOOK_SECONDS)[0]:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("timed out")
 
 
 class AsyncEngineClient:
