@@ -21,6 +21,7 @@ from . import _cli_follow as follow
 from . import _cli_start as service
 from . import _top
 from ._cli_output import EXIT_FAILED, EXIT_NO_ENGINE, EXIT_USAGE, CommandFailedError, user_message
+from ._entry import EXIT_INTERRUPTED
 from ._errors import EngineError, InvalidArgumentError, InvalidScheduleError
 from ._escalation import MAX_GRACE_SECONDS
 from ._input import MAX_INT, MAX_WAIT_SECONDS, check_env, check_json, read_seconds, read_whole, show
@@ -531,6 +532,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gadget-engine: invalid input: {user_message(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         sys.stdout.flush()

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ._cli_follow import print_events
 from ._cli_output import EXIT_FAILED, EXIT_OK, CommandFailedError, emit_json, table
+from ._entry import EXIT_INTERRUPTED
 from ._errors import InvalidArgumentError, SpawnError
-from ._input import check_json
+from ._input import check_json, read_ready
 from ._termtext import escape_controls
 from ._when import expand_cron, read_at, read_zone, show_moment
 from .server._client import EngineClient
@@ -140,8 +141,14 @@ def _create_options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def create(client: EngineClient, args: argparse.Namespace) -> int:
+    """``create``: the pid (the summary with ``--json``). With ``--ready-*`` it creates, prints the pid at
+    once, then waits for readiness (``subprocess.wait_ready``): a Ctrl-C during that wait leaves the
+    process running and its pid on the screen, and says so (exit 130)."""
     env = dict(args.env or ())
     options = _create_options(args)
+    ready = options.pop("ready", None)
+    if ready is not None:
+        read_ready(ready)  # a bad pattern or port is refused before anything runs
     try:
         summary = client.call(
             "subprocess.create",
@@ -156,13 +163,27 @@ def create(client: EngineClient, args: argparse.Namespace) -> int:
         if not hint:
             raise
         raise CommandFailedError(f"{exc}{hint}") from None
-    if "ready" in options and not args.json:
-        print(summary["pid"])
+    if ready is None:
+        return _print_created(args, summary, "pid")
+    pid = summary["pid"]
+    if not args.json:
+        print(pid, flush=True)
+    try:
+        summary = client.call("subprocess.wait_ready", pid=pid, ready=ready)
+    except KeyboardInterrupt:
+        print(
+            f"gadget-engine: interrupted while waiting for {pid} to be ready; it goes on running "
+            f"(gadget-engine kill {pid} ends it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    if args.json:
+        emit_json([summary])
+    else:
         state = summary["ready"]
         detail = {"exited": f" ({summary['status']})", "timeout": " (still running)"}.get(state, "")
         print(f"ready: {state}{detail}", file=sys.stderr)
-        return EXIT_OK
-    return _print_created(args, summary, "pid")
+    return EXIT_OK
 
 
 def send_input(client: EngineClient, args: argparse.Namespace) -> int:

@@ -439,6 +439,27 @@ class SubProcessService:
         await sp.wait_drained()
         return self.summarize(sp)
 
+    async def wait_ready(self, pid: int, ready: ReadyCheck) -> SubProcessSummary:
+        """Wait until the record ``pid`` names is ready by ``ready`` (as :meth:`create`'s ``ready``: its
+        logs are read from their start, so a line written before this call counts), has exited, or
+        ``ready.timeout_seconds`` passed; then return its summary, ``ready`` and ``first_output`` set.
+
+        ``gadget-engine create --ready-log`` creates first, prints the pid, then waits here: a Ctrl-C
+        during the wait leaves the pid on the screen.
+
+        Cancellation: safe; the process goes on, its ``ready`` unchanged.
+
+        Raises:
+            SubProcessNotFoundError: no managed subprocess has this pid.
+            TypeError: ``ready`` is not a :class:`ReadyCheck`.
+        """
+        sp = self.lookup(pid)
+        if not isinstance(ready, ReadyCheck):
+            raise TypeError(f"ready must be a ReadyCheck, got {show(ready)}")
+        sp.ready = await wait_ready(ready, sp._run, sp._logs, self._log_lock)
+        sp.first_output = await trio.to_thread.run_sync(first_output, sp._logs)
+        return self.summarize(sp)
+
     # ---- looking ---------------------------------------------------------------------------------
 
     def ps(self) -> list[SubProcess]:

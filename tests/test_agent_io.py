@@ -96,6 +96,32 @@ async def test_ready_by_log_line_and_first_output(tmp_path: Path) -> None:
         kill_leftovers(marker)
 
 
+async def test_wait_ready_for_a_created_process_reads_its_logs_from_the_start(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    marker = mark("71.3")
+    code = (
+        "import time; print('listening', flush=True); time.sleep(0.3); print('later', flush=True); "
+        f"time.sleep({marker})"
+    )
+    try:
+        async with engine_at(tmp_path) as engine:
+            service = engine.service
+            sp = await service.create(project, PY, ["-c", code])
+            await wait_for_text(sp.stdout_path, "later")
+            with trio.fail_after(10):  # the line came before the wait began: it counts
+                summary = await service.wait_ready(sp.pid, ReadyCheck(log_pattern="^listening$"))
+            assert (summary.ready, summary.first_output) == ("ready", "listening\nlater\n")
+            with trio.move_on_after(0.2) as cancelled:  # cancelled: the process goes on
+                await service.wait_ready(sp.pid, ReadyCheck(log_pattern="^never$"))
+            assert cancelled.cancelled_caught and service.summarize(sp).status == "running"
+            with pytest.raises(TypeError, match="ready must be a ReadyCheck"):
+                await service.wait_ready(sp.pid, {"log": "x"})  # type: ignore[arg-type]
+            with pytest.raises(SubProcessNotFoundError):
+                await service.wait_ready(999_999_999, ReadyCheck(log_pattern="x"))
+    finally:
+        kill_leftovers(marker)
+
+
 @pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
 async def test_ready_by_port_for_a_server_bound_to_ipv6_loopback_only(tmp_path: Path) -> None:
     project = make_project(tmp_path)

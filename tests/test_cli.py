@@ -254,6 +254,63 @@ def test_cli_log_follow_prints_everything_until_exit(served: Served, project: Pa
     served.cli("kill", str(pid))
 
 
+def test_cli_create_ready_prints_the_pid_first_and_a_ctrl_c_in_the_wait_says_it_runs_on(
+    served: Served, project: Path
+) -> None:
+    # Found by a new user: a Ctrl-C while `create --ready-log` waited left the process running and
+    # printed nothing, so its pid was unknown. The pid comes first now, then the wait.
+    up, never = mark("8801.5"), mark("8801.6")
+    shown = served.cli(
+        "create",
+        "--project",
+        str(project),
+        "--ready-log",
+        "^listening$",
+        "--",
+        "sh",
+        "-c",
+        f"echo starting; sleep 0.3; echo listening; exec sleep {up}",
+    )
+    assert shown.returncode == 0, shown.stderr
+    pid = int(shown.stdout)
+    assert shown.stderr == "ready: ready\n"
+    waiting = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "create",
+            "--state-dir",
+            str(served.state_dir),
+            "--project",
+            str(project),
+            "--ready-log",
+            "never",
+            "--",
+            "sleep",
+            never,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert waiting.stdout is not None
+    other = int(waiting.stdout.readline())  # printed before the wait
+    waiting.send_signal(signal.SIGINT)
+    out, err = waiting.communicate(timeout=10)
+    assert (waiting.returncode, out) == (130, "")
+    assert err == (
+        f"gadget-engine: interrupted while waiting for {other} to be ready; it goes on running "
+        f"(gadget-engine kill {other} ends it)\n"
+    )
+    listed = {run["pid"]: run for run in _json_lines(served.cli("list", "--json").stdout)}
+    assert listed[other]["status"] == "running" and listed[pid]["status"] == "running"
+    with served.client() as client:
+        summary = client.call("subprocess.wait_ready", pid=pid, ready={"log": "^listening$"})
+        assert (summary["ready"], summary["first_output"]) == ("ready", "starting\nlistening\n")
+    assert served.cli_parallel(("kill", str(pid)), ("kill", str(other)))[1].returncode == 0
+
+
 def test_cli_cron_add_every_kind_then_list_disable_enable_rm(served: Served, tmp_path: Path) -> None:
     at = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
     added = served.cli_parallel(

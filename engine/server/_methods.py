@@ -335,6 +335,10 @@ class Methods:
             "leftovers_running": sp.finished and not sp.drained,
         }
 
+    @_method("subprocess.wait_ready", pid=_need(_positive), ready=_need(read_ready))
+    async def _wait_ready(self, pid: int, ready: ReadyCheck) -> object:
+        return (await self.engine.service.wait_ready(pid, ready)).to_dict()
+
     @_method("subprocess.list", project=_may(read_project))
     async def _list(self, project: Project | None = None) -> object:
         await trio.lowlevel.checkpoint()
