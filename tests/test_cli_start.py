@@ -182,6 +182,29 @@ def test_start_while_the_engine_stops_waits_for_the_stop_then_starts(state_dir: 
     _reap(new["pid"])
 
 
+def test_a_cron_run_cut_by_a_stop_says_the_engine_is_stopping(state_dir: Path) -> None:
+    # Found by a new user: it said "it is stopping, or it refuses clients of another user" (no other user
+    # was involved); the other-user clause is now only said when the engine runs as another uid.
+    slow = mark("7711.5")
+    pid = _start(state_dir)
+    job = _ge(state_dir, "cron", "add", "--every", "1h", "--name", "slow", "--command", "sleep", slow)
+    assert job.returncode == 0, job.stderr
+    run = subprocess.Popen(
+        [sys.executable, "-m", "engine", "cron", "run", "--state-dir", str(state_dir), job.stdout.strip()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_until(lambda: bool(pgrep(f"sleep {slow}")))
+    assert _ge(state_dir, "stop").returncode == 0
+    _reap(pid)
+    out, err = run.communicate(timeout=20)
+    assert (run.returncode, out) == (1, "")
+    assert err.startswith(f"gadget-engine: the engine on {state_dir} ")
+    assert "before answering (cron.run_now)" in err and "another user" not in err and err.count("\n") == 1
+    assert not pgrep(f"sleep {slow}")
+
+
 def test_version_prints_the_version() -> None:
     out = cli("--version")
     assert (out.returncode, out.stdout) == (0, f"gadget-engine {__version__}\n")

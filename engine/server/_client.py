@@ -163,9 +163,20 @@ def _broken(state_dir: str, method: str) -> EngineConnectionError:
             "the call did may be unfinished (its guardian, or the next engine on this state dir, ends what "
             "it left running)"
         )
+    holder = lock_holder(state_dir)
+    try:
+        owner = os.stat(f"/proc/{holder}").st_uid if holder is not None else None
+    except OSError:
+        owner = None
+    if owner is not None and owner != os.getuid():
+        return EngineConnectionError(
+            f"the engine on {state_dir} (pid {holder}) closed the connection before answering ({method}): "
+            f"it runs as uid {owner} and refuses clients of another user"
+        )
     return EngineConnectionError(
-        f"the engine on {state_dir} closed the connection before answering ({method}); "
-        "it is stopping, or it refuses clients of another user"
+        f"the engine on {state_dir} (pid {holder}) closed the connection before answering ({method}): it "
+        "is stopping, and a stop closes the connections still waiting once it has ended the processes; "
+        "what the call did may be unfinished"
     )
 
 
