@@ -264,6 +264,36 @@ async def test_mcp_forwards_to_a_running_serve(tmp_path: Path, marker: str) -> N
         kill_leftovers(marker)
 
 
+@pytest.mark.serial
+async def test_mcp_forwarding_outlives_its_serve_and_finds_the_next_one(tmp_path: Path) -> None:
+    # A doc gap a new user found: what a forwarding session does when its `serve` stops.
+    state, project = tmp_path / "state", tmp_path / "app"
+    project.mkdir()
+    served = await trio.to_thread.run_sync(start_serve, state)
+    again = None
+    try:
+        async with mcp_client(
+            server_params(state, tmp_path, "--project", str(project)), tmp_path / "mcp.log"
+        ) as session:
+            listed = ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+            assert await call(session, "subprocess", {"cmd": "list"}) == listed
+            assert await trio.to_thread.run_sync(served.stop) == 0
+            text, is_error = await call(session, "subprocess", {"cmd": "list"})
+            assert text == (
+                f"SUBPROCESS ERROR: no engine is running on {state} (nothing answers on "
+                f"{state}/engine.sock); start one with: gadget-engine --state-dir {state} start"
+            )
+            assert is_error
+            again = await trio.to_thread.run_sync(start_serve, state)
+            assert await call(session, "subprocess", {"cmd": "list"}) == listed
+        assert "mode=forward" in (tmp_path / "mcp.log").read_text()
+        assert await trio.to_thread.run_sync(again.stop) == 0
+    finally:
+        for each in (served, again):
+            if each is not None and each.proc.poll() is None:
+                each.kill_hard()
+
+
 async def test_mcp_cron_tools_are_scoped_to_the_session_project(tmp_path: Path, marker: str) -> None:
     state, a, b = tmp_path / "state", tmp_path / "a", tmp_path / "b"
     a.mkdir()
