@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from engine import Supervisor, open_supervisor
 from engine._cgroup import EngineCgroup, find_cgroup2
 
-from .children import SESSION, SESSION_VAR, add_session_root, mark
+from .children import SESSION, SESSION_VAR, add_session_root, kill_leftovers, mark
 from .pg_support import fresh_database
 from .serve_support import Served, start_serve
 
@@ -197,6 +197,16 @@ def project(tmp_path: Path) -> Path:
     directory = tmp_path / "app"
     directory.mkdir()
     return directory
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[str]]:
+    """Patterns (each with the session's marker) of processes to end after the test: those it leaves running
+    on purpose, or would leave if it failed half-way."""
+    patterns: list[str] = []
+    yield patterns
+    for pattern in patterns:
+        kill_leftovers(pattern)
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +25,11 @@ import pytest
 
 from engine.server._client import EngineClient, EngineStoppingError
 
-from .children import ignoring_sigint, kill_leftovers, mark
+from .children import ignoring_sigint, mark
 from .serve_support import Served, alive, start_serve, wait_until
 
 #: Generous slack over a stop's own bound (grace + the wait after SIGKILL), in seconds: the machine is shared.
 SLACK = 2.5
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[str]]:
-    """Patterns (with a session marker) of processes to end if a test fails half-way."""
-    patterns: list[str] = []
-    yield patterns
-    for pattern in patterns:
-        kill_leftovers(pattern)
 
 
 def _stubborn(served: Served, project: Path, patterns: list[str], seconds: str) -> int:

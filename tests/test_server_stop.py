@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from engine.server._client import (
 )
 from engine.server._location import lock_holder
 
-from .children import ignoring_sigint, kill_leftovers, mark, pgrep
+from .children import ignoring_sigint, mark, pgrep
 from .serve_support import Served, alive, cli, start_serve, wait_until
 
 
@@ -54,15 +53,6 @@ def _create(served: Served, project: Path, *argv: str) -> int:
     assert out.returncode == 0, out.stderr
     pid: int = json.loads(out.stdout)["pid"]
     return pid
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[str]]:
-    """Patterns (with a session marker) of processes a test leaves running on purpose."""
-    patterns: list[str] = []
-    yield patterns
-    for pattern in patterns:
-        kill_leftovers(pattern)
 
 
 # ---- a graceful stop never re-runs an on-exit command ---------------------------------------------------
