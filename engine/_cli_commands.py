@@ -423,7 +423,10 @@ def cron_change(method: str, verb: str) -> Callable[[EngineClient, argparse.Name
                 again = (
                     f", again (it last ran at {result['last_run_at']})" if result.get("last_run_at") else ""
                 )
-                print(f"its command runs now{again}; the job fires once when it exits")
+                print(
+                    f"its command starts now{again}; the job fires once when it exits "
+                    "(cron get shows a start that fails)"
+                )
         return EXIT_OK
 
     return run

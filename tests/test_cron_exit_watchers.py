@@ -458,6 +458,33 @@ async def test_exit_watcher_failed_spawn_is_retried_and_fires_once(tmp_path: Pat
     assert event.stdout_tail == "made-it\n"
 
 
+async def test_exit_watcher_start_error_is_cleared_once_the_command_starts(tmp_path: Path) -> None:
+    # Found by a new user: `cron get` showed the start error long after the command had started.
+    missing, marker = tmp_path / "later", mark("441.1")
+    missing.mkdir()
+    try:
+        async with engine_with(tmp_path / "s") as engine:
+            job = await engine.cron.add(
+                OnExit(command=f"sleep {marker}", cwd=str(missing)), SystemEvent("x"), enabled=False
+            )
+            missing.rmdir()
+            await engine.cron.enable(job.id)
+            await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
+            assert (await engine.cron.get(job.id)).last_error == engine.watchers.last_error(job.id)
+            missing.mkdir()
+            await wait_until(lambda: bool(pgrep(rf"^sleep {marker}$")))
+            await wait_until(lambda: engine.watchers.last_error(job.id) is None)
+            for _ in range(100):  # the store is cleared right after the in-memory error
+                stored = await engine.cron.get(job.id)
+                if stored.last_error is None:
+                    break
+                await trio.sleep(0.02)
+            assert (stored.last_status, stored.last_error, stored.enabled) == (None, None, True)
+            await engine.watchers.cancel_all()
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
 # ---- CR-03: a failing store write never fires, the command never runs again --------------------
 
 

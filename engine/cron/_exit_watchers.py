@@ -62,6 +62,8 @@ WatchHook = Callable[[str], Awaitable[None]]
 HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "before_fire")
 
 _LOGS = "watch-logs"
+#: How a failed start of a watched command begins its ``last_error``.
+_START_FAILED = "cannot start the watched command"
 
 _T = TypeVar("_T")
 
@@ -149,6 +151,11 @@ class CronExitWatchers:
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
+    #: A job's ``(last_status, last_error)`` from before its watched command's first failed start: put
+    #: back once a start succeeds.
+    _before_start_error: dict[str, tuple[JobStatus | None, str | None]] = attrs.field(
+        init=False, factory=dict
+    )
     _state_locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     _detached: bool = attrs.field(init=False, default=False)
 
@@ -337,7 +344,7 @@ class CronExitWatchers:
                 watch.state = WatchState.of_run(run, schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
                 return run
             except SpawnError as exc:
-                message = f"cannot start the watched command: {exc}; retrying"
+                message = f"{_START_FAILED}: {exc}; retrying"
                 if self._errors.get(job.id) != message:  # shown in the job's last_error too, once
                     self._errors[job.id] = message
                     await self._store_error(job.id, message)
@@ -366,7 +373,8 @@ class CronExitWatchers:
             return {"reason": "cancelled"}
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
             return None
-        self._errors.pop(job.id, None)
+        if self._errors.pop(job.id, None) is not None:
+            await self._clear_start_error(job.id)
         await trio.to_thread.run_sync(self._remove_older_arms, job.id, watch.arm_id, paths)
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
@@ -527,8 +535,27 @@ class CronExitWatchers:
     async def _store_error(self, job_id: str, message: str) -> None:
         now = self.now()
 
+        before: list[tuple[JobStatus | None, str | None]] = []
+
         def change(job: CronJob) -> CronJob:
+            before.append((job.last_status, job.last_error))
             return attrs.evolve(job, last_status=JobStatus.ERROR, last_error=message, updated_at=now)
+
+        with contextlib.suppress(OSError, JobNotFoundError):
+            await self.store.update_job(job_id, change)
+        if before and message.startswith(_START_FAILED):
+            self._before_start_error.setdefault(job_id, before[-1])
+
+    async def _clear_start_error(self, job_id: str) -> None:
+        """A start succeeded after failed ones: the job's ``last_status`` and ``last_error`` are what they
+        were before (found by a new user: the start error stayed after the command ran)."""
+        status, error = self._before_start_error.pop(job_id, (None, None))
+        now = self.now()
+
+        def change(job: CronJob) -> CronJob:
+            if job.last_error is None or not job.last_error.startswith(_START_FAILED):
+                return job  # changed meanwhile (an exit, another error): that stands
+            return attrs.evolve(job, last_status=status, last_error=error, updated_at=now)
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
