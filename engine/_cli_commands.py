@@ -142,8 +142,9 @@ def _create_options(args: argparse.Namespace) -> dict[str, object]:
 
 def create(client: EngineClient, args: argparse.Namespace) -> int:
     """``create``: the pid (the summary with ``--json``). With ``--ready-*`` it creates, prints the pid at
-    once, then waits for readiness (``subprocess.wait_ready``): a Ctrl-C during that wait leaves the
-    process running and its pid on the screen, and says so (exit 130)."""
+    once, then waits for readiness (``subprocess.wait_ready``): exit 1 when the process exited first or
+    the time ran out; a Ctrl-C during that wait leaves the process running and its pid on the screen, and
+    says so (exit 130)."""
     env = dict(args.env or ())
     options = _create_options(args)
     ready = options.pop("ready", None)
@@ -183,7 +184,9 @@ def create(client: EngineClient, args: argparse.Namespace) -> int:
         state = summary["ready"]
         detail = {"exited": f" ({summary['status']})", "timeout": " (still running)"}.get(state, "")
         print(f"ready: {state}{detail}", file=sys.stderr)
-    return EXIT_OK
+    # Not ready (it exited first, or the time ran out): exit 1, so that `create --ready-log ... && next`
+    # stops there (found by a new user). The process was created all the same: its pid is printed.
+    return EXIT_OK if summary["ready"] == "ready" else EXIT_FAILED
 
 
 def send_input(client: EngineClient, args: argparse.Namespace) -> int:

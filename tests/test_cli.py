@@ -305,6 +305,34 @@ def test_cli_create_ready_prints_the_pid_first_and_a_ctrl_c_in_the_wait_says_it_
     )
     listed = {run["pid"]: run for run in _json_lines(served.cli("list", "--json").stdout)}
     assert listed[other]["status"] == "running" and listed[pid]["status"] == "running"
+    died, slow = served.cli_parallel(
+        (
+            "create",
+            "--project",
+            str(project),
+            "--ready-log",
+            "READY",
+            "--",
+            "sh",
+            "-c",
+            "echo oops >&2; exit 7",
+        ),
+        (
+            "create",
+            "--project",
+            str(project),
+            "--ready-log",
+            "READY",
+            "--ready-timeout",
+            "0.3",
+            "--",
+            "sleep",
+            up,
+        ),
+    )
+    assert (died.returncode, died.stderr) == (1, "ready: exited (exited 7)\n") and int(died.stdout) > 0
+    assert (slow.returncode, slow.stderr) == (1, "ready: timeout (still running)\n") and int(slow.stdout) > 0
+    served.cli_parallel(("kill", died.stdout.strip()), ("kill", slow.stdout.strip()))
     with served.client() as client:
         summary = client.call("subprocess.wait_ready", pid=pid, ready={"log": "^listening$"})
         assert (summary["ready"], summary["first_output"]) == ("ready", "starting\nlistening\n")
