@@ -251,10 +251,24 @@ def start(args: argparse.Namespace) -> int:
 # ---- stop ----------------------------------------------------------------------------------------------
 
 
+def _already_stopping(pid: int, end_watched: bool) -> None:
+    """Say, for ``stop --end-watched``, that the stop under way is not this call's to change."""
+    if end_watched:
+        print(
+            f"gadget-engine: the engine (pid {pid}) was already stopping; --end-watched is that stop's to "
+            "apply (without it, watched on-exit commands are left running for the next engine)",
+            file=sys.stderr,
+        )
+
+
 def _ask_to_stop(client: EngineClient, pid: int, end_watched: bool) -> None:
-    """The ``engine.stop`` call, or SIGTERM to an engine of an older version that has no such method."""
+    """The ``engine.stop`` call, or SIGTERM to an engine of an older version that has no such method. An
+    engine already stopping is waited for as if this call had stopped it (two ``stop`` at once: each
+    returns 0 once it has exited)."""
     try:
         client.call("engine.stop", end_watched=end_watched)
+    except EngineStoppingError:  # another stop is under way: the caller waits for the exit as for its own
+        _already_stopping(pid, end_watched)
     except RpcError as exc:
         if exc.code != METHOD_NOT_FOUND:
             raise
@@ -277,6 +291,7 @@ def stop(client: EngineClient, args: argparse.Namespace) -> int:
         pid = int(client.call("status")["pid"])
     except EngineStoppingError as exc:  # a stop already under way: wait for it as for ours
         pid = exc.pid
+        _already_stopping(pid, args.end_watched)
     else:
         _ask_to_stop(client, pid, args.end_watched)
     client.close()

@@ -205,6 +205,32 @@ def test_a_cron_run_cut_by_a_stop_says_the_engine_is_stopping(state_dir: Path) -
     assert not pgrep(f"sleep {slow}")
 
 
+def test_two_stops_at_once_both_wait_for_the_exit(state_dir: Path, project: Path) -> None:
+    # Found by a new user: the second `stop` said "try again once it has stopped" (exit 1), and trying
+    # again then said no engine runs (exit 3). Both now wait for the one stop and exit 0.
+    pid = _start(state_dir, "--grace-seconds", "1")
+    ignoring = "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    created = _ge(state_dir, "create", "--project", str(project), "--", sys.executable, "-c", ignoring)
+    assert created.returncode == 0, created.stderr
+    first = subprocess.Popen(
+        [sys.executable, "-m", "engine", "stop", "--state-dir", str(state_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert wait_until(lambda: "event=stopping" in (state_dir / "engine.log").read_text())
+    second = _ge(state_dir, "stop", "--end-watched")
+    out, err = first.communicate(timeout=20)
+    assert (first.returncode, err) == (0, "") and out == f"stopped the engine on {state_dir} (pid {pid})\n"
+    assert second.returncode == 0 and second.stdout == out
+    assert second.stderr == (
+        f"gadget-engine: the engine (pid {pid}) was already stopping; --end-watched is that stop's to apply "
+        "(without it, watched on-exit commands are left running for the next engine)\n"
+    )
+    assert not alive(pid)
+    _reap(pid)
+
+
 def test_version_prints_the_version() -> None:
     out = cli("--version")
     assert (out.returncode, out.stdout) == (0, f"gadget-engine {__version__}\n")
