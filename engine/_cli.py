@@ -493,6 +493,20 @@ def _not_running(error: EngineNotRunningError, state_dir: str | None) -> str:
 EXIT_BROKEN_PIPE = 128 + 13
 
 
+#: What a Ctrl-C leaves going on in the engine, by command: a request sent is not taken back (found by a
+#: new user: `kill`, `stop`, `start` and `cron run` exited 130 saying nothing while the engine went on).
+_GOES_ON = {
+    "kill": "the engine goes on ending the process and deletes its logs (gadget-engine list shows it)",
+    "halt": "the engine goes on ending the process and keeps its logs (gadget-engine list shows it)",
+    "kill-all": "the engine goes on ending every process (gadget-engine list shows them)",
+    "stop": "the engine goes on stopping (gadget-engine status exits 3 once it has)",
+    "start": "an engine may still be starting (gadget-engine status tells)",
+    "create": "the process may have been created (gadget-engine list shows it)",
+    "input": "the text may have been written (in part) to the process's stdin",
+    "cron run": "the job's run goes on in the engine (gadget-engine events shows its fire)",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gadget-engine`` command line and return its exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
@@ -532,6 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gadget-engine: invalid input: {user_message(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        said = _GOES_ON.get(args.command_name if args.command_name != "cron" else f"cron {args.cron_command}")
+        if said is not None:
+            print(f"gadget-engine: interrupted; {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         sys.stdout.flush()

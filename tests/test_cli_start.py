@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -229,6 +230,35 @@ def test_two_stops_at_once_both_wait_for_the_exit(state_dir: Path, project: Path
     )
     assert not alive(pid)
     _reap(pid)
+
+
+def test_a_ctrl_c_during_kill_says_the_engine_goes_on(state_dir: Path, project: Path) -> None:
+    # Found by a new user: a Ctrl-C during `kill` exited 130 saying nothing, while the kill went on.
+    _start(state_dir, "--grace-seconds", "3")
+    ignoring = "import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
+    created = _ge(state_dir, "create", "--project", str(project), "--", sys.executable, "-c", ignoring)
+    pid = created.stdout.strip()
+    killing = subprocess.Popen(
+        [sys.executable, "-m", "engine", "kill", "--state-dir", str(state_dir), pid],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def exiting() -> bool:
+        listed = json.loads(_ge(state_dir, "list", "--json").stdout.splitlines()[0])
+        return bool(listed["state"] == "exiting")
+
+    assert wait_until(exiting)  # the kill is in its 3 s grace
+    killing.send_signal(signal.SIGINT)
+    out, err = killing.communicate(timeout=10)
+    assert (killing.returncode, out) == (130, "")
+    assert err == (
+        "gadget-engine: interrupted; the engine goes on ending the process and deletes its logs "
+        "(gadget-engine list shows it)\n"
+    )
+    assert wait_until(lambda: _ge(state_dir, "list", "--json").stdout == "", seconds=10)  # it went on
+    assert _ge(state_dir, "stop").returncode == 0
 
 
 def test_version_prints_the_version() -> None:
