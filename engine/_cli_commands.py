@@ -472,7 +472,7 @@ def mcp(args: argparse.Namespace) -> int:
 
     project = os.path.abspath(args.project)
     if not os.path.isdir(project):
-        raise CommandFailedError(f"--project {args.project!r} is not a directory")
+        args.parser.error(f"argument --project: {args.project!r} is not a directory")  # as tool's: exit 2
     configure_logging(sys.stderr)  # stdout is the protocol's
     config = _engine_config(args)
     _mcp.main(config, project)

@@ -346,8 +346,10 @@ async def test_mcp_cron_tools_are_scoped_to_the_session_project(tmp_path: Path, 
 
 def test_mcp_refuses_a_missing_project(tmp_path: Path) -> None:
     result = cli("mcp", "--state-dir", str(tmp_path / "state"), "--project", str(tmp_path / "nope"))
-    assert result.returncode == 1 and result.stdout == ""
-    assert "is not a directory" in result.stderr
+    assert result.returncode == 2 and result.stdout == ""  # a usage error, as `tool --project` gives
+    assert result.stderr.splitlines()[-1].endswith(
+        f"argument --project: '{tmp_path / 'nope'}' is not a directory"
+    )
 
 
 # ---- the tools read their arguments once and pass typed values -------------------------------------------
