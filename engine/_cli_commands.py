@@ -167,9 +167,9 @@ def create(client: EngineClient, args: argparse.Namespace) -> int:
     if ready is None:
         return _print_created(args, summary, "pid")
     pid = summary["pid"]
-    if not args.json:
-        print(pid, flush=True)
-    try:
+    try:  # a Ctrl-C right after the pid is printed is this one too
+        if not args.json:
+            print(pid, flush=True)
         summary = client.call("subprocess.wait_ready", pid=pid, ready=ready)
     except KeyboardInterrupt:
         print(
