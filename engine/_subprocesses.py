@@ -269,8 +269,7 @@ class SubProcessService:
             run.on_leader_exit(functools.partial(finish, self, sp))
         self._start_capper()
         if ready is not None:
-            sp.ready = await wait_ready(ready, run, logs, self._log_lock)
-            sp.first_output = await trio.to_thread.run_sync(first_output, logs)
+            await self._wait_ready(sp, ready)
         return sp
 
     async def _spawn(
@@ -456,9 +455,13 @@ class SubProcessService:
         sp = self.lookup(pid)
         if not isinstance(ready, ReadyCheck):
             raise TypeError(f"ready must be a ReadyCheck, got {show(ready)}")
+        await self._wait_ready(sp, ready)
+        return self.summarize(sp)
+
+    async def _wait_ready(self, sp: SubProcess, ready: ReadyCheck) -> None:
+        """Wait until ``sp``'s current process is ready by ``ready``; set ``ready`` and ``first_output``."""
         sp.ready = await wait_ready(ready, sp._run, sp._logs, self._log_lock)
         sp.first_output = await trio.to_thread.run_sync(first_output, sp._logs)
-        return self.summarize(sp)
 
     # ---- looking ---------------------------------------------------------------------------------
 

@@ -347,7 +347,7 @@ class CronExitWatchers:
                 message = f"{_START_FAILED}: {exc}; retrying"
                 if self._errors.get(job.id) != message:  # shown in the job's last_error too, once
                     self._errors[job.id] = message
-                    await self._store_error(job.id, message)
+                    await self._store_start_error(job.id, message)
                 raise
 
         spawning = trio.CancelScope()
@@ -532,7 +532,9 @@ class CronExitWatchers:
         await self._hook("before_fire", job.id)
         await self.fire_pending(job.id, fire)
 
-    async def _store_error(self, job_id: str, message: str) -> None:
+    async def _store_start_error(self, job_id: str, message: str) -> None:
+        """A start of the watched command failed: ``message`` becomes the job's ``last_error`` (its status
+        ``error``), and what they were before is kept for :meth:`_clear_start_error`."""
         now = self.now()
 
         before: list[tuple[JobStatus | None, str | None]] = []
@@ -543,7 +545,7 @@ class CronExitWatchers:
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
-        if before and message.startswith(_START_FAILED):
+        if before:
             self._before_start_error.setdefault(job_id, before[-1])
 
     async def _clear_start_error(self, job_id: str) -> None:

@@ -141,10 +141,10 @@ def _not_running(
 _PF_EXITING = 0x4
 
 
-def _engine_gone(state_dir: str) -> bool:
-    """Whether the engine of ``state_dir`` is gone or exiting: its lock is free, or held by a process that
-    is exiting (the lock goes with the last of its files, after the connection's)."""
-    holder = lock_holder(state_dir)
+def _engine_gone(holder: int | None) -> bool:
+    """Whether the engine is gone or exiting: its state directory's lock is free (``holder`` is ``None``),
+    or held by a process that is exiting (the lock goes with the last of its files, after the
+    connection's)."""
     if holder is None:
         return True
     try:
@@ -157,15 +157,15 @@ def _engine_gone(state_dir: str) -> bool:
 
 def _broken(state_dir: str, method: str) -> EngineConnectionError:
     """The connection closed before the answer: the engine is gone (its lock is free) or still there."""
-    if _engine_gone(state_dir):  # found by a new user: "another user" misled after a kill -9
+    holder = lock_holder(state_dir)
+    if _engine_gone(holder):  # found by a new user: "another user" misled after a kill -9
         return EngineConnectionError(
             f"the engine on {state_dir} stopped before answering ({method}): it was stopped or died; what "
             "the call did may be unfinished (its guardian, or the next engine on this state dir, ends what "
             "it left running)"
         )
-    holder = lock_holder(state_dir)
     try:
-        owner = os.stat(f"/proc/{holder}").st_uid if holder is not None else None
+        owner: int | None = os.stat(f"/proc/{holder}").st_uid
     except OSError:
         owner = None
     if owner is not None and owner != os.getuid():

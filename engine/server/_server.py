@@ -10,7 +10,7 @@ a new one is refused (``docs/security.md``).
 Stopping (``docs/guide-cli.md`` has the table): SIGTERM, SIGHUP, a first SIGINT or the ``engine.stop``
 method stop it gracefully (every child ended by escalation, watched on-exit commands left running for
 the next engine); a second SIGINT, SIGTERM or SIGHUP during that stop sends SIGKILL to what is still
-being ended (``_stopping``). The connections stay open while the subprocesses are ended, so a request
+being ended (``Methods.stopping``). The connections stay open while the subprocesses are ended, so a request
 waiting for one of them (a ``kill`` in its grace period, a ``wait``) gets its answer; a new request on
 an open connection gets an error saying the engine is stopping. If the socket file is removed while it
 runs, it is bound again (``_socket_watch``).
@@ -122,7 +122,6 @@ class RpcServer:
     _refusal_logged_at: float = attrs.field(init=False, default=-math.inf)
     _answering: int = attrs.field(init=False, default=0)
     _idle: trio.Event = attrs.field(init=False, factory=trio.Event)
-    _stopping: bool = attrs.field(init=False, default=False)
 
     def refuse_new_requests(self) -> None:
         """From now on (the engine stops), answer each new request with an error saying so, unrun, but
@@ -132,7 +131,6 @@ class RpcServer:
         with ``data: {"type": "EngineStoppingError", "pid": ...}``; the clients raise
         ``EngineStoppingError`` for it, as for a connection refused while the engine stops.
         """
-        self._stopping = True
         self.methods.stopping = True
 
     @property
@@ -285,7 +283,7 @@ class RpcServer:
         except ProtocolError as exc:
             await trio.lowlevel.checkpoint()
             return encode_error(exc.request_id, exc.code, exc.message)
-        if self._stopping and request.method not in READS_WHILE_STOPPING:
+        if self.methods.stopping and request.method not in READS_WHILE_STOPPING:
             await trio.lowlevel.checkpoint()
             return None if request.notification else self._refuse_stopping(request.id, request.method)
         try:
