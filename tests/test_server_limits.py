@@ -45,11 +45,10 @@ def status(sock: socket.socket) -> dict[str, object]:
     return answer
 
 
-@pytest.fixture
-def limited(tmp_path: Path) -> Iterator[Served]:
+def _limited(state_dir: Path, idle_seconds: float) -> Iterator[Served]:
     served = start_serve(
-        tmp_path / "state",
-        "--max-connections", "3", "--idle-seconds", "1", "--max-request-bytes", "4096",
+        state_dir,
+        "--max-connections", "3", "--idle-seconds", str(idle_seconds), "--max-request-bytes", "4096",
         "--grace-seconds", "2",
     )  # fmt: skip
     yield served
@@ -57,41 +56,54 @@ def limited(tmp_path: Path) -> Iterator[Served]:
     assert "Traceback" not in served.log()
 
 
-def test_connections_over_the_limit_get_an_error_line_and_are_closed(limited: Served) -> None:
-    held = [connect(limited) for _ in range(3)]
+@pytest.fixture
+def limited(tmp_path: Path) -> Iterator[Served]:
+    """An engine with small limits: 3 connections, 1 s idle, 4096-byte requests."""
+    yield from _limited(tmp_path / "state", 1)
+
+
+@pytest.fixture
+def full(tmp_path: Path) -> Iterator[Served]:
+    """The same limits with 30 s idle: held connections stay open while a slow CLI call starts (the
+    suite runs two tests at a time; a 1 s idle closed them meanwhile once)."""
+    yield from _limited(tmp_path / "state", 30)
+
+
+def test_connections_over_the_limit_get_an_error_line_and_are_closed(full: Served) -> None:
+    held = [connect(full) for _ in range(3)]
     try:
         for sock in held:
             assert "result" in status(sock)  # each is served (and, answered, its idle clock restarts)
-        extra = connect(limited)
+        extra = connect(full)
         refused = json.loads(read_all(extra))
         extra.close()
         assert refused["id"] is None and refused["error"]["code"] == -32600
         assert refused["error"]["message"].startswith("too many connections: the engine serves at most 3")
-        listed = limited.cli("list")  # a person is told in words, not shown the bytes (found by a new user)
+        listed = full.cli("list")  # a person is told in words, not shown the bytes (found by a new user)
         assert listed.returncode == 1
         refusal = "gadget-engine: the engine refused the connection: too many connections: the engine serves"
         assert listed.stderr.startswith(refusal), listed.stderr
 
         held.pop().close()
         time.sleep(0.1)
-        again = connect(limited)
+        again = connect(full)
         assert "result" in status(again)
         again.close()
     finally:
         for sock in held:
             sock.close()
-    assert "event=connection_refused" in limited.log() and "limit=3" in limited.log()
+    assert "event=connection_refused" in full.log() and "limit=3" in full.log()
 
 
-def test_a_refusal_is_read_by_a_client_that_writes_after_it_was_sent(limited: Served) -> None:
+def test_a_refusal_is_read_by_a_client_that_writes_after_it_was_sent(full: Served) -> None:
     """A refused connection is closed as a lingering close does (the engine's write side, then what the
     peer sends dropped until it closes, at most a second): a request written after the refusal was sent
     does not break its writer's pipe, and every client reads why it was refused."""
-    held = [connect(limited) for _ in range(3)]
+    held = [connect(full) for _ in range(3)]
     try:
         for sock in held:
             assert "result" in status(sock)
-        late = connect(limited)
+        late = connect(full)
         time.sleep(0.3)  # the refusal is sent at once; before, the connection was closed with it
         late.sendall(b'{"jsonrpc":"2.0","method":"status","id":1}\n')  # was: BrokenPipeError
         refused = json.loads(read_all(late))
@@ -101,7 +113,7 @@ def test_a_refusal_is_read_by_a_client_that_writes_after_it_was_sent(limited: Se
         async def fresh_async_clients() -> list[str]:
             said = []
             for _ in range(10):
-                async with AsyncEngineClient(str(limited.state_dir)) as client:
+                async with AsyncEngineClient(str(full.state_dir)) as client:
                     with pytest.raises(EngineConnectionError) as caught:
                         await client.call("status")
                 said.append(str(caught.value))
