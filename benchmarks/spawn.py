@@ -167,6 +167,11 @@ async def run(ctx: Context) -> list[Row]:
 def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int, files: str) -> list[Row]:
     trio_ms = ms[TRIO]
     rows: list[Row] = []
+    # The file work every create needs (two log files made and named), measured alone in the same
+    # rounds. Its worker thread makes the next pair while a create goes on, so a create can hide it at
+    # best in full; when it alone takes longer than the baseline's whole spawn-to-exit, creates in a row
+    # wait for it, and the target is below what this filesystem allows.
+    file_work = statistics.median(block_ratios(ms[LOG_PAIR], trio_ms, blocks))
     for mode in modes:
         svc = ms[f"{SERVICE}|{mode}"]
         row = Row(
@@ -177,10 +182,14 @@ def _rows(ms: dict[str, list[float]], modes: tuple[str, ...], blocks: int, files
             TRIO,
             block_ratios(svc, trio_ms, blocks),
             target="<= 1.0x trio",
-            note=f"includes the two log files and, in process-group mode, the guardian's record; {files}",
+            note=(
+                f"includes the two log files and, in process-group mode, the guardian's record; {files}; "
+                f"the file work alone took {file_work:.2f}x trio's spawn-to-exit"
+            ),
             mode=mode,
         )
         row.met = statistics.median(row.ratios) <= 1.0
+        row.floor = not row.met and file_work > 1.0
         rows.append(row)
     rows.append(
         Row(

@@ -55,3 +55,24 @@ def test_benchmarks_log_bytes_flag_parses_sizes() -> None:
         check=True,
     )
     assert proc.stdout.split() == [str(2**30), str(256 * 2**20), "4096"]
+
+
+def test_spawn_row_is_a_floor_only_when_the_file_work_alone_outlasts_the_baseline() -> None:
+    """The service's spawn row shows ``floor`` when its target is missed and the two log files it must
+    make per create took longer, measured alone in the same rounds, than the baseline's whole spawn."""
+    from benchmarks import spawn
+
+    def rows(log_pair_ms: float, service_ms: float) -> dict[str, tuple[bool | None, bool]]:
+        ms = {
+            spawn.TRIO: [1.0] * 20,
+            spawn.LOG_PAIR: [log_pair_ms] * 20,
+            spawn.POPEN: [0.8] * 20,
+            spawn.POSIX_SPAWN: [0.7] * 20,
+            f"{spawn.SERVICE}|cgroup": [service_ms] * 20,
+            f"{spawn.SUPERVISOR}|cgroup": [1.0] * 20,
+        }
+        return {r.variant: (r.met, r.floor) for r in spawn._rows(ms, ("cgroup",), 5, "files") if r.target}
+
+    assert rows(log_pair_ms=1.8, service_ms=1.4)[spawn.SERVICE] == (False, True)
+    assert rows(log_pair_ms=0.3, service_ms=1.4)[spawn.SERVICE] == (False, False)
+    assert rows(log_pair_ms=1.8, service_ms=0.9)[spawn.SERVICE] == (True, False)
