@@ -152,6 +152,7 @@ async def test_cgroup_kill_ends_what_ignores_sigint(parent: EngineCgroup, tmp_pa
     assert leaf.remove()
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 @needs_cgroup
 async def test_leaf_events_nobody_waits_for_are_read_late_and_a_waiter_is_still_woken_at_once(
     parent: EngineCgroup, tmp_path: Path

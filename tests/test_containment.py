@@ -245,6 +245,7 @@ def _state(pid: int) -> str:
 # ---- SP-03: the leader exits while the rest of its tree is still writing ----------------------------------
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_sp03_a_leader_is_exited_at_once_and_its_tree_drains(tmp_path: Path, containment: str) -> None:
     project = make_project(tmp_path)
     marker = mark("303.1")
@@ -276,6 +277,7 @@ async def test_sp03_a_leader_is_exited_at_once_and_its_tree_drains(tmp_path: Pat
         kill_leftovers(rf"^sleep {marker}")
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 @pytest.mark.parametrize("how", ["kill", "halt", "kill_all"])
 async def test_sp03_a_stop_in_the_drain_ends_a_sigint_ignoring_leftover_at_once(
     tmp_path: Path, containment: str, how: str

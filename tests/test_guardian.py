@@ -294,6 +294,7 @@ def test_guardian_reads_the_lines_of_many_runs_in_a_few_wakes_and_acts_on_the_la
         guardian.stdout.close()
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 def test_guardian_sees_the_end_of_the_pipe_at_once_between_batches(tmp_path: Path) -> None:
     """Between two batches the guardian waits for the engine's end closing only: a stop right after a
     line is seen at once, not a batch later (an engine's stop waits for its guardian). Here with batches

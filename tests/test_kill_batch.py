@@ -13,6 +13,7 @@ import resource
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from engine import RunState, SpawnSpec, SubProcessNotFoundError, open_supervisor
@@ -43,6 +44,7 @@ def _kinds(tag: str) -> dict[str, tuple[str, ...]]:
     }
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_kill_all_of_many_mixed_trees_leaves_nothing(tmp_path: Path, containment: str) -> None:
     """40 trees of four shapes, grandchildren included: all gone and reaped when kill_all returns, every
     log removed, within the grace plus the kill wait's first steps."""
@@ -109,6 +111,7 @@ async def test_each_tree_of_a_batch_gets_its_whole_grace(tmp_path: Path, contain
         kill_leftovers(marker)
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_force_cuts_one_member_s_grace_short_and_the_rest_keep_theirs(
     tmp_path: Path, containment: str
 ) -> None:
@@ -143,6 +146,7 @@ async def test_force_cuts_one_member_s_grace_short_and_the_rest_keep_theirs(
         kill_leftovers(marker)
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_a_leader_that_exits_in_the_grace_leaves_its_tree_to_its_own_task(
     tmp_path: Path, containment: str
 ) -> None:
@@ -334,6 +338,7 @@ async def test_trees_that_keep_forking_during_a_kill_all_leave_nothing(
         kill_leftovers(marker)
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_a_batch_kills_a_sigint_ignoring_grandchild_with_its_leader_not_after_the_kill_wait(
     tmp_path: Path, containment: str
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 
+import pytest
 import trio
 
 from engine._pidfd import wait_exited
@@ -13,6 +14,7 @@ from engine._procfs import read_proc
 from .children import open_fds
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_wait_exited_returns_when_the_process_exits() -> None:
     proc = subprocess.Popen(["sleep", "0.3"])
     try:

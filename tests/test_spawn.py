@@ -37,6 +37,7 @@ def sp11(project_dir: Path) -> Path:
         ("./bad-interp.sh", errno.ENOENT, ["./bad-interp.sh", "/nonexistent/interpreter", "interpreter"]),
     ],
 )
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_spawn_failure_names_cause_and_path(
     supervisor: Supervisor, sp11: Path, command: str, err: int, words: list[str]
 ) -> None:

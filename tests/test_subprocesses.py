@@ -346,6 +346,7 @@ async def test_create_moves_kept_logs_aside_when_pid_names_collide(tmp_path: Pat
             pair.delete()
 
 
+@pytest.mark.serial  # a time bound: measured alone (make test runs the rest two at a time)
 async def test_create_failure_after_the_spawn_kills_the_child_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
