@@ -485,6 +485,30 @@ async def test_exit_watcher_start_error_is_cleared_once_the_command_starts(tmp_p
         kill_leftovers(rf"^sleep {marker}$")
 
 
+async def test_a_removed_job_leaves_no_start_error_behind(tmp_path: Path) -> None:
+    """A job removed while its command's start fails: the watchers keep nothing of it (its start error,
+    the status that error replaced), while a disabled job keeps the status to put back."""
+    missing = tmp_path / "later"
+    missing.mkdir()
+    async with engine_with(tmp_path / "s") as engine:
+        jobs = [
+            await engine.cron.add(OnExit(command="true", cwd=str(missing)), SystemEvent("x"), enabled=False)
+            for _ in range(2)
+        ]
+        missing.rmdir()
+        for job in jobs:
+            await engine.cron.enable(job.id)
+        await wait_until(lambda: all(engine.watchers.last_error(job.id) is not None for job in jobs))
+        removed, disabled = jobs
+        await engine.cron.disable(disabled.id)
+        await engine.cron.remove(removed.id)
+        assert engine.watchers.last_error(removed.id) is None
+        assert removed.id not in engine.watchers._before_start_error
+        assert disabled.id in engine.watchers._before_start_error
+        assert engine.watchers.active_job_ids() == []
+        assert await engine.cron.events() == []
+
+
 # ---- CR-03: a failing store write never fires, the command never runs again --------------------
 
 

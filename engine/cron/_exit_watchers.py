@@ -193,12 +193,23 @@ class CronExitWatchers:
         Cancellation: the decisions are made and the watchers started before the first checkpoint; a
         cancelled call changes nothing more.
         """
+        if self._errors or self._before_start_error:
+            jobs = list(jobs)  # read twice: by the table, then for the removed jobs' entries
+            self._forget_removed({job.id for job in jobs})
         decisions = self._table.reconcile(jobs)
         for job_id, token in decisions.cancel:
             self._stop(job_id, token)
         for job, token in decisions.arm:
             self._start(job, token)
         await trio.lowlevel.checkpoint()
+
+    def _forget_removed(self, present: set[str]) -> None:
+        """Drop what is kept per job for the jobs not in ``present`` (removed): a start's error and the
+        status it replaced. A disabled job keeps the status, to be put back when it is enabled again and
+        its command starts."""
+        for kept in (self._errors, self._before_start_error):
+            for job_id in [job_id for job_id in kept if job_id not in present]:
+                del kept[job_id]
 
     async def cancel(self, job_id: str) -> None:
         """End ``job_id``'s watcher and its command (no fire). A watcher already persisting the exit
