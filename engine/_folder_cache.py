@@ -18,7 +18,7 @@ from typing import Final, final
 
 import attrs
 
-from ._logdir import DIR_FLAGS, GITIGNORE, LogFolder, name_exists, write_gitignore
+from ._logdir import DIR_FLAGS, LogFolder, ensure_gitignore, gitignore_seen
 
 __all__ = ["SLOW_FILE_SECONDS", "FolderCache", "Unnamed"]
 
@@ -42,6 +42,8 @@ class _Opened:
     #: Files the background maker is making for this entry now (``FolderCache`` with ``background``).
     pending: int = 0
     closed: bool = False
+    #: the log folder's ``.gitignore`` as :func:`gitignore_seen` saw it once it was the engine's
+    ignore_seen: tuple[int, int, int, int] | None = None
 
     def close(self) -> None:
         self.closed = True
@@ -241,8 +243,12 @@ class FolderCache:
             leaf = entry.fds[-1]
             if stat.S_IMODE(os.fstat(leaf).st_mode) != 0o700:
                 os.fchmod(leaf, 0o700)
-            if not name_exists(leaf, GITIGNORE) and write_gitignore(leaf):  # removed since: written again,
-                return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))  # undone with a failed create
+            seen = gitignore_seen(leaf)  # one lstat; touched since it was the engine's: looked at again
+            if seen is None or seen != entry.ignore_seen:
+                wrote = ensure_gitignore(leaf, folder.path)  # missing: written; not the engine's: replaced
+                entry.ignore_seen = gitignore_seen(leaf)
+                if wrote:  # undone with a failed create
+                    return attrs.evolve(folder, wrote_ignores=(len(folder.parts),))
         except OSError:
             return None
         return folder

@@ -12,14 +12,18 @@ finds another folder at the same path (replaced, moved, a link put there) treats
 
 Project hygiene: logs may hold secrets a process printed, so they must never show in ``git status``. The
 engine writes a ``.gitignore`` holding ``*`` in the log folder (always) and in each folder it made itself
-(``.gadget`` when the project had none).
+(``.gadget`` when the project had none). The log folder's is the engine's alone: one that is there but does
+not ignore everything (a repository's own ``.gitignore`` committed in that folder, a link to another file)
+is replaced, so a repository cannot put the logs back into ``git status``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import secrets
 import stat
 from collections.abc import Iterator
 from typing import Final, final
@@ -29,7 +33,18 @@ import attrs
 from ._errors import SpawnError, UntrustedPathError
 from ._trust import what_it_is
 
-__all__ = ["DIR_FLAGS", "GITIGNORE", "LogFolder", "LogGoneError", "name_exists", "write_gitignore"]
+__all__ = [
+    "DIR_FLAGS",
+    "GITIGNORE",
+    "LogFolder",
+    "LogGoneError",
+    "ensure_gitignore",
+    "gitignore_seen",
+    "name_exists",
+    "write_gitignore",
+]
+
+_log = logging.getLogger("engine.subprocesses")
 
 #: The name of the file that keeps a folder out of git.
 GITIGNORE: Final = ".gitignore"
@@ -121,6 +136,74 @@ def write_gitignore(fd: int) -> bool:
     return True
 
 
+def gitignore_seen(fd: int) -> tuple[int, int, int, int] | None:
+    """What one ``lstat`` tells of the folder ``fd``'s ``.gitignore`` (inode, size, mode, change time in
+    ns), or ``None`` when there is none: the same answer as at the last :func:`ensure_gitignore` means the
+    file was not touched since."""
+    try:
+        info = os.stat(GITIGNORE, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_size, info.st_mode, info.st_ctime_ns
+
+
+def _ignores_all(fd: int) -> bool:
+    """Whether the folder ``fd``'s ``.gitignore`` is a regular file of the engine's uid holding exactly
+    what :func:`write_gitignore` writes (read without following a link, without blocking on a FIFO)."""
+    try:
+        file = os.open(GITIGNORE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(file)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size != len(_IGNORE_ALL):
+            return False
+        return os.read(file, len(_IGNORE_ALL) + 1) == _IGNORE_ALL
+    finally:
+        os.close(file)
+
+
+def ensure_gitignore(fd: int, where: str) -> bool:
+    """Make the folder ``fd`` (at ``where``) hold the engine's ``.gitignore`` (``*``): written when there
+    is none, replaced (by a rename in the folder, which never follows a link) when the one there is not
+    exactly the engine's, with a warning in the engine's log. Returns whether this call wrote a missing
+    one (what a failed create undoes; a replaced file stays replaced).
+
+    Raises:
+        SpawnError: ``.gitignore`` is a folder, or cannot be replaced (reason ``"bad log folder"``).
+    """
+    if write_gitignore(fd):
+        return True
+    if _ignores_all(fd):
+        return False
+    path = os.path.join(where, GITIGNORE)
+    temporary = f".gitignore.{secrets.token_hex(6)}.tmp"
+    try:
+        file = os.open(
+            temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd
+        )
+        try:
+            os.write(file, _IGNORE_ALL)
+        finally:
+            os.close(file)
+        os.rename(temporary, GITIGNORE, src_dir_fd=fd, dst_dir_fd=fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=fd)
+        raise SpawnError(
+            f"cannot make the log folder's {path} ignore the logs (they may hold secrets): "
+            f"{exc.strerror or exc}; rename or remove it",
+            errno=exc.errno,
+            path=path,
+            reason="bad log folder",
+        ) from None
+    _log.warning(
+        "event=gitignore_replaced path=%s: it did not ignore everything, and the logs may hold secrets",
+        path,
+    )
+    return False
+
+
 @final
 @attrs.frozen
 class LogFolder:
@@ -188,7 +271,7 @@ class LogFolder:
                 _check_owner(fd, where)
             if parts:
                 os.fchmod(fd, 0o700)
-                if write_gitignore(fd) and len(parts) not in wrote:
+                if ensure_gitignore(fd, directory) and len(parts) not in wrote:
                     wrote.append(len(parts))
             info = os.fstat(fd)
         except BaseException:

@@ -62,6 +62,69 @@ def test_existing_gadget_folder_gets_no_gitignore_but_the_log_folder_does(tmp_pa
     assert (project / ".gadget" / "subprocess-logs" / ".gitignore").exists()
 
 
+_ENGINE_IGNORE = "# written by gadget-engine: logs may hold secrets\n*\n"
+
+
+@pytest.mark.parametrize("kind", ["its own text", "a link to a file", "a negation", "a FIFO"])
+def test_a_log_folder_gitignore_that_is_not_the_engines_is_replaced(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by a new user: a repository that committed its own ``.gadget/subprocess-logs/.gitignore``
+    (or a link in its place) put the logs, which may hold secrets, into ``git status``."""
+    project = tmp_path / "p"
+    logs = project / ".gadget" / "subprocess-logs"
+    logs.mkdir(parents=True)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the engine's\n")
+    ignore = logs / ".gitignore"
+    if kind == "its own text":
+        ignore.write_text("# keep this folder\n")
+    elif kind == "a link to a file":
+        ignore.symlink_to(outside)
+    elif kind == "a negation":
+        ignore.write_text("*\n!*.log\n")
+    else:
+        os.mkfifo(ignore)
+    folder = LogFolder.make(str(logs), base=str(project))
+    assert not ignore.is_symlink() and stat.S_ISREG(ignore.lstat().st_mode)
+    assert ignore.read_text() == _ENGINE_IGNORE and stat.S_IMODE(ignore.stat().st_mode) == 0o600
+    assert outside.read_text() == "not the engine's\n"  # a link is replaced, never written through
+    assert folder.wrote_ignores == ()  # a failed create does not undo a replacement (nor restore the old)
+    assert sorted(os.listdir(logs)) == [".gitignore"]  # no temporary file left
+    assert "event=gitignore_replaced" in caplog.text
+
+
+def test_a_log_folder_gitignore_that_is_a_folder_refuses_the_create(tmp_path: Path) -> None:
+    project = tmp_path / "p"
+    logs = project / ".gadget" / "subprocess-logs"
+    (logs / ".gitignore").mkdir(parents=True)
+    with pytest.raises(SpawnError, match=r"\.gitignore ignore the logs \(they may hold secrets\)") as caught:
+        LogFolder.make(str(logs), base=str(project))
+    assert caught.value.reason == "bad log folder"
+    assert sorted(os.listdir(logs)) == [".gitignore"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+async def test_logs_stay_out_of_git_status_whatever_gitignore_the_repo_committed(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    logs = log_dir(project)
+    logs.mkdir(parents=True)
+    (logs / ".gitignore").write_text("# keep\n")
+    subprocess.run(["git", "init", "-q", project.directory], check=True)
+    async with engine_at(tmp_path) as engine:
+        sp = await engine.service.create(project, "sh", ["-c", "echo API_KEY=not-a-secret"])
+        await sp.wait()
+        git_status = ["git", "-C", project.directory, "status", "--porcelain"]
+        status = subprocess.run(git_status, capture_output=True, text=True, check=True)
+        assert status.stdout == ""  # before: ?? .gadget/
+        # Rewritten behind the engine's back while its folder is cached: the next create puts it back.
+        (logs / ".gitignore").write_text("!*\n")
+        sp = await engine.service.create(project, "true")
+        await sp.wait()
+        assert (logs / ".gitignore").read_text() == _ENGINE_IGNORE
+        await engine.service.kill_all()
+
+
 async def test_symlinked_gadget_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
     """Tried: a ``.gadget`` symlink committed in a cloned repository made the engine chmod the target
     0700 and write into it."""
