@@ -102,12 +102,27 @@ def _explain(parent_fd: int, name: str, where: str, exc: OSError) -> OSError:
     )
 
 
-def _check_owner(fd: int, where: str) -> None:
-    owner, euid = os.fstat(fd).st_uid, os.geteuid()
+def _check_owner(fd: int, where: str, *, on_the_way: bool) -> None:
+    """The folder ``fd`` (at ``where``) must be the engine's user's; one ``on_the_way`` to the log folder
+    (``.gadget``) must also not be writable by other users unless it is sticky (as ``/tmp``): in it, they
+    could move the log folder away, and the logs out of the engine's reach (its ``kill`` then cannot
+    delete them). The log folder itself is made 0700 by the caller.
+
+    Raises:
+        UntrustedPathError: another user owns it, or others may write in it.
+    """
+    info = os.fstat(fd)
+    owner, euid = info.st_uid, os.geteuid()
     if owner != euid:
         raise UntrustedPathError(
             f"the log folder {where} is owned by uid {owner}, not by this engine's uid {euid}; "
             "the engine writes logs only into folders of its own user: remove it or change its owner"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if on_the_way and mode & 0o022 and not mode & stat.S_ISVTX:
+        raise UntrustedPathError(
+            f"the folder {where} can be written by other users (mode {mode:04o}): they could move the "
+            f"logs out of the engine's reach; run `chmod go-w {where}`"
         )
 
 
@@ -268,7 +283,7 @@ class LogFolder:
                     os.fchmod(fd, 0o700)  # mkdir's mode is filtered by the umask
                     if write_gitignore(fd):
                         wrote.append(depth)
-                _check_owner(fd, where)
+                _check_owner(fd, where, on_the_way=depth < len(parts))
             if parts:
                 os.fchmod(fd, 0o700)
                 if ensure_gitignore(fd, directory) and len(parts) not in wrote:

@@ -21,7 +21,7 @@ import trio
 from engine import SpawnError, SubProcessNotFoundError, UntrustedPathError
 from engine._logdir import LogFolder
 
-from .children import PY, mark, pgrep, py
+from .children import PY, mark, pgrep, py, wait_until
 from .serve_support import start_serve
 from .service_support import engine_at, log_dir, make_project
 
@@ -122,6 +122,44 @@ async def test_logs_stay_out_of_git_status_whatever_gitignore_the_repo_committed
         sp = await engine.service.create(project, "true")
         await sp.wait()
         assert (logs / ".gitignore").read_text() == _ENGINE_IGNORE
+        await engine.service.kill_all()
+
+
+@pytest.mark.parametrize(("mode", "refused"), [(0o777, True), (0o775, True), (0o1777, False), (0o755, False)])
+def test_a_gadget_folder_others_can_write_in_is_refused(tmp_path: Path, mode: int, refused: bool) -> None:
+    """Found by a new user: in a world-writable ``.gadget``, another user moved the log folder away and
+    put a link in its place; the engine's kill then left the real logs on disk for good."""
+    project = tmp_path / "p"
+    gadget = project / ".gadget"
+    gadget.mkdir(parents=True)
+    os.chmod(gadget, mode)
+    logs = gadget / "subprocess-logs"
+    if refused:
+        with pytest.raises(UntrustedPathError, match=rf"mode {mode:04o}\).*run `chmod go-w {gadget}`"):
+            LogFolder.make(str(logs), base=str(project))
+        assert os.listdir(gadget) == []  # nothing made
+    else:
+        LogFolder.make(str(logs), base=str(project))
+        assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    assert stat.S_IMODE(gadget.stat().st_mode) == mode  # the user's folder is left as it is
+
+
+async def test_create_in_a_world_writable_gadget_is_a_clear_error_and_loses_nothing(tmp_path: Path) -> None:
+    project = make_project(tmp_path)
+    fresh = make_project(tmp_path, "fresh")
+    os.mkdir(log_dir(fresh).parent, 0o700)
+    os.chmod(log_dir(fresh).parent, 0o777)
+    async with engine_at(tmp_path) as engine:
+        running = await engine.service.create(project, "sh", ["-c", f"echo up; exec sleep {mark('77.1')}"])
+        with pytest.raises(UntrustedPathError, match="can be written by other users"):
+            await engine.service.create(fresh, "true")
+        assert [sp.pid for sp in engine.service.ps()] == [running.pid]  # the other process goes on
+
+        async def said_up() -> bool:
+            return "up" in await engine.service.get_log(running.pid, "stdout")
+
+        await wait_until(said_up)
+        assert os.listdir(log_dir(fresh).parent) == []
         await engine.service.kill_all()
 
 
