@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from engine.server._location import SOCKET_POINTER_NAME, SUN_PATH_MAX
 
-from .serve_support import answers, start_serve, wait_until
+from .serve_support import answers, cli, start_serve, wait_until
 
 NOBODY = 65534
 
@@ -104,6 +105,32 @@ def test_server_long_state_dir_uses_a_runtime_socket(tmp_path: Path) -> None:
     finally:
         assert engine.stop() == 0
     assert not os.path.exists(named) and not (state / SOCKET_POINTER_NAME).exists()
+
+
+def test_a_copied_state_dir_never_talks_to_the_original_engine(tmp_path: Path) -> None:
+    """Found by a new user: ``cp -a`` of a deep state directory copied its ``engine.sock.path``, and every
+    command on the copy, ``stop`` included, went to the original's engine. An ``engine.sock`` link to
+    another engine's socket did the same."""
+    original = tmp_path / ("deep-" + "x" * 100) / "state"
+    original.parent.mkdir()
+    engine = start_serve(original)
+    try:
+        copy = original.parent / "copy"
+        shutil.copytree(original, copy, symlinks=True, ignore=shutil.ignore_patterns("engine.sock"))
+        assert (copy / SOCKET_POINTER_NAME).read_text().strip() == engine.socket_path
+        linked = tmp_path / "linked"
+        linked.mkdir(mode=0o700)
+        os.symlink(engine.socket_path, linked / "engine.sock")
+        for state in (copy, linked):
+            for command in ("list", "stop"):
+                done = cli(command, "--state-dir", str(state))
+                assert done.returncode == 1, done
+                (line,) = done.stderr.splitlines()
+                assert f"not by the engine of {state} (no engine runs there)" in line, line
+                assert "remove it, then start the engine again" in line
+        assert engine.proc.poll() is None and engine.cli("list").returncode == 0  # untouched
+    finally:
+        assert engine.stop() == 0
 
 
 def test_server_events_fired_unwatched_survive_a_restart_once_each(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import EngineError, UntrustedPathError
-from ._location import find_socket_path, lock_holder, resolve_state_dir
+from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, find_socket_path, lock_holder, resolve_state_dir
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
 __all__ = [
@@ -63,13 +63,16 @@ class EngineConnectionError(EngineError, ConnectionError):
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def check_peer(sock: socket.socket, path: str) -> None:
-    """Refuse a socket whose listener runs as another user (``SO_PEERCRED``) before anything is sent.
+def check_peer(sock: socket.socket, path: str, state_dir: str | None = None) -> None:
+    """Refuse a socket whose listener runs as another user (``SO_PEERCRED``), or is not the engine of
+    ``state_dir`` (the process holding its lock, ``lock_holder``), before anything is sent.
 
-    A request can carry secrets (``-e API_TOKEN=...``): it goes only to an engine of this user.
+    A request can carry secrets (``-e API_TOKEN=...``): it goes only to an engine of this user. And a
+    ``stop`` or ``kill`` goes only to the engine of the state directory it names: a copied state
+    directory's ``engine.sock.path`` (or an ``engine.sock`` link) names another engine's socket.
 
     Raises:
-        UntrustedPathError: the engine at ``path`` runs as another uid.
+        UntrustedPathError: the engine at ``path`` runs as another uid, or is not ``state_dir``'s.
     """
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, _gid = _PEERCRED.unpack(raw)
@@ -77,6 +80,13 @@ def check_peer(sock: socket.socket, path: str) -> None:
         raise UntrustedPathError(
             f"the socket {path} is served by pid {pid} of uid {uid}, not by this user (uid "
             f"{os.geteuid()}); a client talks only to an engine of its own user: use your own --state-dir"
+        )
+    if state_dir is not None and (holder := lock_holder(state_dir)) != pid:
+        engine = f"pid {holder}" if holder is not None else "no engine runs there"
+        raise UntrustedPathError(
+            f"the socket {path} is served by pid {pid}, not by the engine of {state_dir} ({engine}): "
+            f"its {SOCKET_POINTER_NAME} or {SOCKET_NAME} names another engine's socket (a copied state "
+            "directory?); remove it, then start the engine again"
         )
 
 
@@ -265,7 +275,7 @@ class EngineClient:
         sock.settimeout(self.timeout_seconds)
         try:
             sock.connect(path)
-            check_peer(sock, path)
+            check_peer(sock, path, self.state_dir)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             sock.close()
             raise _not_running(
@@ -421,7 +431,7 @@ class AsyncEngineClient:
                 self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError)
             ) from None
         try:
-            check_peer(writer.get_extra_info("socket"), path)
+            check_peer(writer.get_extra_info("socket"), path, self.state_dir)
         except BaseException:
             writer.close()
             raise
