@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Final
 
-from ._cli_output import EXIT_OK, emit_json
+from ._cli_output import EXIT_FAILED, EXIT_OK, emit_json
 from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
 from ._termtext import escape_controls, printable
@@ -174,9 +174,16 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
         if not args.follow:
             raise
         return engine_went_away(client, socket_path, engine_pid, exc)
-    except SubProcessNotFoundError:
+    except SubProcessNotFoundError as exc:
         if not last:
             raise
+        listed = [r for r in client.call("subprocess.list") if r["pid"] == args.pid]
+        if listed:  # the record is there: its log file was removed or replaced behind the engine's back
+            print(
+                f"gadget-engine: {exc}; the process is still {listed[0]['status']} (gadget-engine list)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
         print(f"gadget-engine: {args.pid} was killed; its logs are deleted", file=sys.stderr)
         return EXIT_OK
     except KeyboardInterrupt:

@@ -369,6 +369,42 @@ async def test_nb05_reads_after_an_outside_truncation_show_the_new_lines(tmp_pat
         await engine.service.kill_subprocess(sp)
 
 
+def test_a_follower_whose_log_is_removed_says_so_and_that_the_process_goes_on(tmp_path: Path) -> None:
+    """Found by a new user: ``log -f`` said the process was killed when only its log file was removed."""
+    project = tmp_path / "p"
+    project.mkdir()
+    served = start_serve(tmp_path / "state")
+    try:
+        made = served.cli(
+            "create",
+            "--project",
+            str(project),
+            "--",
+            "sh",
+            "-c",
+            f"while :; do echo line; sleep {mark('0.2')}; done",
+        )
+        pid = made.stdout.split()[0]
+        follower = subprocess.Popen(
+            [PY, "-m", "engine", "log", "--state-dir", str(served.state_dir), pid, "-f"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        log = project / ".gadget" / "subprocess-logs" / f"subproc-{pid}.stdout.log"
+        time.sleep(1.0)
+        log.unlink()
+        out, err = follower.communicate(timeout=20)
+        assert follower.returncode == 1, err
+        (line,) = err.splitlines()
+        assert "log of subprocess" in line and "is gone" in line and "is still running" in line, line
+        assert "was killed" not in line and out.startswith("line")
+        assert "running" in served.cli("list").stdout
+        assert served.cli("kill", pid).returncode == 0
+    finally:
+        assert served.stop() == 0
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 @pytest.mark.parametrize("gadget_exists", [False, True])
 async def test_nb09_logs_never_show_in_git_status(tmp_path: Path, gadget_exists: bool) -> None:
