@@ -133,6 +133,25 @@ def test_a_copied_state_dir_never_talks_to_the_original_engine(tmp_path: Path) -
         assert engine.stop() == 0
 
 
+def test_a_runtime_folder_that_cannot_be_private_is_named_with_why(tmp_path: Path) -> None:
+    """Found by a new user: a squatted ``/tmp/gadget-engine-<uid>`` made ``start`` say only "no private
+    runtime directory"; the reason now names it (a link, not a folder, another owner)."""
+    from engine.server._location import _private_dir
+
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    (tmp_path / "file").write_text("")
+    assert _private_dir(str(tmp_path / "link")) == f"{tmp_path / 'link'} is a symbolic link"
+    assert _private_dir(str(tmp_path / "file")) == f"{tmp_path / 'file'} is not a folder"
+    if os.getuid() == 0:
+        (tmp_path / "theirs").mkdir()
+        os.chown(tmp_path / "theirs", 65534, 65534)
+        assert "is owned by uid 65534, not by this user (uid 0)" in _private_dir(str(tmp_path / "theirs"))
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    assert _private_dir(str(mine)) == "" and stat.S_IMODE(mine.stat().st_mode) == 0o700
+
+
 def test_server_events_fired_unwatched_survive_a_restart_once_each(tmp_path: Path) -> None:
     state = tmp_path / "state"
     engine = start_serve(state)

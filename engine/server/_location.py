@@ -58,21 +58,29 @@ def _fits(path: str) -> bool:
     return len(os.fsencode(path)) <= SUN_PATH_MAX
 
 
-def _private_dir(path: str) -> bool:
-    """Create ``path`` (0700) if needed; whether it is a real directory of ours that no one else can use."""
+def _private_dir(path: str) -> str:
+    """Create ``path`` (0700) if needed; ``""`` when it is a real directory of ours that no one else can
+    use, else why not (``"/tmp/gadget-engine-0 is a symbolic link"``)."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-    except OSError:
-        return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        return False
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            info = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{path} is not a folder"
+    if info.st_uid != os.getuid():
+        return f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.getuid()})"
     if stat.S_IMODE(info.st_mode) != 0o700:
         try:
             os.chmod(path, 0o700)
-        except OSError:
-            return False
-    return True
+        except OSError as exc:
+            return f"{path} cannot be made private: {exc.strerror or exc}"
+    return ""
 
 
 def choose_socket_path(state_dir: str) -> str:
@@ -88,10 +96,16 @@ def choose_socket_path(state_dir: str) -> str:
     path = os.path.join(state_dir, SOCKET_NAME)
     if _fits(path):
         return path
+    why = []
     for candidate in _runtime_candidates(state_dir):
-        if _private_dir(os.path.dirname(candidate)):
+        refused = _private_dir(os.path.dirname(candidate))
+        if not refused:
             return candidate
-    raise OSError(f"no private runtime directory for the socket of {state_dir!r}; use a shorter --state-dir")
+        why.append(refused)
+    because = f" ({'; '.join(why)})" if why else ""
+    raise OSError(
+        f"no private runtime directory for the socket of {state_dir!r}{because}; use a shorter --state-dir"
+    )
 
 
 def _runtime_candidates(state_dir: str) -> list[str]:
