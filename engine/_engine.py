@@ -24,7 +24,7 @@ from ._guardian_link import GuardianLink
 from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
-from ._sweep import sweep_records
+from ._sweep import mark_state_dir, sweep_records
 from ._tool import SubprocessTool
 from ._trust import check_state_dir, make_state_dir, open_own_file
 from ._version import __version__
@@ -229,6 +229,7 @@ async def open_engine(
                 kill_wait_seconds=config.kill_wait_seconds,
             )
         )
+        mark_state_dir(state_dir)  # what is recorded from now on is this directory's own
         async with open_containment(
             config.containment, state_dir=state_dir, subreaper=config.subreaper
         ) as containment:

@@ -18,6 +18,7 @@ engine) and uses the standard library only.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -29,6 +30,7 @@ from ._cgroup import Cgroup2, Leaf, load_recorded_parent, parent_leaves
 from ._escalation import Escalation, EscalationTarget, Steps, WaitGone, advance, escalate
 from ._group_journal import JOURNAL_PREFIX, journal_path, read_journal
 from ._procfs import children_map, read_marker, read_proc, scan_processes
+from ._trust import open_own_file
 
 if TYPE_CHECKING:
     from ._supervisor import ManagedRun
@@ -383,6 +385,45 @@ def unwatched_leaves(cgroup2: Cgroup2, parent: str) -> list[Leaf]:
     return [leaf for leaf in parent_leaves(cgroup2, parent) if not leaf.watched]
 
 
+_log = logging.getLogger("engine.sweep")
+
+#: The file holding the state directory's own identity (``<st_dev>:<st_ino>``), written by each engine
+#: that takes the directory: records found beside another identity were copied with the folder.
+STATE_IDENTITY = "state-dir.identity"
+
+
+def _identity(state_dir: str) -> str:
+    info = os.stat(state_dir)
+    return f"{info.st_dev}:{info.st_ino}"
+
+
+def copied_records(state_dir: str) -> bool:
+    """Whether the records in ``state_dir`` were written in another directory and copied here with it
+    (``cp -a`` of a live engine's state directory): its identity file names another directory. A state
+    directory without one (made by an older engine) counts as its own."""
+    try:
+        fd = open_own_file(os.path.join(state_dir, STATE_IDENTITY), os.O_RDONLY, what="the state identity")
+    except FileNotFoundError:
+        return False
+    try:
+        recorded = os.read(fd, 64).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return recorded != _identity(state_dir)
+
+
+def mark_state_dir(state_dir: str) -> None:
+    """Write the state directory's identity (:data:`STATE_IDENTITY`; a temporary file renamed, 0600)."""
+    path = os.path.join(state_dir, STATE_IDENTITY)
+    temp = path + ".tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (_identity(state_dir) + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+
+
 def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: float) -> tuple[int, list[int]]:
     """End every process the state dir's records name, then drop the records.
 
@@ -391,11 +432,29 @@ def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: fl
     recorded in ``groups/``, every process carrying a recorded token's marker, and every leaf of the
     recorded parent cgroup but the watched commands' (adopted by the watchers instead).
 
+    Records copied from another state directory (:func:`copied_records`: ``cp -a`` of a live engine's)
+    name that engine's children: nothing is ended, the copies are dropped, and a warning says so.
+
     Returns:
         ``(number of processes ended, survivors)``.
     """
     records = load_records(state_dir)
     tokens = load_tokens(state_dir)
+    if copied_records(state_dir):
+        if records or tokens:
+            _log.warning(
+                "event=sweep_skipped state_dir=%s: %d group records and %d tokens were copied from another "
+                "state directory with this one; they name its engine's processes, which are left alone",
+                state_dir,
+                len(records),
+                len(tokens),
+            )
+        for rec in records:
+            rec.remove(state_dir)
+        for token in tokens:
+            remove_token(state_dir, token)
+        _remove_journals(state_dir)
+        return 0, []
     recorded = load_recorded_parent(state_dir)
     leaves = unwatched_leaves(*recorded) if recorded is not None else []
     if not records and not tokens and not leaves:

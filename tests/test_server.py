@@ -16,7 +16,9 @@ import pytest
 
 from engine.server._location import SOCKET_POINTER_NAME, SUN_PATH_MAX
 
-from .serve_support import answers, cli, start_serve, wait_until
+from .children import kill_leftovers, mark
+from .conftest import cgroup_unusable
+from .serve_support import Served, answers, cli, start_serve, wait_until
 
 NOBODY = 65534
 
@@ -131,6 +133,40 @@ def test_a_copied_state_dir_never_talks_to_the_original_engine(tmp_path: Path) -
         assert engine.proc.poll() is None and engine.cli("list").returncode == 0  # untouched
     finally:
         assert engine.stop() == 0
+
+
+@pytest.mark.parametrize("containment", ["cgroup", "process-group"])
+def test_an_engine_on_a_copied_state_dir_leaves_the_original_engines_processes_alone(
+    tmp_path: Path, containment: str
+) -> None:
+    """Found by a new user: ``start`` on a ``cp -a`` copy of a live engine's state directory swept the
+    copied records at start-up and ended the original engine's children (SIGINT, nothing logged)."""
+    if containment == "cgroup" and cgroup_unusable():
+        pytest.skip(f"no writable cgroup v2 here: {cgroup_unusable()}")
+    project = tmp_path / "p"
+    project.mkdir()
+    original = start_serve(tmp_path / "original", "--containment", containment)
+    copy: Served | None = None
+    try:
+        made = original.cli("create", "--project", str(project), "--", "sleep", mark("311.1"))
+        pid = int(made.stdout.split()[0])
+        shutil.copytree(
+            original.state_dir,
+            tmp_path / "copy",
+            symlinks=True,
+            ignore=shutil.ignore_patterns("engine.sock", "*.log", "lock"),
+        )
+        copy = start_serve(tmp_path / "copy", "--containment", containment)
+        assert "event=sweep_skipped" in copy.log()
+        assert os.path.exists(f"/proc/{pid}")
+        listed = original.cli("list").stdout
+        assert str(pid) in listed and "running" in listed, listed
+        assert copy.cli("list").stdout.count("\n") == 1  # the header alone: the copy has no processes
+    finally:
+        if copy is not None:
+            assert copy.stop() == 0
+        assert original.stop() == 0
+        kill_leftovers(rf"^sleep {mark('311.1')}$")
 
 
 def test_a_runtime_folder_that_cannot_be_private_is_named_with_why(tmp_path: Path) -> None:
