@@ -130,6 +130,18 @@ def test_a_copied_state_dir_never_talks_to_the_original_engine(tmp_path: Path) -
                 (line,) = done.stderr.splitlines()
                 assert f"not by the engine of {state} (no engine runs there)" in line, line
                 assert "remove it, then start the engine again" in line
+            argv = ["mcp", "--state-dir", str(state), "--project", str(tmp_path)]
+            mcp = subprocess.run(  # forwarding was refused call by call, each with a traceback
+                [sys.executable, "-m", "engine", *argv],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert mcp.returncode == 1 and mcp.stdout == "", mcp
+            assert mcp.stderr.splitlines()[-1].endswith("remove it, then start the engine again"), mcp.stderr
+            assert "Traceback" not in mcp.stderr
         assert engine.proc.poll() is None and engine.cli("list").returncode == 0  # untouched
     finally:
         assert engine.stop() == 0

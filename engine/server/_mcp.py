@@ -40,6 +40,7 @@ from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineLockedError
 from .._supervisor import RunState
+from ._client import EngineClient
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import find_socket_path, lock_holder
 from ._mcp_stdio import serve_stdio
@@ -188,10 +189,24 @@ async def serve_mcp(config: EngineConfig, project_dir: str) -> str:
         else:
             log_event("stopped", pid=os.getpid(), mode="embedded")
             return "embedded"
+    # The engine answering must be this state directory's (``check_peer``): a copied state directory's
+    # pointer names another engine's socket, and every call would then fail, each with a traceback.
+    await trio.to_thread.run_sync(_connect_once, state_dir)
     log_event("ready", pid=os.getpid(), mode="forward", state_dir=state_dir, socket=socket_path)
     await _serve_stdio(SocketBackend(state_dir), project_dir, "forward")
     log_event("stopped", pid=os.getpid(), mode="forward")
     return "forward"
+
+
+def _connect_once(state_dir: str) -> None:
+    """Connect to the engine of ``state_dir`` and close.
+
+    Raises:
+        UntrustedPathError: the socket is not this user's engine's, or not ``state_dir``'s engine's.
+        EngineNotRunningError: nobody answers any more.
+    """
+    with EngineClient(state_dir) as client:
+        client.connect()
 
 
 def main(config: EngineConfig, project_dir: str) -> str:
