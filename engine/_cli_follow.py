@@ -180,7 +180,8 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
         listed = [r for r in client.call("subprocess.list") if r["pid"] == args.pid]
         if listed:  # the record is there: its log file was removed or replaced behind the engine's back
             print(
-                f"gadget-engine: {exc}; the process is still {listed[0]['status']} (gadget-engine list)",
+                f"gadget-engine: {exc}; the process is still listed, {listed[0]['status']} "
+                "(gadget-engine list)",
                 file=sys.stderr,
             )
             return EXIT_FAILED

@@ -28,6 +28,11 @@ _log = logging.getLogger("engine.subprocesses")
 SLOW_FILE_SECONDS: Final = 20e-6
 
 
+def _others_may_write(mode: int) -> bool:
+    """Whether group or others may write in a folder of this mode, and it is not sticky."""
+    return bool(stat.S_IMODE(mode) & 0o022) and not mode & stat.S_ISVTX
+
+
 @final
 @attrs.define(eq=False)
 class _Opened:
@@ -234,10 +239,12 @@ class FolderCache:
             if _identity(os.stat(folder.base)) != entry.identities[0]:
                 return None
             steps = zip(entry.fds[:-1], folder.parts, entry.identities[1:], strict=True)
-            for parent, name, identity in steps:
+            for depth, (parent, name, identity) in enumerate(steps, start=1):
                 info = os.stat(name, dir_fd=parent, follow_symlinks=False)
                 if not stat.S_ISDIR(info.st_mode) or _identity(info) != identity:
                     return None
+                if depth < len(folder.parts) and _others_may_write(info.st_mode):
+                    return None  # walked again: the walk refuses it (``.gadget`` made writable by others)
             if not folder.parts:
                 return folder
             leaf = entry.fds[-1]

@@ -171,7 +171,12 @@ def _ignores_all(fd: int) -> bool:
         return False
     try:
         info = os.fstat(file)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size != len(_IGNORE_ALL):
+        if (
+            not stat.S_ISREG(info.st_mode)
+            or info.st_uid != os.geteuid()
+            or info.st_nlink != 1  # a hard link: its other name could change it behind the engine's back
+            or info.st_size != len(_IGNORE_ALL)
+        ):
             return False
         return os.read(file, len(_IGNORE_ALL) + 1) == _IGNORE_ALL
     finally:

@@ -65,7 +65,7 @@ def test_existing_gadget_folder_gets_no_gitignore_but_the_log_folder_does(tmp_pa
 _ENGINE_IGNORE = "# written by gadget-engine: logs may hold secrets\n*\n"
 
 
-@pytest.mark.parametrize("kind", ["its own text", "a link to a file", "a negation", "a FIFO"])
+@pytest.mark.parametrize("kind", ["its own text", "a link to a file", "a negation", "a FIFO", "a hard link"])
 def test_a_log_folder_gitignore_that_is_not_the_engines_is_replaced(
     tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -83,12 +83,16 @@ def test_a_log_folder_gitignore_that_is_not_the_engines_is_replaced(
         ignore.symlink_to(outside)
     elif kind == "a negation":
         ignore.write_text("*\n!*.log\n")
+    elif kind == "a hard link":  # the engine's very text, but its other name could change it
+        outside.write_text(_ENGINE_IGNORE)
+        os.link(outside, ignore)
     else:
         os.mkfifo(ignore)
     folder = LogFolder.make(str(logs), base=str(project))
     assert not ignore.is_symlink() and stat.S_ISREG(ignore.lstat().st_mode)
     assert ignore.read_text() == _ENGINE_IGNORE and stat.S_IMODE(ignore.stat().st_mode) == 0o600
-    assert outside.read_text() == "not the engine's\n"  # a link is replaced, never written through
+    kept = _ENGINE_IGNORE if kind == "a hard link" else "not the engine's\n"
+    assert outside.read_text() == kept and outside.stat().st_nlink == 1  # replaced, never written through
     assert folder.wrote_ignores == ()  # a failed create does not undo a replacement (nor restore the old)
     assert sorted(os.listdir(logs)) == [".gitignore"]  # no temporary file left
     assert "event=gitignore_replaced" in caplog.text
@@ -154,6 +158,10 @@ async def test_create_in_a_world_writable_gadget_is_a_clear_error_and_loses_noth
         with pytest.raises(UntrustedPathError, match="can be written by other users"):
             await engine.service.create(fresh, "true")
         assert [sp.pid for sp in engine.service.ps()] == [running.pid]  # the other process goes on
+        os.chmod(log_dir(project).parent, 0o777)  # made writable by others after a create: the next sees it
+        with pytest.raises(UntrustedPathError, match="can be written by other users"):
+            await engine.service.create(project, "true")
+        os.chmod(log_dir(project).parent, 0o755)
 
         async def said_up() -> bool:
             return "up" in await engine.service.get_log(running.pid, "stdout")
@@ -397,7 +405,7 @@ def test_a_follower_whose_log_is_removed_says_so_and_that_the_process_goes_on(tm
         out, err = follower.communicate(timeout=20)
         assert follower.returncode == 1, err
         (line,) = err.splitlines()
-        assert "log of subprocess" in line and "is gone" in line and "is still running" in line, line
+        assert "log of subprocess" in line and "is gone" in line and "still listed, running" in line, line
         assert "was killed" not in line and out.startswith("line")
         assert "running" in served.cli("list").stdout
         assert served.cli("kill", pid).returncode == 0

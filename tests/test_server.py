@@ -140,7 +140,7 @@ def test_a_copied_state_dir_never_talks_to_the_original_engine(tmp_path: Path) -
                 check=False,
             )
             assert mcp.returncode == 1 and mcp.stdout == "", mcp
-            assert mcp.stderr.splitlines()[-1].endswith("remove it, then start the engine again"), mcp.stderr
+            assert "remove it, then start the engine again" in mcp.stderr.splitlines()[-1], mcp.stderr
             assert "Traceback" not in mcp.stderr
         assert engine.proc.poll() is None and engine.cli("list").returncode == 0  # untouched
     finally:

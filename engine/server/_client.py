@@ -82,11 +82,17 @@ def check_peer(sock: socket.socket, path: str, state_dir: str | None = None) -> 
             f"{os.geteuid()}); a client talks only to an engine of its own user: use your own --state-dir"
         )
     if state_dir is not None and (holder := lock_holder(state_dir)) != pid:
-        engine = f"pid {holder}" if holder is not None else "no engine runs there"
+        if holder is not None:
+            raise UntrustedPathError(
+                f"the socket {path} is served by pid {pid}, not by the engine of {state_dir} (pid {holder}): "
+                f"its {SOCKET_POINTER_NAME} or {SOCKET_NAME} names another engine's socket; remove it, and "
+                "that engine binds its own socket again within 5 s"
+            )
         raise UntrustedPathError(
-            f"the socket {path} is served by pid {pid}, not by the engine of {state_dir} ({engine}): "
-            f"its {SOCKET_POINTER_NAME} or {SOCKET_NAME} names another engine's socket (a copied state "
-            "directory?); remove it, then start the engine again"
+            f"the socket {path} is served by pid {pid}, not by the engine of {state_dir} (no engine runs "
+            f"there): its {SOCKET_POINTER_NAME} or {SOCKET_NAME} names another engine's socket (a copied "
+            "state directory?); remove it, then start the engine again (or, if pid "
+            f"{pid} is this state directory's engine and its lock file was removed, stop it by its pid)"
         )
 
 
