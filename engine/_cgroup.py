@@ -34,6 +34,7 @@ from typing import Final, final
 import attrs
 
 from ._procfs import read_kernel_file
+from ._trust import write_own_file
 
 __all__ = [
     "PARENT_RECORD",
@@ -469,14 +470,7 @@ def _leaves(path: str, cgroup2: Cgroup2) -> Iterator[Leaf]:
 
 
 def _record_parent(state_dir: str, path: str) -> None:
-    record = os.path.join(state_dir, PARENT_RECORD)
-    temp = record + ".tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, (path + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(temp, record)
+    write_own_file(os.path.join(state_dir, PARENT_RECORD), path + "\n")
 
 
 def load_recorded_parent(state_dir: str) -> tuple[Cgroup2, str] | None:

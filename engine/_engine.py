@@ -26,7 +26,7 @@ from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
 from ._sweep import mark_state_dir, sweep_records
 from ._tool import SubprocessTool
-from ._trust import check_state_dir, make_state_dir, open_own_file
+from ._trust import check_state_dir, make_state_dir, open_own_file, write_own_file
 from ._version import __version__
 from .cron._exit_watchers import CronExitWatchers
 from .cron._fleet import FleetMember, run_heartbeats
@@ -368,11 +368,5 @@ def _engine_id(state_dir: str) -> str:
             return text
     new = f"{socket.gethostname().split('.')[0][:24]}-{secrets.token_hex(4)}"
     new = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in new)
-    temp = path + ".tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, (new + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
+    write_own_file(path, new + "\n")
     return new

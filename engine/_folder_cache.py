@@ -18,7 +18,7 @@ from typing import Final, final
 
 import attrs
 
-from ._logdir import DIR_FLAGS, LogFolder, ensure_gitignore, gitignore_seen
+from ._logdir import DIR_FLAGS, LogFolder, ensure_gitignore, gitignore_seen, others_may_write
 
 __all__ = ["SLOW_FILE_SECONDS", "FolderCache", "Unnamed"]
 
@@ -26,11 +26,6 @@ _log = logging.getLogger("engine.subprocesses")
 
 #: A file made ahead that took longer than this (wall time) has the next ones made by the cache's thread.
 SLOW_FILE_SECONDS: Final = 20e-6
-
-
-def _others_may_write(mode: int) -> bool:
-    """Whether group or others may write in a folder of this mode, and it is not sticky."""
-    return bool(stat.S_IMODE(mode) & 0o022) and not mode & stat.S_ISVTX
 
 
 @final
@@ -243,7 +238,7 @@ class FolderCache:
                 info = os.stat(name, dir_fd=parent, follow_symlinks=False)
                 if not stat.S_ISDIR(info.st_mode) or _identity(info) != identity:
                     return None
-                if depth < len(folder.parts) and _others_may_write(info.st_mode):
+                if depth < len(folder.parts) and others_may_write(info.st_mode):
                     return None  # walked again: the walk refuses it (``.gadget`` made writable by others)
             if not folder.parts:
                 return folder

@@ -41,6 +41,7 @@ __all__ = [
     "ensure_gitignore",
     "gitignore_seen",
     "name_exists",
+    "others_may_write",
     "write_gitignore",
 ]
 
@@ -102,6 +103,11 @@ def _explain(parent_fd: int, name: str, where: str, exc: OSError) -> OSError:
     )
 
 
+def others_may_write(mode: int) -> bool:
+    """Whether group or others may write in a folder of ``mode`` (``st_mode``) that is not sticky."""
+    return bool(stat.S_IMODE(mode) & 0o022) and not mode & stat.S_ISVTX
+
+
 def _check_owner(fd: int, where: str, *, on_the_way: bool) -> None:
     """The folder ``fd`` (at ``where``) must be the engine's user's; one ``on_the_way`` to the log folder
     (``.gadget``) must also not be writable by other users unless it is sticky (as ``/tmp``): in it, they
@@ -118,11 +124,10 @@ def _check_owner(fd: int, where: str, *, on_the_way: bool) -> None:
             f"the log folder {where} is owned by uid {owner}, not by this engine's uid {euid}; "
             "the engine writes logs only into folders of its own user: remove it or change its owner"
         )
-    mode = stat.S_IMODE(info.st_mode)
-    if on_the_way and mode & 0o022 and not mode & stat.S_ISVTX:
+    if on_the_way and others_may_write(info.st_mode):
         raise UntrustedPathError(
-            f"the folder {where} can be written by other users (mode {mode:04o}): they could move the "
-            f"logs out of the engine's reach; run `chmod go-w {where}`"
+            f"the folder {where} can be written by other users (mode {stat.S_IMODE(info.st_mode):04o}): "
+            f"they could move the logs out of the engine's reach; run `chmod go-w {where}`"
         )
 
 

@@ -30,7 +30,7 @@ from ._cgroup import Cgroup2, Leaf, load_recorded_parent, parent_leaves
 from ._escalation import Escalation, EscalationTarget, Steps, WaitGone, advance, escalate
 from ._group_journal import JOURNAL_PREFIX, journal_path, read_journal
 from ._procfs import children_map, read_marker, read_proc, scan_processes
-from ._trust import open_own_file
+from ._trust import read_pointer, write_own_file
 
 if TYPE_CHECKING:
     from ._supervisor import ManagedRun
@@ -401,27 +401,13 @@ def copied_records(state_dir: str) -> bool:
     """Whether the records in ``state_dir`` were written in another directory and copied here with it
     (``cp -a`` of a live engine's state directory): its identity file names another directory. A state
     directory without one (made by an older engine) counts as its own."""
-    try:
-        fd = open_own_file(os.path.join(state_dir, STATE_IDENTITY), os.O_RDONLY, what="the state identity")
-    except FileNotFoundError:
-        return False
-    try:
-        recorded = os.read(fd, 64).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
-    return recorded != _identity(state_dir)
+    recorded = read_pointer(state_dir, STATE_IDENTITY, what="the state directory's identity")
+    return recorded is not None and recorded != _identity(state_dir)
 
 
 def mark_state_dir(state_dir: str) -> None:
     """Write the state directory's identity (:data:`STATE_IDENTITY`; a temporary file renamed, 0600)."""
-    path = os.path.join(state_dir, STATE_IDENTITY)
-    temp = path + ".tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, (_identity(state_dir) + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
+    write_own_file(os.path.join(state_dir, STATE_IDENTITY), _identity(state_dir) + "\n")
 
 
 def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: float) -> tuple[int, list[int]]:

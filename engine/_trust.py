@@ -225,8 +225,25 @@ def open_own_file(path: str, flags: int, mode: int = 0o600, *, what: str) -> int
     return fd
 
 
-def read_pointer(state_dir: str, name: str) -> str | None:
-    """The first line of the state directory's pointer file ``name``, or ``None`` when there is none.
+def write_own_file(path: str, text: str) -> None:
+    """Replace ``path`` by a file of ours holding ``text`` (0600): written under ``<path>.tmp`` without
+    following a link there, then renamed over ``path``, so a reader sees the old text or the new one.
+
+    Raises:
+        OSError: the file cannot be written (a link at the temporary name: ``ELOOP``).
+    """
+    temp = path + ".tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+
+
+def read_pointer(state_dir: str, name: str, *, what: str = "the socket pointer") -> str | None:
+    """The first line of the state directory's pointer file ``name`` (``what`` it is, in an error), or
+    ``None`` when there is none.
 
     The clients call this before they connect where ``engine.sock.path`` says: a pointer is believed
     only when the state directory and the file are ours (see the module). A missing state directory
@@ -242,7 +259,7 @@ def read_pointer(state_dir: str, name: str) -> str | None:
     check_stat(info, state_dir, "directory", "the state directory", _state_fix(state_dir))
     path = os.path.join(state_dir, name)
     try:
-        fd = open_own_file(path, os.O_RDONLY, what="the socket pointer")
+        fd = open_own_file(path, os.O_RDONLY, what=what)
     except FileNotFoundError:
         return None
     with os.fdopen(fd, "rb") as f:
