@@ -161,13 +161,10 @@ class Leaf:
     Attributes:
         path: its directory.
         rel: its path as ``/proc/<pid>/cgroup`` shows it (``/gadget-engine-.../r12-ab34``).
-        cpu_base_usec: the CPU time (``cpu.stat`` ``usage_usec``, microseconds) the leaf's earlier runs
-            used, when it serves another run in turn (``_leaf_pool``): :meth:`cpu_usec` counts from it.
     """
 
     path: str
     rel: str
-    cpu_base_usec: int = 0
 
     @property
     def name(self) -> str:
@@ -267,12 +264,7 @@ class Leaf:
         return out
 
     def cpu_usec(self) -> int | None:
-        """CPU time the leaf's processes used since it serves its run, in microseconds (``cpu.stat``
-        ``usage_usec`` less :attr:`cpu_base_usec`), or ``None``."""
-        total = self._cpu_total_usec()
-        return None if total is None else max(0, total - self.cpu_base_usec)
-
-    def _cpu_total_usec(self) -> int | None:
+        """CPU time the leaf's processes used, in microseconds (``cpu.stat`` ``usage_usec``), or ``None``."""
         try:
             text = _read(os.path.join(self.path, "cpu.stat"))
         except OSError:
@@ -282,32 +274,6 @@ class Leaf:
             if key == "usage_usec":
                 return int(value)
         return None
-
-    def reusable(self) -> Leaf | None:
-        """This leaf, ready to serve another run, when nothing of its runs is in it or charged to it: no
-        live process (``populated 0``) and, where the memory controller is on, no memory
-        (``memory.current`` 0: a leaf still charged for its run's page cache is removed instead, so that
-        the next run's memory is its own). ``None`` otherwise, or when the leaf is gone.
-
-        The leaf returned counts CPU time from now (:attr:`cpu_base_usec`). Three reads of its interface
-        files (some 10 us each), against an ``rmdir`` and a ``mkdir`` (30-60 us) and the kernel's set-up of
-        a new cgroup at its first process (some 100 us of the next spawn, measured in
-        ``docs/benchmarks/analysis.md``).
-        """
-        if self.watched:
-            return None
-        try:
-            if populated_in(_read(self.events_path)):
-                return None
-        except OSError:
-            return None
-        memory = self.memory_bytes()
-        if memory:
-            return None
-        total = self._cpu_total_usec()
-        if total is None:
-            return None
-        return attrs.evolve(self, cpu_base_usec=total)
 
     def memory_bytes(self) -> int | None:
         """Memory in use (``memory.current``, bytes) where the memory controller is on, else ``None``."""

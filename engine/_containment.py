@@ -227,48 +227,34 @@ class CgroupContainment:
             known_leaders=known_leaders,
             leaf=placement,
             watcher=self.watcher,
-            retire=self.pool.retire,
         )
 
     def kill_now(self, placement: Placement, pid: int) -> None:
         assert placement is not None
-        self.pool.retire(placement)
         placement.kill()
 
     def release(self, placement: Placement) -> None:
-        if placement is not None:
-            self._released(*self._recycled([placement]), remove_leaves)
+        if placement is not None:  # no look first: the kernel refuses (EBUSY) while a live process is in it
+            self._released([placement], remove_leaves([placement]))
 
     async def release_many(self, placements: list[Placement]) -> None:
-        kept, rest = self._recycled([leaf for leaf in placements if leaf is not None])
-        if len(rest) < _THREAD_RELEASES_FROM:
-            self._released(kept, rest, remove_leaves)
+        leaves = [leaf for leaf in placements if leaf is not None]
+        if len(leaves) < _THREAD_RELEASES_FROM:
+            removed = remove_leaves(leaves)
         else:
             # An rmdir of a leaf costs some 30-60 us of kernel time: a kill_all's thousand go to a worker
             # thread, overlapping the ends of the runs still finishing.
-            removed = await trio.to_thread.run_sync(remove_leaves, rest)
-            self._released(kept, rest, lambda _rest: removed)
+            removed = await trio.to_thread.run_sync(remove_leaves, leaves)
+        self._released(leaves, removed)
 
-    def _recycled(self, leaves: list[Leaf]) -> tuple[list[Leaf], list[Leaf]]:
-        """``leaves`` split into those the pool took back for the next runs (``LeafPool.recycle``; their
-        watches, if any, are dropped) and the rest, to remove."""
-        took = self.pool.recycle(leaves)
-        kept = [leaf for leaf, taken in zip(leaves, took, strict=True) if taken]
-        for leaf in kept:
-            self.watcher.forget(leaf)
-        return kept, [leaf for leaf, taken in zip(leaves, took, strict=True) if not taken]
-
-    def _released(
-        self, kept: list[Leaf], rest: list[Leaf], remove: Callable[[list[Leaf]], list[bool]]
-    ) -> None:
-        """After the ends of runs whose leaves are ``kept`` (by the pool) and ``rest``: remove ``rest``
-        (no look first: the kernel refuses, EBUSY, while a live process is in one), forget the watches
-        of those gone (a survivor keeps its leaf, watched still; the next start-up sweep ends it), then
-        make the next runs' leaves, off their spawn's path."""
-        for leaf, gone in zip(rest, remove(rest), strict=True):
+    def _released(self, leaves: list[Leaf], removed: list[bool]) -> None:
+        """After the removal of ``leaves``: forget the watches of those gone (a survivor keeps its leaf,
+        watched still; the next start-up sweep ends it), then make the next runs' leaves, off their spawn's
+        path."""
+        for leaf, gone in zip(leaves, removed, strict=True):
             if gone:
                 self.watcher.forget(leaf, removed=True)
-        if any(not leaf.watched for leaf in rest):
+        if any(not leaf.watched for leaf in leaves):
             self.pool.fill()
 
     def holds(self, pid: int) -> bool:

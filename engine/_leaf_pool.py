@@ -1,23 +1,23 @@
-"""Empty cgroup leaves kept for the next runs, so that a run's leaf is ready before its spawn (cgroup mode).
+"""Empty cgroup leaves made ahead, so that making a run's leaf is off its spawn's path (cgroup mode).
 
-A run is born in a leaf of its own (``_containment``): the leaf must exist before the spawn. A new leaf
-costs twice: a ``mkdir`` in the cgroup filesystem (which makes the leaf's interface files, some 20-40 us),
-and the kernel's set-up of the cgroup at its first process, inside the clone (some 100 us more than a
-spawn into a leaf that held a process before: measured in ``docs/benchmarks/analysis.md``, twelfth
-round). Removing it is an ``rmdir`` of 15-30 us more.
+A run is born in a leaf of its own (``_containment``): the leaf must exist before the spawn, and a
+``mkdir`` in the cgroup filesystem (which makes the leaf's interface files) is some 20-40 us of the
+spawn's path. The pool keeps a few empty leaves under the engine's parent, made once a run has ended (in
+the housekeeping that follows its waiters, ``Supervisor._finish``), and a run takes one instead of making
+its own. Each leaf serves one run: a run's leaf is removed when it ends, as before, so a leaf's counters
+(``cpu.stat``) are its run's alone.
 
-So the pool keeps a few empty leaves under the engine's parent and a run takes one. A run's leaf that is
-empty when the run has ended, and charged no memory, goes back to the pool (:meth:`LeafPool.recycle`, in
-the housekeeping that follows the run's waiters, ``Supervisor._finish``) and serves the next run in turn;
-when the pool is full, or the leaf still holds a process or memory, it is removed, as before. A leaf
-serves one run at a time, and its CPU counter (``cpu.stat``) is read from where the run began
-(``Leaf.cpu_base_usec``), so what a run is shown to use is its own. A watched command's leaf is never
-reused (the guardian and the sweep tell it by its name). The pool is topped up with new leaves (names
-``p<n>-<token>``) when a run could not give its leaf back.
+A used leaf is never given to another run, although a spawn into one is some 0.1 ms faster than into a
+new one (``docs/benchmarks/analysis.md``, eleventh round): a run can change its leaf in ways the engine
+cannot see or undo, and the next run would inherit them. It can write the leaf's ``cgroup.kill`` (the
+kernel then kills every process later cloned into it at birth, and no file tells), ``cgroup.freeze``
+(the next spawn into it would block the engine itself), or, where controllers are on, its limits
+(``pids.max``, ``memory.max``). Its files are the engine user's, so a run needs no privilege for that.
+Tested in ``tests/test_leaf_pool.py``.
 
-The spare leaves are ordinary empty leaves under the parent (names ``p<n>-<token>`` or a former run's
-``r<id>-<token>``, never ``w-``): the guardian and the start-up sweep remove them with the rest when the
-engine dies, and :meth:`LeafPool.close` removes them when it stops.
+The spare leaves are ordinary empty leaves under the parent (names ``p<n>-<token>``, never ``w-``): the
+guardian and the start-up sweep remove them with the rest when the engine dies, and :meth:`LeafPool.close`
+removes them when it stops.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ class LeafPool:
     _spare: list[Leaf] = attrs.field(init=False, factory=list)
     _made: int = attrs.field(init=False, default=0)
     _closed: bool = attrs.field(init=False, default=False)
-    #: the leaves never to be taken back (:meth:`retire`)
-    _retired: set[str] = attrs.field(init=False, factory=set)
 
     def __repr__(self) -> str:
         return f"<LeafPool {len(self._spare)} spare>"
@@ -64,35 +62,6 @@ class LeafPool:
         if self._spare:
             return self._spare.pop()
         return self.cgroup.leaf(name)
-
-    def recycle(self, leaves: list[Leaf]) -> list[bool]:
-        """Take back the leaves of ended runs that can serve another (``Leaf.reusable``), while the pool
-        has room; the others are left to the caller to remove.
-
-        Returns:
-            For each leaf, in order, whether the pool took it.
-        """
-        kept = []
-        for leaf in leaves:
-            retired = leaf.path in self._retired
-            self._retired.discard(leaf.path)
-            full = self._closed or len(self._spare) >= self.size
-            fresh = None if retired or full else leaf.reusable()
-            if fresh is not None:
-                self._spare.append(fresh)
-            kept.append(fresh is not None)
-        return kept
-
-    def retire(self, leaf: Leaf) -> None:
-        """Never take ``leaf`` back (:meth:`recycle` removes it), because:
-
-        - it gets a ``cgroup.kill``: from then on the kernel (seen on Linux 6.18) kills every process
-          cloned into it with ``CLONE_INTO_CGROUP`` at birth (its kill count is compared with the one
-          the clone took from the parent's cgroup), so another run born there would die at once;
-        - or its removal is handed to a worker thread (a ``kill_all``'s batch): the pool could find it
-          still there, empty, and keep it for the next run as the thread removes it.
-        """
-        self._retired.add(leaf.path)
 
     def fill(self) -> None:
         """Make spare leaves up to :attr:`size`; a failure is ignored (the next run makes its own)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import attrs
 
@@ -61,14 +60,10 @@ class LeafTree(ProcessTree):
     Attributes:
         leaf: the run's cgroup.
         watcher: the engine's inotify watcher of leaves.
-        retire: called with the leaf before it gets its ``cgroup.kill`` or its removal is handed to a
-            worker thread: the pool never takes it back for another run (``LeafPool.retire``); or
-            ``None``.
     """
 
     leaf: Leaf = attrs.field(kw_only=True)
     watcher: LeafWatcher = attrs.field(kw_only=True)
-    retire: Callable[[Leaf], None] | None = attrs.field(kw_only=True, default=None)
     _seen: int = attrs.field(init=False, default=-1)
     _killed_once: bool = attrs.field(init=False, default=False)
     #: when :meth:`send` last found the leader alone in the leaf (``time.monotonic``), or -1
@@ -148,7 +143,7 @@ class LeafTree(ProcessTree):
         if self._hand is None or self._killed_once or self.pidfd < 0:
             self._killed_once = True
             self._rest_killed = True
-            self._kill_leaf()
+            self.leaf.kill()
             return
         self._killed_once = True
         try:
@@ -161,13 +156,7 @@ class LeafTree(ProcessTree):
         populated, so the rest of it gets its ``cgroup.kill`` now (once)."""
         if self._killed_once and not self._rest_killed:
             self._rest_killed = True
-            self._kill_leaf()
-
-    def _kill_leaf(self) -> None:
-        """``cgroup.kill`` of the leaf, which then never serves another run (:attr:`retire`)."""
-        if self.retire is not None:
-            self.retire(self.leaf)
-        self.leaf.kill()
+            self.leaf.kill()
 
     def request_force(self) -> None:
         """Skip the rest of the grace period, and wake a wait on the leaf so it happens now."""
@@ -219,8 +208,6 @@ class LeafTree(ProcessTree):
             # In a batch, the empty leaf is removed now from the worker thread, overlapping the ends of the
             # other runs; the release after the run's end then finds it gone (_containment).
             self._removal_handed = True
-            if self.retire is not None:
-                self.retire(self.leaf)
             self._hand(self.leaf.remove)
         return True
 

@@ -271,15 +271,8 @@ class ManagedRun:
 
     @property
     def cgroup(self) -> str | None:
-        """The run's cgroup v2 leaf (a directory path) in cgroup containment, else ``None``. A leaf serves
-        one run at a time; the run's leaf may have served an earlier run (``_leaf_pool``)."""
+        """The run's cgroup v2 leaf (a directory path) in cgroup containment, else ``None``."""
         return self._placement.path if self._placement is not None else None
-
-    @property
-    def leaf(self) -> Placement:
-        """The run's cgroup v2 leaf in cgroup containment (its counters count from the run's start), else
-        ``None``."""
-        return self._placement
 
     async def wait(self) -> RunExit:
         """Wait until the run has ended and its tree is cleaned up, and return how it ended.

@@ -18,6 +18,7 @@ import attrs
 import trio
 
 from .._cgroup import Leaf
+from .._containment import CgroupContainment
 from .._engine import Engine
 from .._errors import SubProcessNotFoundError
 from .._project import Project
@@ -112,11 +113,11 @@ class RunStats:
             return None
         return next((r for r in runs if r.pid == sp.pid and r.scope_key == sp.project.scope_key), None)
 
-    @staticmethod
-    def _leaf(run: ManagedRun) -> Leaf | None:
-        # The run's own Leaf, not one found again by its name: a leaf that served earlier runs counts CPU
-        # from this run's start (Leaf.cpu_base_usec).
-        return run.leaf
+    def _leaf(self, run: ManagedRun) -> Leaf | None:
+        containment = self.engine.supervisor.containment
+        if run.cgroup is None or not isinstance(containment, CgroupContainment):
+            return None
+        return containment.cgroup.existing_leaf(os.path.basename(run.cgroup))
 
     @staticmethod
     def _uptime(sp: SubProcess, now: datetime) -> float:
