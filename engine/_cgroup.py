@@ -399,6 +399,22 @@ class EngineCgroup:
             self._rel = self.cgroup2.relative(self.path)
         return f"{self._rel.rstrip('/')}/{name}"
 
+    @staticmethod
+    def _renew(leaf: Leaf) -> None:
+        """Remove the empty ``leaf`` and make it again under its name (a new cgroup, its state the
+        kernel's defaults).
+
+        Raises:
+            CgroupError: it cannot be removed (a process is in it) or made again.
+        """
+        try:
+            os.rmdir(leaf.path)
+            os.mkdir(leaf.path, 0o755)
+        except OSError as exc:
+            raise CgroupError(
+                exc.errno, f"cannot make the cgroup {leaf.path} again: {exc.strerror}"
+            ) from None
+
     def existing_leaf(self, name: str) -> Leaf | None:
         """The leaf ``name`` if it exists (a watched command's, found again on adoption)."""
         path = os.path.join(self.path, name)
@@ -413,7 +429,9 @@ class EngineCgroup:
 
         ``spawn`` takes a descriptor of the leaf's directory, for a spawn straight into it
         (``CLONE_INTO_CGROUP``, ``_spawn_direct``), when that can be done here; else ``None``, and it runs
-        with this process moved into the leaf (and back after, whatever happened), as before.
+        with this process moved into the leaf (and back after, whatever happened), as before. A child
+        killed as it was born there (the leaf, empty, had a ``cgroup.kill``: ``CgroupKilledAtBirthError``)
+        is spawned again once in the leaf made again under its name.
 
         Returns:
             What ``spawn`` returned (the child's pid).
@@ -422,17 +440,28 @@ class EngineCgroup:
             CgroupError: the leaf cannot be entered (it was removed, or the hierarchy is read-only now).
             Whatever ``spawn`` raises (``SpawnError``); this process is back in its own cgroup either way.
         """
-        from ._spawn import CgroupSpawnRefusedError, spawns_into_cgroup  # here: the guardian needs no ctypes
+        from ._spawn import (  # here: the guardian needs no ctypes
+            CgroupKilledAtBirthError,
+            CgroupSpawnRefusedError,
+            spawns_into_cgroup,
+        )
 
-        if spawns_into_cgroup():
+        for attempt in range(2):
+            if not spawns_into_cgroup():
+                break
             try:
                 fd = os.open(leaf.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as exc:
                 raise CgroupError(exc.errno, f"cannot enter the cgroup {leaf.path}: {exc.strerror}") from None
             try:
                 return spawn(fd)
+            except CgroupKilledAtBirthError:
+                # The leaf (made ahead, empty) had a cgroup.kill: its parent's, written by someone to end
+                # the engine's runs. Made again under its name, it kills no child.
+                if attempt == 0:
+                    self._renew(leaf)
             except CgroupSpawnRefusedError:
-                pass  # the move below says why, or works (the compiled spawn is off now)
+                break  # the move below says why, or works (the compiled spawn is off now)
             finally:
                 os.close(fd)
         with self._lock:

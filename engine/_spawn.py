@@ -237,6 +237,13 @@ class CgroupSpawnRefusedError(EngineError, OSError):
     caller spawns again with this process moved into the cgroup, which reports the cause as before."""
 
 
+class CgroupKilledAtBirthError(CgroupSpawnRefusedError):
+    """The child was killed as it was born in the cgroup asked for, before it ran (it was reaped: nothing
+    is left). The kernel does that to every process cloned into a cgroup whose ``cgroup.kill`` was written
+    since the cgroup was made (its own, or an ancestor's: ``echo 1 > <parent>/cgroup.kill``), as Linux
+    6.18 does; a new cgroup of the same name is not affected, so the caller makes the cgroup again."""
+
+
 def spawn_process(
     argv: Sequence[str],
     *,
@@ -270,6 +277,8 @@ def spawn_process(
             the cwd is not a directory. Nothing is left running.
         CgroupSpawnRefusedError: ``cgroup_fd`` was given and the child could not be started there (or the
             compiled spawn turned out unusable meanwhile); nothing was started.
+        CgroupKilledAtBirthError: ``cgroup_fd`` was given and the child was killed as it was born there
+            (that cgroup had its ``cgroup.kill`` written); nothing is left.
         ValueError: an argument or a variable holds a NUL byte.
         OSError: ``ENOSYS`` when no C library can be loaded.
     """
@@ -370,6 +379,10 @@ def _spawn_compiled(
         _note_start(pid.value, boottimes[0], boottimes[1])
     if rc >= 0:
         return rc, pid.value
+    if -rc == _spawn_direct.KILLED_AT_BIRTH and cgroup_fd is not None:
+        raise CgroupKilledAtBirthError(
+            errno_mod.ECANCELED, "the child was killed as it was born: the cgroup's cgroup.kill was written"
+        )
     if -rc in _spawn_direct.UNSUPPORTED:
         _spawn_direct.turn_off()
     if cgroup_fd is not None:

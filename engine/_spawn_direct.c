@@ -83,6 +83,7 @@ struct child_args {
     int fds[3];             /* the child's 0, 1, 2: a descriptor, or -1 for /dev/null */
     volatile int err;       /* written by the child when a step fails (shared memory until execve) */
     volatile int unsupported; /* the step failed because the kernel lacks it (close_range) */
+    volatile int ran;       /* set by the child first: 0 after the clone means it never ran (below) */
 };
 
 #if defined(__x86_64__)
@@ -129,6 +130,7 @@ static int fail(struct child_args *a, int err) {
 /* In the child, on its own stack, sharing the parent's memory: make the slate, then execve. */
 static int child_main(void *arg) {
     struct child_args *a = arg;
+    a->ran = 1;
     struct gadget_ksigaction dfl = {0}, cur;
     dfl.handler = SIG_DFL;
     for (int sig = 1; sig <= KERNEL_NSIG; sig++) {
@@ -174,7 +176,7 @@ static int child_main(void *arg) {
 
 /* The version of gadget_spawn's arguments: engine/_spawn_direct.py loads no library of another (a library
  * left from an older build would be called with arguments it does not take). */
-int gadget_spawn_abi(void) { return 2; }
+int gadget_spawn_abi(void) { return 3; }
 
 /* CLOCK_BOOTTIME in ns: the clock the kernel stamps a new process's start with (in copy_process). */
 static int64_t boottime(void) {
@@ -203,7 +205,9 @@ static char **split(const char *blob, int n) {
  * Returns 0 and the pid in *pid_out; boottime_ns[0] and [1] are CLOCK_BOOTTIME read right before and right
  * after the clone, so the child's start (its start_boottime) lies between them. Else a positive error number when a step in the child failed (the child
  * is reaped; nothing is left); a negative one when no child was made: -ENOSYS, -E2BIG or -EINVAL when
- * the kernel lacks what this needs (the caller falls back), else the clone's error.
+ * the kernel lacks what this needs (the caller falls back), -ECANCELED when the child was killed before
+ * it ran a single instruction (reaped: the kernel kills every process cloned into a cgroup whose
+ * cgroup.kill was written since that cgroup was made, as Linux 6.18 does), else the clone's error.
  */
 int gadget_spawn(const char *path, const char *argv_blob, int argc, const char *env_blob, int envc,
                  const char *cwd, int stdin_fd, int stdout_fd, int stderr_fd, int cgroup_fd, int *pid_out,
@@ -215,7 +219,8 @@ int gadget_spawn(const char *path, const char *argv_blob, int argc, const char *
 #else
     _Alignas(16) char stack[CHILD_STACK_BYTES];
     struct child_args a = {
-        .path = path, .cwd = cwd, .fds = {stdin_fd, stdout_fd, stderr_fd}, .err = 0, .unsupported = 0};
+        .path = path, .cwd = cwd, .fds = {stdin_fd, stdout_fd, stderr_fd}, .err = 0, .unsupported = 0,
+        .ran = 0};
     char **argv = split(argv_blob, argc);
     char **envp = split(env_blob, envc);
     if (argv == NULL || envp == NULL) {
@@ -247,10 +252,10 @@ int gadget_spawn(const char *path, const char *argv_blob, int argc, const char *
     int result;
     if (pid < 0) {
         result = (int)pid;
-    } else if (a.err != 0) {
+    } else if (a.err != 0 || !a.ran) {
         while (waitpid((pid_t)pid, NULL, 0) < 0 && errno == EINTR) {
         }
-        result = a.unsupported ? -ENOSYS : a.err;
+        result = !a.ran ? -ECANCELED : a.unsupported ? -ENOSYS : a.err;
     } else {
         *pid_out = (int)pid;
         result = 0;

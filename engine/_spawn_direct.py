@@ -26,17 +26,20 @@ from collections.abc import Callable
 
 from ._trust import ours_or_roots
 
-__all__ = ["ABI", "LIBRARY", "UNSUPPORTED", "DirectSpawn", "direct_spawn", "turn_off"]
+__all__ = ["ABI", "KILLED_AT_BIRTH", "LIBRARY", "UNSUPPORTED", "DirectSpawn", "direct_spawn", "turn_off"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The compiled library, looked for here only.
 LIBRARY = os.path.join(_HERE, "_spawn_direct.bin")
 
-#: The version of ``gadget_spawn``'s arguments this module calls it with (``gadget_spawn_abi``).
-ABI = 2
+#: The version of ``gadget_spawn``'s arguments and answers this module expects (``gadget_spawn_abi``).
+ABI = 3
 
 #: ``gadget_spawn``'s answers (negated) meaning "this kernel cannot do it": no child was made.
 UNSUPPORTED = frozenset({errno.ENOSYS, errno.E2BIG, errno.EINVAL})
+#: The error (negated) ``gadget_spawn`` returns when the child was killed before it ran (the cgroup it
+#: was cloned into had its ``cgroup.kill`` written: the kernel kills every process born there since).
+KILLED_AT_BIRTH = errno.ECANCELED
 
 #: ``(path, argv blob, argc, env blob, envc, cwd, stdin, stdout, stderr, cgroup fd, pid out, boot times)
 #: -> rc``.

@@ -141,3 +141,26 @@ async def test_what_a_run_does_to_its_leaf_never_reaches_the_next_runs(tmp_path:
                     await sup.cancel(after, force=True)
             finally:
                 thaw.cancel()
+
+
+async def test_after_a_cgroup_kill_of_the_parent_the_spare_leaves_serve_the_next_runs(tmp_path: Path) -> None:
+    """Someone ends every run with ``echo 1 > <parent>/cgroup.kill``: the kernel then kills every child
+    cloned into the spare leaves made before it, at birth. The next creates are born alive in them (each
+    made again under its name), not killed (found in review)."""
+    async with open_containment("cgroup", state_dir=str(tmp_path)) as chosen:
+        assert isinstance(chosen, CgroupContainment)
+        async with open_supervisor(containment=chosen, grace_seconds=0.2) as sup:
+            first = await sup.spawn(SpawnSpec(argv=("true",)))
+            await first.wait()
+            with trio.fail_after(5):
+                while len(_spares(chosen.cgroup.path)) < chosen.pool.size:  # made after the run
+                    await trio.sleep(0.01)
+            doomed = await sup.spawn(SpawnSpec(argv=("sleep", "30")))
+            Path(chosen.cgroup.path, "cgroup.kill").write_text("1")
+            with trio.fail_after(10):
+                assert (await doomed.wait()).signal == signal.SIGKILL
+            for n in range(4):  # the spare leaves first, then new ones
+                after = await sup.spawn(SpawnSpec(argv=("sleep", "30")))
+                await trio.sleep(0.2)
+                assert after.exit is None, (n, after.exit)  # alive: not killed at its birth
+                await sup.cancel(after, force=True)

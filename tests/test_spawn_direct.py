@@ -20,7 +20,13 @@ import trio
 from engine import SpawnError, SpawnSpec, _spawn_direct, open_supervisor
 from engine._cgroup import EngineCgroup, find_cgroup2
 from engine._procfs import engine_children
-from engine._spawn import CgroupSpawnRefusedError, spawn_process, spawns_into_cgroup, start_time_of
+from engine._spawn import (
+    CgroupKilledAtBirthError,
+    CgroupSpawnRefusedError,
+    spawn_process,
+    spawns_into_cgroup,
+    start_time_of,
+)
 
 from .children import open_fds
 
@@ -233,6 +239,40 @@ def test_a_leaf_removed_before_the_spawn_is_a_cgroup_error(parent: EngineCgroup,
             ),
         )
     assert engine_children() <= children
+
+
+@needs_cgroup
+@needs_compiled
+def test_a_child_killed_at_birth_is_told_and_its_leaf_made_again(
+    parent: EngineCgroup, tmp_path: Path
+) -> None:
+    """After a ``cgroup.kill`` (the leaf's own or, here, its parent's: someone ending the engine's runs),
+    the kernel kills every child cloned into the leaf before it runs: the spawn says so and leaves
+    nothing, and ``spawn_in`` makes the leaf again under its name and starts the child there."""
+    leaf = parent.leaf("r4-killed")
+    Path(parent.path, "cgroup.kill").write_text("1")
+    children = engine_children()
+    fd = os.open(leaf.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(CgroupKilledAtBirthError, match="killed as it was born"):
+            spawn_process(
+                ["sleep", "30"], cwd=str(tmp_path), env={}, stdout_fd=None, stderr_fd=None, cgroup_fd=fd
+            )
+    finally:
+        os.close(fd)
+    assert engine_children() <= children  # reaped: no zombie
+    pid = parent.spawn_in(
+        leaf,
+        lambda fd: spawn_process(
+            ["sleep", "30"], cwd=str(tmp_path), env={}, stdout_fd=None, stderr_fd=None, cgroup_fd=fd
+        ),
+    )
+    try:
+        time.sleep(0.1)
+        assert leaf.procs() == [pid]  # alive, in the leaf made again
+    finally:
+        _reap(pid)
+    assert leaf.remove()
 
 
 @needs_compiled
