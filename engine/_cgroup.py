@@ -399,17 +399,17 @@ class EngineCgroup:
             self._rel = self.cgroup2.relative(self.path)
         return f"{self._rel.rstrip('/')}/{name}"
 
-    @staticmethod
-    def _renew(leaf: Leaf) -> None:
-        """Remove the empty ``leaf`` and make it again under its name (a new cgroup, its state the
-        kernel's defaults).
+    def _renew(self, leaf: Leaf) -> None:
+        """Remove the empty ``leaf`` (:meth:`Leaf.remove`) and make it again under its name
+        (:meth:`leaf`): a new cgroup, its state the kernel's defaults.
 
         Raises:
             CgroupError: it cannot be removed (a process is in it) or made again.
         """
         try:
-            os.rmdir(leaf.path)
-            os.mkdir(leaf.path, 0o755)
+            if not leaf.remove():
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+            self.leaf(leaf.name)
         except OSError as exc:
             raise CgroupError(
                 exc.errno, f"cannot make the cgroup {leaf.path} again: {exc.strerror}"
