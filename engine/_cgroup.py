@@ -145,13 +145,18 @@ def parent_name(state_dir: str) -> str:
     return "gadget-engine-" + hashlib.sha256(os.fsencode(os.path.abspath(state_dir))).hexdigest()[:16]
 
 
-def populated_in(events: str) -> bool:
-    """Whether a ``cgroup.events`` text says a live process is in its cgroup (``populated 1``)."""
+def _flag_in(events: str, name: str) -> bool:
+    """Whether the ``cgroup.events`` text ``events`` has ``<name> 1``."""
     for line in events.splitlines():
         key, _, value = line.partition(" ")
-        if key == "populated":
+        if key == name:
             return value.strip() == "1"
     return False
+
+
+def populated_in(events: str) -> bool:
+    """Whether a ``cgroup.events`` text says a live process is in its cgroup (``populated 1``)."""
+    return _flag_in(events, "populated")
 
 
 @attrs.frozen
@@ -192,6 +197,14 @@ class Leaf:
         """Whether a live process is in the leaf (``populated 1``); ``False`` once it is removed."""
         try:
             return populated_in(_read(self.events_path))
+        except FileNotFoundError:
+            return False
+
+    def frozen(self) -> bool:
+        """Whether the leaf is frozen (``frozen 1``: its ``cgroup.freeze`` or an ancestor's was written
+        ``1``); ``False`` once it is removed."""
+        try:
+            return _flag_in(_read(self.events_path), "frozen")
         except FileNotFoundError:
             return False
 
@@ -437,7 +450,10 @@ class EngineCgroup:
             What ``spawn`` returned (the child's pid).
 
         Raises:
-            CgroupError: the leaf cannot be entered (it was removed, or the hierarchy is read-only now).
+            CgroupError: the leaf cannot be entered (it was removed, or the hierarchy is read-only now), or
+                it is frozen: a child born there would never reach its ``exec``, and the clone would hold
+                this thread in the kernel until someone thaws it (one read of ``cgroup.events`` first;
+                a freeze written between that read and the clone still holds it).
             Whatever ``spawn`` raises (``SpawnError``); this process is back in its own cgroup either way.
         """
         from ._spawn import (  # here: the guardian needs no ctypes
@@ -445,6 +461,13 @@ class EngineCgroup:
             CgroupSpawnRefusedError,
             spawns_into_cgroup,
         )
+
+        if leaf.frozen():
+            raise CgroupError(
+                errno.EBUSY,
+                f"the cgroup {leaf.path} is frozen (its cgroup.freeze or a parent's is 1): nothing was "
+                "started; write 0 to the cgroup.freeze that holds 1 to thaw it",
+            )
 
         for attempt in range(2):
             if not spawns_into_cgroup():

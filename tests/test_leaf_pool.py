@@ -164,3 +164,28 @@ async def test_after_a_cgroup_kill_of_the_parent_the_spare_leaves_serve_the_next
                 await trio.sleep(0.2)
                 assert after.exit is None, (n, after.exit)  # alive: not killed at its birth
                 await sup.cancel(after, force=True)
+
+
+async def test_a_frozen_leaf_refuses_the_spawn_and_the_engine_goes_on(tmp_path: Path) -> None:
+    """A run (the engine user's) or an operator freezes the engine's parent, or a spare leaf: a child
+    cloned there would never reach its exec, and the clone would hold the engine's thread in the kernel.
+    The create fails at once, says why, and the next one after the thaw lives (found by a new user)."""
+    async with open_containment("cgroup", state_dir=str(tmp_path)) as chosen:
+        assert isinstance(chosen, CgroupContainment)
+        freeze = Path(chosen.cgroup.path, "cgroup.freeze")
+        async with open_supervisor(containment=chosen, grace_seconds=0.2) as sup:
+            freeze.write_text("1")
+            # Should the spawn go ahead, the clone holds this thread in the kernel: thawed from a timer
+            # thread, so that the test fails instead of hanging the suite.
+            thaw = threading.Timer(10, lambda: freeze.write_text("0"))
+            thaw.start()
+            try:
+                with trio.fail_after(5), pytest.raises(OSError, match="is frozen"):
+                    await sup.spawn(SpawnSpec(argv=("sleep", "30")))
+            finally:
+                thaw.cancel()
+                freeze.write_text("0")
+            after = await sup.spawn(SpawnSpec(argv=("sleep", "30")))
+            await trio.sleep(0.2)
+            assert after.exit is None and after.cgroup is not None
+            await sup.cancel(after, force=True)
