@@ -226,7 +226,9 @@ def start(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.wait_seconds
     while True:
         status = _running(state_dir)
-        if status is not None and status["pid"] == pid:
+        # Ours, and answering: while it ends what a crashed engine left (the start-up sweep, up to grace
+        # + kill-wait) it holds the lock but refuses connections, which reads as "stopping".
+        if status is not None and status["pid"] == pid and not status.get("stopping"):
             break
         ended, _ = os.waitpid(pid, os.WNOHANG)
         if ended:
