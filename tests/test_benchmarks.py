@@ -76,3 +76,34 @@ def test_spawn_row_is_a_floor_only_when_the_file_work_alone_outlasts_the_baselin
     assert rows(log_pair_ms=1.8, service_ms=1.4)[spawn.SERVICE] == (False, True)
     assert rows(log_pair_ms=0.3, service_ms=1.4)[spawn.SERVICE] == (False, False)
     assert rows(log_pair_ms=1.8, service_ms=0.9)[spawn.SERVICE] == (True, False)
+
+
+def test_a_run_started_with_sigint_ignored_gives_the_baselines_cooperative_children() -> None:
+    # Found in an official run started as a background job (SIGINT ignored): trio's and Popen's children
+    # inherited the ignored SIGINT, so a cooperative `sleep` outlived it and every bare terminate baseline
+    # waited the whole grace period, while the engine's children (it resets every signal) did not.
+    script = (
+        "import signal, subprocess, time\n"
+        "from benchmarks.run import _default_signals\n"
+        "print(_default_signals())\n"
+        "child = subprocess.Popen(['sleep', '60'])\n"
+        "time.sleep(0.2)\n"
+        "child.send_signal(signal.SIGINT)\n"
+        "try:\n"
+        "    print(child.wait(timeout=10))\n"
+        "finally:\n"
+        "    child.kill()\n"
+    )
+    ignoring = "import signal, subprocess, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    ignoring += "signal.signal(signal.SIGQUIT, signal.SIG_IGN); "
+    ignoring += "sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1]]).returncode)"
+    proc = subprocess.run(
+        [sys.executable, "-c", ignoring, script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "['SIGINT', 'SIGQUIT']\n-2\n"  # ended by the SIGINT, not by a SIGKILL later
