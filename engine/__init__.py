@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from .server._client import EngineConnectionError as EngineConnectionError
     from .server._client import EngineNotRunningError as EngineNotRunningError
     from .server._client import EngineSocketMissingError as EngineSocketMissingError
+    from .server._client import EngineStartingError as EngineStartingError
     from .server._client import EngineStoppingError as EngineStoppingError
     from .server._protocol import RpcError as RpcError
 
@@ -98,6 +99,7 @@ _EXPORTS: dict[str, str] = {
     "EngineLockedError": "._errors",
     "EngineNotRunningError": ".server._client",
     "EngineSocketMissingError": ".server._client",
+    "EngineStartingError": ".server._client",
     "EngineStoppingError": ".server._client",
     "Every": ".cron",
     "FiredEvent": ".cron",

@@ -29,6 +29,7 @@ from .server._client import (
     EngineClient,
     EngineNotRunningError,
     EngineSocketMissingError,
+    EngineStartingError,
     EngineStoppingError,
     RpcError,
 )
@@ -92,13 +93,16 @@ def wait_process_gone(pid: int, seconds: float) -> bool:
 
 def _running(state_dir: str) -> dict[str, Any] | None:
     """The ``status`` of the engine answering on ``state_dir``, or ``None`` when none does; for one that
-    is stopping (it refuses connections), ``{"pid": ..., "stopping": True}``."""
+    is stopping (it refuses connections), ``{"pid": ..., "stopping": True}``; for one that does not listen
+    yet (its start-up sweep), ``{"pid": ..., "starting": True}``."""
     try:
         with EngineClient(state_dir, timeout_seconds=_CALL_SECONDS) as client:
             result: dict[str, Any] = client.call("status")
             return result
     except EngineStoppingError as exc:
         return {"pid": exc.pid, "stopping": True}
+    except EngineStartingError as exc:
+        return {"pid": exc.pid, "starting": True}
     except (EngineNotRunningError, EngineSocketMissingError):  # none, or one still binding its socket
         return None
 
@@ -203,6 +207,31 @@ def _wait_stopped(state_dir: str, pid: int, seconds: float) -> None:
         )
 
 
+def _wait_answering(state_dir: str, pid: int, seconds: float) -> dict[str, Any] | None:
+    """Wait up to ``seconds`` for the engine ``pid``, which is starting (it holds the state directory but
+    does not listen yet), to answer; its ``status``, or what :func:`_running` finds once it is gone.
+
+    Raises:
+        CommandFailedError: it still does not answer after ``seconds``.
+    """
+    print(
+        f"gadget-engine: the engine on {state_dir} (pid {pid}) is starting (it first ends what a crashed "
+        "engine left running); waiting until it answers",
+        file=sys.stderr,
+    )
+    deadline = time.monotonic() + seconds
+    while True:
+        status = _running(state_dir)
+        if status is None or status["pid"] != pid or not status.get("starting"):
+            return status
+        if time.monotonic() > deadline:
+            raise CommandFailedError(
+                f"the engine on {state_dir} (pid {pid}) still does not answer after {seconds:g} s; see its "
+                f"log: {log_path(state_dir)} (an engine embedded in another program never answers here)"
+            )
+        time.sleep(_START_POLL_SECONDS)
+
+
 def start(args: argparse.Namespace) -> int:
     """``gadget-engine start``: ``serve`` in the background; 0 once a client call succeeds.
 
@@ -212,6 +241,8 @@ def start(args: argparse.Namespace) -> int:
     """
     state_dir = resolve_state_dir(args.state_dir)
     status = _running(state_dir)
+    if status is not None and status.get("starting"):  # another start's engine, still sweeping
+        status = _wait_answering(state_dir, int(status["pid"]), args.wait_seconds)
     if status is not None and status.get("stopping"):  # as systemd queues a start behind a stop
         _wait_stopped(state_dir, int(status["pid"]), args.wait_seconds)
         status = _running(state_dir)
@@ -227,12 +258,21 @@ def start(args: argparse.Namespace) -> int:
     while True:
         status = _running(state_dir)
         # Ours, and answering: while it ends what a crashed engine left (the start-up sweep, up to grace
-        # + kill-wait) it holds the lock but refuses connections, which reads as "stopping".
-        if status is not None and status["pid"] == pid and not status.get("stopping"):
+        # + kill-wait) it holds the lock but does not listen yet ("starting").
+        if (
+            status is not None
+            and status["pid"] == pid
+            and not status.get("starting")
+            and not status.get("stopping")
+        ):
             break
         ended, _ = os.waitpid(pid, os.WNOHANG)
         if ended:
-            if status is not None or (status := _running(state_dir)) is not None:
+            if status is None:
+                status = _running(state_dir)
+            if status is not None and status.get("starting"):
+                status = _wait_answering(state_dir, int(status["pid"]), args.wait_seconds)
+            if status is not None:
                 return _already(state_dir, status, args.json)  # another start won the race
             why = _error_lines(state_dir, offset) or "it exited at once"
             why = why.removeprefix("the engine could not start: ")  # serve's own words, said once
@@ -294,6 +334,11 @@ def stop(client: EngineClient, args: argparse.Namespace) -> int:
     except EngineStoppingError as exc:  # a stop already under way: wait for it as for ours
         pid = exc.pid
         _already_stopping(pid, args.end_watched)
+    except EngineStartingError as exc:  # stopped once it answers: its sweep is not cut short
+        answering = _wait_answering(client.state_dir, exc.pid, args.wait_seconds)
+        pid = exc.pid if answering is None else int(answering["pid"])
+        if answering is not None:
+            _ask_to_stop(client, pid, args.end_watched)
     else:
         _ask_to_stop(client, pid, args.end_watched)
     client.close()

@@ -18,6 +18,7 @@ import pytest
 
 from engine import __version__
 from engine._cli_start import redact_url
+from engine.server._location import lock_holder
 
 from .children import kill_pids, mark, pgrep, pgrep_env
 from .serve_support import SHELL, alive, cli, wait_until
@@ -203,6 +204,63 @@ def test_start_after_a_crash_returns_once_the_new_engine_answers(state_dir: Path
     assert again.returncode == 0, again.stderr  # it answers at once
     assert _ge(state_dir, "stop").returncode == 0
     _reap(new)
+
+
+def _crash_leaving_a_child(state_dir: Path, engine: int, project: Path, tag: str) -> None:
+    """Create a SIGINT-ignoring child on ``engine``, then SIGKILL the engine and its guardians: the next
+    engine's start-up sweep ends the child (SIGINT, its grace period, SIGKILL) before it listens."""
+    ignoring = f"import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)  # {tag}"
+    created = _ge(state_dir, "create", "--project", str(project), "--", sys.executable, "-c", ignoring)
+    assert created.returncode == 0, created.stderr
+    guardians = pgrep(f"_guardian import main.*{state_dir}")
+    assert guardians
+    kill_pids([engine, *guardians])
+    for pid in (engine, *guardians):
+        _reap(pid)
+
+
+def _serve_sweeping(state_dir: Path) -> subprocess.Popen[bytes]:
+    """A ``serve`` with a 4 s grace period, returned once it holds the state directory (its start-up sweep
+    is then under way: it does not listen until the crashed engine's child is ended)."""
+    argv = [sys.executable, "-m", "engine", "--state-dir", str(state_dir), "serve", "--grace-seconds", "4"]
+    serve = subprocess.Popen([*argv, *SHELL], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_until(lambda: lock_holder(str(state_dir)) == serve.pid, 20)
+    return serve
+
+
+def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
+    state_dir: Path, project: Path
+) -> None:
+    # Found by a new user: while a new engine ended what a crashed one had left (its start-up sweep, before
+    # it listens), every client said it "is stopping and no longer answers", a second `start` waited for a
+    # stop that never came and failed, and `stop` waited for an exit that never came.
+    first = mark("889.6")
+    _crash_leaving_a_child(state_dir, _start(state_dir), project, first)
+    serve = _serve_sweeping(state_dir)
+    listed = _ge(state_dir, "list")
+    assert listed.returncode == 1
+    assert listed.stderr == (
+        f"gadget-engine: the engine on {state_dir} (pid {serve.pid}) is starting and does not answer yet "
+        "(after a crash it first ends what the crashed engine left running: up to its grace period, then "
+        "SIGKILL); try again in a few seconds\n"
+    )
+    again = _ge(state_dir, "start", "--json")  # waits for it to answer, then says it runs
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["pid"] == serve.pid
+    assert json.loads(again.stdout)["started"] is False
+    assert f"(pid {serve.pid}) is starting" in again.stderr
+    assert not pgrep(first)  # it answered only once the sweep had ended the crashed engine's child
+
+    second = mark("889.7")
+    _crash_leaving_a_child(state_dir, serve.pid, project, second)
+    serve.wait(timeout=10)
+    serve = _serve_sweeping(state_dir)
+    stopped = _ge(state_dir, "stop")  # waits for it to answer, then stops it
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == f"stopped the engine on {state_dir} (pid {serve.pid})\n"
+    assert f"(pid {serve.pid}) is starting" in stopped.stderr and "waiting until it answers" in stopped.stderr
+    assert serve.wait(timeout=10) == 0
+    assert not pgrep(second)
 
 
 def test_a_cron_run_cut_by_a_stop_says_the_engine_is_stopping(state_dir: Path) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "EngineConnectionError",
     "EngineNotRunningError",
     "EngineSocketMissingError",
+    "EngineStartingError",
     "EngineStoppingError",
     "RpcError",
 ]
@@ -131,10 +132,43 @@ class EngineStoppingError(EngineSocketMissingError, EngineConnectionError):
     """
 
 
+class EngineStartingError(EngineSocketMissingError):
+    """Raised by :meth:`EngineClient.connect` when the engine that holds the state directory refuses
+    connections because it does not listen yet: the socket file there is older than the lock that engine
+    took, a leftover of an engine that ended without removing it (a crash, ``kill -9``). An engine that
+    starts after a crash first ends what the crashed one left running (the start-up sweep: up to its
+    grace period, then SIGKILL and the kill wait) and binds its socket after that; ``gadget-engine
+    start`` and ``stop`` wait for it to answer. An engine embedded in another program (``open_engine``)
+    never listens.
+
+    Attributes:
+        pid: the engine's pid.
+    """
+
+
+def _left_by_an_earlier_engine(state_dir: str, path: str) -> bool:
+    """Whether the socket file at ``path`` was made before the state directory's lock was taken (its
+    change time before the lock file's modification time: the engine writes its pid there as it takes
+    the lock, and binds its socket after that), so no engine that holds the lock now made it."""
+    try:
+        made = os.stat(path, follow_symlinks=False).st_ctime_ns
+        locked = os.stat(os.path.join(state_dir, "lock"), follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return False
+    return made < locked
+
+
 def _not_running(
     state_dir: str, path: str, *, refused: bool = False
 ) -> EngineNotRunningError | EngineSocketMissingError:
     pid = lock_holder(state_dir)
+    if pid is not None and refused and _left_by_an_earlier_engine(state_dir, path):
+        return EngineStartingError(
+            f"the engine on {state_dir} (pid {pid}) is starting and does not answer yet (after a crash it "
+            "first ends what the crashed engine left running: up to its grace period, then SIGKILL); try "
+            "again in a few seconds",
+            pid,
+        )
     if pid is not None and refused:
         return EngineStoppingError(
             f"the engine on {state_dir} (pid {pid}) is stopping and no longer answers; "
