@@ -3,12 +3,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 from hypothesis import HealthCheck, settings
 
 from engine import Supervisor, open_supervisor
@@ -229,3 +232,38 @@ def pg_url() -> Iterator[str]:
     """A fresh database on the session's PostgreSQL (started once per session, ``tests/pg_support.py``)."""
     with fresh_database() as url:
         yield url
+
+
+#: How long the loop must be idle before the autojump clock of :func:`store_clock` jumps, in seconds.
+STORE_CLOCK_THRESHOLD_SECONDS = 0.05
+
+
+@pytest.fixture
+def store_clock(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> trio.testing.MockClock:
+    """Trio's autojump clock, held still while a call runs in a worker thread (``trio.to_thread.run_sync``:
+    the SQLite store's calls), however long the call takes.
+
+    A task waiting for a thread looks idle to the clock, and a store's ``COMMIT`` waits for ``fsync``,
+    which a loaded VM stretches past any fixed threshold (seen: 76-391 ms for one ``claim_due``): the
+    clock then jumped to the test's own deadline while a fire was being recorded, and an hourly job seemed
+    to have fired 8 times in a day.
+    """
+    autojump_clock.autojump_threshold = STORE_CLOCK_THRESHOLD_SECONDS
+    real = trio.to_thread.run_sync
+    in_threads = 0
+
+    async def run_sync(*args: object, **kwargs: object) -> object:
+        nonlocal in_threads
+        in_threads += 1
+        autojump_clock.autojump_threshold = math.inf
+        try:
+            return await real(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            in_threads -= 1
+            if not in_threads:
+                autojump_clock.autojump_threshold = STORE_CLOCK_THRESHOLD_SECONDS
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+    return autojump_clock

@@ -57,9 +57,8 @@ async def test_delivery_observer_that_fails_does_not_stop_delivery(
 
 
 async def test_delivery_embedded_redelivers_in_cursor_order_with_back_off(
-    autojump_clock: trio.testing.MockClock, store: SqliteJobStore
+    store_clock: trio.testing.MockClock, store: SqliteJobStore
 ) -> None:
-    autojump_clock.autojump_threshold = 0.05  # store calls run in a worker thread
     calls: list[tuple[float, int]] = []
     down = True
 
@@ -232,9 +231,8 @@ async def test_delivery_held_hand_overs_do_not_wait_for_an_ack_another_writes(
 
 
 async def test_delivery_held_hand_overs_of_a_cancelled_writer_are_told_and_redelivered(
-    autojump_clock: trio.testing.MockClock, counting_store: AckCountingStore
+    store_clock: trio.testing.MockClock, counting_store: AckCountingStore
 ) -> None:
-    autojump_clock.autojump_threshold = 0.05  # store calls run in a worker thread
     calls: list[int] = []
 
     async def on_fire(event: FiredEvent) -> None:
@@ -278,9 +276,8 @@ async def test_delivery_held_hand_overs_of_a_cancelled_writer_are_told_and_redel
 
 
 async def test_delivery_group_ack_on_a_failing_disk_is_retried_and_loses_nothing(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+    store_clock: trio.testing.MockClock, tmp_path: Path
 ) -> None:
-    autojump_clock.autojump_threshold = 0.05  # store calls run in a worker thread
     store = SqliteJobStore(str(tmp_path / "cron.sqlite3"), connection_factory=FullDiskConnection)
     await store.open()
     calls: list[int] = []
