@@ -53,6 +53,7 @@ STATE_ENTRIES: Final[Mapping[str, Kind]] = {
     "engine.sock": "socket",
     "engine.sock.path": "file",
     "engine.sock.path.tmp": "file",
+    "engine.new": "socket",
     "guardian.log": "file",
     "cgroup.path": "file",
     "groups": "directory",

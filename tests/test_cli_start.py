@@ -219,13 +219,20 @@ def _crash_leaving_a_child(state_dir: Path, engine: int, project: Path, tag: str
         _reap(pid)
 
 
-def _serve_sweeping(state_dir: Path) -> subprocess.Popen[bytes]:
-    """A ``serve`` with a 4 s grace period, returned once it holds the state directory (its start-up sweep
-    is then under way: it does not listen until the crashed engine's child is ended)."""
+@contextlib.contextmanager
+def _serve_sweeping(state_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``serve`` with a 4 s grace period, given once it holds the state directory (its start-up sweep
+    is then under way: it does not listen until the crashed engine's child is ended); killed at the end
+    if it still runs, and reaped."""
     argv = [sys.executable, "-m", "engine", "--state-dir", str(state_dir), "serve", "--grace-seconds", "4"]
     serve = subprocess.Popen([*argv, *SHELL], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert wait_until(lambda: lock_holder(str(state_dir)) == serve.pid, 20)
-    return serve
+    try:
+        assert wait_until(lambda: lock_holder(str(state_dir)) == serve.pid, 20)
+        yield serve
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+        serve.wait(timeout=10)
 
 
 def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
@@ -236,31 +243,31 @@ def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
     # stop that never came and failed, and `stop` waited for an exit that never came.
     first = mark("889.6")
     _crash_leaving_a_child(state_dir, _start(state_dir), project, first)
-    serve = _serve_sweeping(state_dir)
-    listed = _ge(state_dir, "list")
-    assert listed.returncode == 1
-    assert listed.stderr == (
-        f"gadget-engine: the engine on {state_dir} (pid {serve.pid}) is starting and does not answer yet "
-        "(after a crash it first ends what the crashed engine left running: up to its grace period, then "
-        "SIGKILL); try again in a few seconds\n"
-    )
-    again = _ge(state_dir, "start", "--json")  # waits for it to answer, then says it runs
-    assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["pid"] == serve.pid
-    assert json.loads(again.stdout)["started"] is False
-    assert f"(pid {serve.pid}) is starting" in again.stderr
-    assert not pgrep(first)  # it answered only once the sweep had ended the crashed engine's child
-
     second = mark("889.7")
-    _crash_leaving_a_child(state_dir, serve.pid, project, second)
-    serve.wait(timeout=10)
-    serve = _serve_sweeping(state_dir)
-    stopped = _ge(state_dir, "stop")  # waits for it to answer, then stops it
-    assert stopped.returncode == 0, stopped.stderr
-    assert stopped.stdout == f"stopped the engine on {state_dir} (pid {serve.pid})\n"
-    assert f"(pid {serve.pid}) is starting" in stopped.stderr and "waiting until it answers" in stopped.stderr
-    assert serve.wait(timeout=10) == 0
-    assert not pgrep(second)
+    with _serve_sweeping(state_dir) as serve:
+        listed = _ge(state_dir, "list")
+        assert listed.returncode == 1
+        assert listed.stderr == (
+            f"gadget-engine: the engine on {state_dir} (pid {serve.pid}) is starting and does not answer "
+            "yet (after a crash it first ends what the crashed engine left running: up to its grace period, "
+            "then SIGKILL); try again in a few seconds\n"
+        )
+        again = _ge(state_dir, "start", "--json")  # waits for it to answer, then says it runs
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["pid"] == serve.pid
+        assert json.loads(again.stdout)["started"] is False
+        assert f"(pid {serve.pid}) is starting" in again.stderr
+        assert not pgrep(first)  # it answered only once the sweep had ended the crashed engine's child
+        _crash_leaving_a_child(state_dir, serve.pid, project, second)
+
+    with _serve_sweeping(state_dir) as serve:
+        stopped = _ge(state_dir, "stop")  # waits for it to answer, then stops it
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout == f"stopped the engine on {state_dir} (pid {serve.pid})\n"
+        assert f"(pid {serve.pid}) is starting" in stopped.stderr
+        assert "waiting until it answers" in stopped.stderr
+        assert serve.wait(timeout=10) == 0
+        assert not pgrep(second)
 
 
 def test_a_cron_run_cut_by_a_stop_says_the_engine_is_stopping(state_dir: Path) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "find_socket_path",
     "lock_holder",
     "resolve_state_dir",
+    "staging_socket_path",
 ]
 
 SOCKET_NAME: Final = "engine.sock"
@@ -81,6 +82,13 @@ def _private_dir(path: str) -> str:
         except OSError as exc:
             return f"{path} cannot be made private: {exc.strerror or exc}"
     return ""
+
+
+def staging_socket_path(path: str) -> str:
+    """Where ``serve`` binds its socket before renaming it to ``path`` (``engine.new`` beside
+    ``engine.sock``): the same folder, a shorter name, so it fits wherever ``path`` does."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, name.removesuffix(".sock") + ".new")
 
 
 def choose_socket_path(state_dir: str) -> str:

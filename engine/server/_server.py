@@ -37,7 +37,13 @@ from .._engine import Engine, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
 from .._trust import open_own_file
 from ._eventlog import RunLogger, log_event, log_fired
-from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, choose_socket_path, lock_holder
+from ._location import (
+    SOCKET_NAME,
+    SOCKET_POINTER_NAME,
+    choose_socket_path,
+    lock_holder,
+    staging_socket_path,
+)
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
 from ._protocol import (
     INTERNAL_ERROR,
@@ -354,22 +360,28 @@ async def bind_socket(state_dir: str) -> tuple[trio.SocketListener, str]:
         OSError: the socket cannot be made.
     """
     path, leftover = await trio.to_thread.run_sync(_prepare, state_dir)
-    if leftover:
-        if await _answers(path):
-            raise EngineLockedError(
-                f"something already answers on {path}; stop it or use another --state-dir"
-            )
-        os.unlink(path)
-        log_event("stale_socket_replaced", socket=path)
+    if leftover and await _answers(path):
+        raise EngineLockedError(f"something already answers on {path}; stop it or use another --state-dir")
+    staging = staging_socket_path(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staging)  # left by a bind cut short
     _write_pointer(state_dir, path)
     sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
     try:
-        await sock.bind(path)
-        os.chmod(path, 0o600)  # the 0700 directory keeps everyone else out meanwhile
+        # Bound, made private and listening under another name, then renamed over the path in one
+        # step: the path never names a socket of this engine that refuses connections, so a client
+        # refused there is refused by a leftover (this engine starts) or by a stop (it stopped listening).
+        await sock.bind(staging)
+        os.chmod(staging, 0o600)  # the 0700 directory keeps everyone else out meanwhile
         sock.listen(128)
+        os.rename(staging, path)
     except BaseException:
         sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
         raise
+    if leftover:
+        log_event("stale_socket_replaced", socket=path)
     return trio.SocketListener(sock), path
 
 
