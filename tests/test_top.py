@@ -216,6 +216,12 @@ def contained(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served
     assert engine.stop() == 0
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of ``pid`` so far, from ``/proc/<pid>/stat``, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_stats_measure_the_whole_tree_escapees_included(contained: Served, project: Path) -> None:
     """A busy child, a child holding 64 MiB and an escapee that ``setsid`` and was re-parented to the
     engine all count, on top of the leader; the last line is the newest output."""
@@ -237,10 +243,14 @@ def test_stats_measure_the_whole_tree_escapees_included(contained: Served, proje
                 return entry if entry["cpu_percent"] and entry["processes"] >= 3 else None
 
             assert wait_until(measured, 15), client.call("subprocess.stats")
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            (busy,) = (int(c) for c in children if b"while True" in Path(f"/proc/{c}/cmdline").read_bytes())
+            busy_seconds = _cpu_seconds(busy)  # what the busy loop alone has used by now
             time.sleep(MIN_REFRESH_SECONDS)
             entry = next(e for e in client.call("subprocess.stats") if e["pid"] == pid)
             assert entry["processes"] == 3  # the leader (sleep), the busy loop, the escapee
-            assert entry["cpu_percent"] > 20  # one busy loop on a shared machine
+            # The busy loop's CPU counts in the tree's (found on a loaded VM: a fixed "> 20 %" saw 8.2 %).
+            assert entry["cpu_percent"] > 0 and entry["cpu_seconds"] >= busy_seconds
             assert entry["memory_bytes"] > 64 * 2**20
             assert entry["cpu_seconds"] > 0 and entry["uptime_seconds"] > 0.5
             assert entry["project_directory"] == str(project)
