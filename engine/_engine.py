@@ -161,9 +161,11 @@ def _lock_state_dir(state_dir: str) -> int:
             raise EngineLockedError(
                 f"another engine holds the state directory {state_dir!r}; stop it or use another --state-dir"
             ) from None
-        check_state_dir(state_dir)
+        # The pid first (a client tells from it that this engine, which does not listen yet, is starting),
+        # then the entries are checked.
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
+        check_state_dir(state_dir)
     except BaseException:
         os.close(fd)
         raise

@@ -84,9 +84,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def _session_temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Paths under this run's base temp dir are unique to the session: children.pgrep accepts them.
 
-    At the end, the cgroups of this session's engines that are empty now are removed: a watched
-    command's leaf outlives its engine on purpose (for the next one, which a test's temporary state
-    directory never gets), and would stay behind as an empty folder.
+    At the end, the cgroups of this session's engines (named by the ``cgroup.path`` files in its state
+    directories) are emptied (``cgroup.kill``) and removed: a watched command's leaf outlives its engine
+    on purpose (for the next one, which a test's temporary state directory never gets), and a command a
+    test left running there would end later and leave an empty folder behind.
     """
     base = tmp_path_factory.getbasetemp()
     add_session_root(base)
@@ -95,7 +96,14 @@ def _session_temp_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         parent = Path(record.read_text().strip())
         if not parent.name.startswith("gadget-engine-") or not str(parent).startswith("/sys/fs/cgroup/"):
             continue
-        for leaf in parent.iterdir() if parent.is_dir() else ():
+        if not parent.is_dir():
+            continue
+        with contextlib.suppress(OSError):
+            (parent / "cgroup.kill").write_text("1")
+            deadline = time.monotonic() + 5.0
+            while "populated 1" in (parent / "cgroup.events").read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        for leaf in parent.iterdir():
             if leaf.is_dir() and not leaf.is_symlink():
                 with contextlib.suppress(OSError):  # still populated: left alone
                     leaf.rmdir()

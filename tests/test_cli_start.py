@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,12 @@ import pytest
 
 from engine import __version__
 from engine._cli_start import redact_url
+from engine.server._client import (
+    EngineClient,
+    EngineSocketMissingError,
+    EngineStartingError,
+    EngineStoppingError,
+)
 from engine.server._location import lock_holder
 
 from .children import kill_pids, mark, pgrep, pgrep_env
@@ -268,6 +275,47 @@ def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
         assert "waiting until it answers" in stopped.stderr
         assert serve.wait(timeout=10) == 0
         assert not pgrep(second)
+
+
+def test_a_refused_socket_is_told_starting_or_stopping_by_the_lock(tmp_path: Path) -> None:
+    """A real lock (this process holds it, as an engine that has just taken it) and a real socket file
+    nobody listens on: the client says "starting" for an engine that has not written its pid yet or whose
+    socket file is older than its lock, "stopping" for one whose own socket stopped listening."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    sock_path, lock = state / "engine.sock", state / "lock"
+    lock.write_text("1\n")  # an earlier engine's pid
+    lock.chmod(0o600)
+    fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def refused_socket() -> None:
+        sock_path.unlink(missing_ok=True)
+        with socket.socket(socket.AF_UNIX) as bound:
+            bound.bind(str(sock_path))  # closed unlistened: a connect is refused
+
+    def refused() -> Exception:
+        with pytest.raises(EngineSocketMissingError) as info:
+            EngineClient(str(state)).connect()
+        assert info.value.pid == os.getpid()
+        return info.value
+
+    def write_pid() -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    try:
+        refused_socket()
+        assert isinstance(refused(), EngineStartingError)  # the lock is taken, the pid not written yet
+        write_pid()
+        time.sleep(0.05)  # past the coarse clock's tick
+        refused_socket()
+        assert type(refused()) is EngineStoppingError  # its own socket, made after its lock: a stop
+        time.sleep(0.05)
+        write_pid()
+        assert isinstance(refused(), EngineStartingError)  # a socket file older than the lock: a leftover
+    finally:
+        os.close(fd)
 
 
 def test_a_cron_run_cut_by_a_stop_says_the_engine_is_stopping(state_dir: Path) -> None:

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import EngineError, UntrustedPathError
+from .._trust import open_own_file
 from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, find_socket_path, lock_holder, resolve_state_dir
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
@@ -146,23 +147,39 @@ class EngineStartingError(EngineSocketMissingError):
     """
 
 
-def _left_by_an_earlier_engine(state_dir: str, path: str) -> bool:
-    """Whether the socket file at ``path`` was made before the state directory's lock was taken (its
-    change time before the lock file's modification time: the engine writes its pid there as it takes
-    the lock, and binds its socket after that), so no engine that holds the lock now made it."""
+def _socket_made(path: str) -> int | None:
+    """The change time of the socket file at ``path`` (ns), or ``None``: read before a connect, so that a
+    refusal is told by the file that refused (an engine that starts renames its own over it)."""
     try:
-        made = os.stat(path, follow_symlinks=False).st_ctime_ns
-        locked = os.stat(os.path.join(state_dir, "lock"), follow_symlinks=False).st_mtime_ns
+        return os.stat(path, follow_symlinks=False).st_ctime_ns
+    except OSError:
+        return None
+
+
+def _left_by_an_earlier_engine(state_dir: str, made: int | None, holder: int) -> bool:
+    """Whether the socket file made at ``made`` (its change time, from :func:`_socket_made`) was not made
+    by ``holder``, the process holding the state directory's lock: the holder has not written its pid into
+    the lock file yet (it has just taken the lock), or the socket is older than the lock file's last
+    write (the engine writes its pid there as it takes the lock, and binds its socket after that)."""
+    if made is None:
+        return False
+    try:
+        fd = open_own_file(os.path.join(state_dir, "lock"), os.O_RDONLY, what="the state directory's lock")
+        with os.fdopen(fd, "rb") as f:
+            locked = os.fstat(f.fileno()).st_mtime_ns
+            written = f.read(64).strip()
     except OSError:
         return False
-    return made < locked
+    return written != str(holder).encode() or made < locked
 
 
 def _not_running(
-    state_dir: str, path: str, *, refused: bool = False
+    state_dir: str, path: str, *, refused: bool = False, made: int | None = None
 ) -> EngineNotRunningError | EngineSocketMissingError:
+    """What a failed connect to ``path`` means; ``made``: the socket file's change time read before it
+    (:func:`_socket_made`)."""
     pid = lock_holder(state_dir)
-    if pid is not None and refused and _left_by_an_earlier_engine(state_dir, path):
+    if pid is not None and refused and _left_by_an_earlier_engine(state_dir, made, pid):
         return EngineStartingError(
             f"the engine on {state_dir} (pid {pid}) is starting and does not answer yet (after a crash it "
             "first ends what the crashed engine left running: up to its grace period, then SIGKILL); try "
@@ -311,6 +328,7 @@ class EngineClient:
                 return
             self.close()
         path = self.socket_path
+        made = _socket_made(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_seconds)
         try:
@@ -319,7 +337,7 @@ class EngineClient:
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             sock.close()
             raise _not_running(
-                self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError)
+                self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError), made=made
             ) from None
         except BaseException:
             sock.close()
@@ -464,11 +482,12 @@ class AsyncEngineClient:
                 return
             await self.aclose()
         path = self.socket_path
+        made = _socket_made(path)
         try:
             reader, writer = await asyncio.open_unix_connection(path, limit=MAX_RESPONSE_BYTES)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             raise _not_running(
-                self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError)
+                self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError), made=made
             ) from None
         try:
             check_peer(writer.get_extra_info("socket"), path, self.state_dir)
