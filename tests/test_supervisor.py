@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -463,6 +464,7 @@ def test_engine_with_sigint_ignored_still_stops_child_with_sigint(tmp_path: Path
 @pytest.mark.parametrize("how", ["return", "error", "cancel"])
 async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: str) -> None:
     kept, ended = mark("338.1"), mark("338.2")
+    watched: ManagedRun | None = None
     try:
         with trio.CancelScope() as outer:
             try:
@@ -481,6 +483,7 @@ async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: 
                 assert how == "error"
         assert other.state is RunState.EXITED and not pgrep(rf"^sleep {ended}$")
         # Detached: still running (it would have printed "bye" and exited on SIGINT), forgotten.
+        assert watched is not None
         assert pgrep(rf"time.sleep\({kept}\)") == [watched.pid]
         assert watched.state is RunState.RUNNING and watched.exit is None
         assert sup.runs() == []
@@ -488,6 +491,11 @@ async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: 
         for pid in pgrep(rf"time.sleep\({kept}\)"):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)  # our child: reap it here
+        if watched is not None and watched.cgroup is not None:  # its leaf, and the supervisor's parent
+            leaf = Path(watched.cgroup)
+            for empty in (leaf, leaf.parent):
+                with contextlib.suppress(OSError):
+                    empty.rmdir()
 
 
 async def test_cancel_still_ends_an_outlive_run(supervisor: Supervisor) -> None:
