@@ -191,28 +191,6 @@ def test_start_while_the_engine_stops_waits_for_the_stop_then_starts(state_dir: 
     _reap(new["pid"])
 
 
-def test_start_after_a_crash_returns_once_the_new_engine_answers(state_dir: Path, project: Path) -> None:
-    # Found by a new user: after the engine and its guardian were SIGKILLed, `start` said "started" while
-    # the new engine was still ending the crashed one's children (it refuses connections meanwhile), and
-    # the next `create` said the engine "is stopping and no longer answers".
-    old = _start(state_dir, "--grace-seconds", "2")
-    tag = mark("889.4")
-    ignoring = f"import signal,time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)  # {tag}"
-    created = _ge(state_dir, "create", "--project", str(project), "--", sys.executable, "-c", ignoring)
-    assert created.returncode == 0, created.stderr
-    guardians = pgrep(f"_guardian import main.*{state_dir}")
-    assert guardians
-    kill_pids([old, *guardians])
-    for pid in (old, *guardians):
-        _reap(pid)
-    new = _start(state_dir, "--grace-seconds", "2")
-    assert not pgrep(tag)  # the start-up sweep ended it before the engine answered
-    again = _ge(state_dir, "create", "--project", str(project), "--", "sleep", mark("889.5"))
-    assert again.returncode == 0, again.stderr  # it answers at once
-    assert _ge(state_dir, "stop").returncode == 0
-    _reap(new)
-
-
 def _crash_leaving_a_child(state_dir: Path, engine: int, project: Path, tag: str) -> None:
     """Create a SIGINT-ignoring child on ``engine``, then SIGKILL the engine and its guardians: the next
     engine's start-up sweep ends the child (SIGINT, its grace period, SIGKILL) before it listens."""
@@ -224,6 +202,20 @@ def _crash_leaving_a_child(state_dir: Path, engine: int, project: Path, tag: str
     kill_pids([engine, *guardians])
     for pid in (engine, *guardians):
         _reap(pid)
+
+
+def test_start_after_a_crash_returns_once_the_new_engine_answers(state_dir: Path, project: Path) -> None:
+    # Found by a new user: after the engine and its guardian were SIGKILLed, `start` said "started" while
+    # the new engine was still ending the crashed one's children (it refuses connections meanwhile), and
+    # the next `create` said the engine "is stopping and no longer answers".
+    tag = mark("889.4")
+    _crash_leaving_a_child(state_dir, _start(state_dir, "--grace-seconds", "2"), project, tag)
+    new = _start(state_dir, "--grace-seconds", "2")
+    assert not pgrep(tag)  # the start-up sweep ended it before the engine answered
+    again = _ge(state_dir, "create", "--project", str(project), "--", "sleep", mark("889.5"))
+    assert again.returncode == 0, again.stderr  # it answers at once
+    assert _ge(state_dir, "stop").returncode == 0
+    _reap(new)
 
 
 @contextlib.contextmanager
