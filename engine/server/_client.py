@@ -318,7 +318,9 @@ class EngineClient:
         Raises:
             EngineNotRunningError: no socket, or nobody answers on it, and no engine holds the state
                 directory.
-            EngineSocketMissingError: an engine holds the state directory, but its socket is missing.
+            EngineSocketMissingError: an engine holds the state directory, but its socket is missing;
+                its kinds :class:`EngineStartingError` (it does not listen yet: its start-up sweep) and
+                :class:`EngineStoppingError` (it stopped listening: a stop) when the socket refuses.
             PermissionError: the socket belongs to another user.
             UntrustedPathError: the state directory or its pointer file is not this user's, or the
                 engine on the socket runs as another user.
@@ -473,7 +475,9 @@ class AsyncEngineClient:
         Raises:
             EngineNotRunningError: no socket, or nobody answers on it, and no engine holds the state
                 directory.
-            EngineSocketMissingError: an engine holds the state directory, but its socket is missing.
+            EngineSocketMissingError: an engine holds the state directory, but its socket is missing;
+                its kinds :class:`EngineStartingError` (it does not listen yet: its start-up sweep) and
+                :class:`EngineStoppingError` (it stopped listening: a stop) when the socket refuses.
             PermissionError: the socket belongs to another user.
             UntrustedPathError: as :meth:`EngineClient.connect`.
         """
