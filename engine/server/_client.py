@@ -29,8 +29,15 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import EngineError, UntrustedPathError
-from .._trust import open_own_file
-from ._location import SOCKET_NAME, SOCKET_POINTER_NAME, find_socket_path, lock_holder, resolve_state_dir
+from ._location import (
+    SOCKET_NAME,
+    SOCKET_POINTER_NAME,
+    LockState,
+    find_socket_path,
+    lock_holder,
+    lock_state,
+    resolve_state_dir,
+)
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
 __all__ = [
@@ -156,21 +163,14 @@ def _socket_made(path: str) -> int | None:
         return None
 
 
-def _left_by_an_earlier_engine(state_dir: str, made: int | None, holder: int) -> bool:
+def _left_by_an_earlier_engine(lock: LockState, made: int | None) -> bool:
     """Whether the socket file made at ``made`` (its change time, from :func:`_socket_made`) was not made
-    by ``holder``, the process holding the state directory's lock: the holder has not written its pid into
-    the lock file yet (it has just taken the lock), or the socket is older than the lock file's last
-    write (the engine writes its pid there as it takes the lock, and binds its socket after that)."""
+    by the lock's holder: the holder has not written its pid into the lock file yet (it has just taken the
+    lock), or the socket is older than the lock file's last write (the engine writes its pid there as it
+    takes the lock, and binds its socket after that)."""
     if made is None:
         return False
-    try:
-        fd = open_own_file(os.path.join(state_dir, "lock"), os.O_RDONLY, what="the state directory's lock")
-        with os.fdopen(fd, "rb") as f:
-            locked = os.fstat(f.fileno()).st_mtime_ns
-            written = f.read(64).strip()
-    except OSError:
-        return False
-    return written != str(holder).encode() or made < locked
+    return lock.written != str(lock.holder) or made < lock.written_ns
 
 
 def _not_running(
@@ -178,8 +178,9 @@ def _not_running(
 ) -> EngineNotRunningError | EngineSocketMissingError:
     """What a failed connect to ``path`` means; ``made``: the socket file's change time read before it
     (:func:`_socket_made`)."""
-    pid = lock_holder(state_dir)
-    if pid is not None and refused and _left_by_an_earlier_engine(state_dir, made, pid):
+    lock = lock_state(state_dir)
+    pid = None if lock is None else lock.holder
+    if lock is not None and pid is not None and refused and _left_by_an_earlier_engine(lock, made):
         return EngineStartingError(
             f"the engine on {state_dir} (pid {pid}) is starting and does not answer yet (after a crash it "
             "first ends what the crashed engine left running: up to its grace period, then SIGKILL); try "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from typing import Final
+from typing import Final, NamedTuple
 
 from .._errors import UntrustedPathError
 from .._trust import open_own_file, read_pointer
@@ -25,10 +25,12 @@ __all__ = [
     "SOCKET_POINTER_NAME",
     "STATE_DIR_ENV",
     "SUN_PATH_MAX",
+    "LockState",
     "choose_socket_path",
     "default_state_dir",
     "find_socket_path",
     "lock_holder",
+    "lock_state",
     "resolve_state_dir",
     "staging_socket_path",
 ]
@@ -151,13 +153,25 @@ def find_socket_path(state_dir: str) -> str:
     return next(iter(_runtime_candidates(state_dir)), default)
 
 
-def lock_holder(state_dir: str) -> int | None:
-    """The pid of the process that holds ``<state_dir>/lock`` (the engine running there), or ``None``.
+class LockState(NamedTuple):
+    """The state directory's lock, as :func:`lock_state` read it."""
 
-    Read from ``/proc/locks`` (an ``flock`` write lock on the lock file's device and inode), so a client
-    can name a live engine whose socket is missing; a lock file's stale pid never counts. Where the
-    device numbers do not match (some overlay filesystems), the inode and the pid the engine wrote in
-    the file must both match.
+    #: the pid of the process holding the lock, or ``None`` when nobody does
+    holder: int | None
+    #: the pid the last engine to take the lock wrote in the file (as text; it writes it as it takes it)
+    written: str
+    #: when that was written: the file's modification time, in ns
+    written_ns: int
+
+
+def lock_state(state_dir: str) -> LockState | None:
+    """The lock of ``<state_dir>/lock``: who holds it and what the last engine wrote in it; ``None`` when
+    the file cannot be read (missing, not a regular file of ours).
+
+    The holder is read from ``/proc/locks`` (an ``flock`` write lock on the lock file's device and inode),
+    so a client can name a live engine whose socket is missing; a lock file's stale pid never counts.
+    Where the device numbers do not match (some overlay filesystems), the inode and the pid the engine
+    wrote in the file must both match.
     """
     path = os.path.join(state_dir, "lock")
     try:
@@ -171,10 +185,19 @@ def lock_holder(state_dir: str) -> int | None:
     except (OSError, ValueError):
         return None
     where = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    holder: int | None = None
     for line in lines:
         fields = line.split()  # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2146433 0 EOF" ("->": a waiter)
         if len(fields) < 6 or fields[1:4] != ["FLOCK", "ADVISORY", "WRITE"] or not fields[4].isdigit():
             continue
         if fields[5] == where or (fields[5].endswith(f":{info.st_ino}") and fields[4] == written):
-            return int(fields[4])
-    return None
+            holder = int(fields[4])
+            break
+    return LockState(holder, written, info.st_mtime_ns)
+
+
+def lock_holder(state_dir: str) -> int | None:
+    """The pid of the process that holds ``<state_dir>/lock`` (the engine running there), or ``None``
+    (see :func:`lock_state`)."""
+    state = lock_state(state_dir)
+    return None if state is None else state.holder
