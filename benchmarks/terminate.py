@@ -67,7 +67,7 @@ async def _bare_trio(argv: tuple[str, ...], n: int) -> float:
 
 async def run(ctx: Context) -> list[Row]:
     ns = (1, GROUP_SIZE) if ctx.quick else (1, GROUP_SIZE, 100, 1000)
-    repeats = {1: 5 if ctx.quick else 25, GROUP_SIZE: 3 if ctx.quick else 7, 100: 5, 1000: 3}
+    repeats = {1: 5 if ctx.quick else 25, GROUP_SIZE: 3 if ctx.quick else 7, 100: 5, 1000: 5}
     project = Project.from_directory(ctx.scratch("terminate-project"))
     sd = ctx.supervisord
     rows: list[Row] = []
