@@ -500,7 +500,7 @@ _GOES_ON = {
     "halt": "the engine goes on ending the process and keeps its logs (gadget-engine list shows it)",
     "kill-all": "the engine goes on ending every process (gadget-engine list shows them)",
     "stop": "the engine goes on stopping (gadget-engine status exits 3 once it has)",
-    "start": "an engine may still be starting (gadget-engine status tells)",
+    "start": "an engine this start spawned, if any, goes on starting (gadget-engine status tells)",
     "create": "the process may have been created (gadget-engine list shows it)",
     "input": "the text may have been written (in part) to the process's stdin",
     "cron run": "the job's run goes on in the engine (gadget-engine events shows its fire)",

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from ._cli_output import CommandFailedError, emit_json
+from ._lockfile import SERVING
 from ._termtext import escape_controls
 from ._trust import open_own_file
 from ._when import format_duration
@@ -33,7 +34,7 @@ from .server._client import (
     EngineStoppingError,
     RpcError,
 )
-from .server._location import resolve_state_dir
+from .server._location import lock_holder, lock_state, resolve_state_dir
 from .server._protocol import METHOD_NOT_FOUND
 
 __all__ = [
@@ -94,7 +95,8 @@ def wait_process_gone(pid: int, seconds: float) -> bool:
 def _running(state_dir: str) -> dict[str, Any] | None:
     """The ``status`` of the engine answering on ``state_dir``, or ``None`` when none does; for one that
     is stopping (it refuses connections), ``{"pid": ..., "stopping": True}``; for one that does not listen
-    yet (its start-up sweep), ``{"pid": ..., "starting": True}``."""
+    yet (its start-up sweep), ``{"pid": ..., "starting": True}``; for one whose socket file is missing (it
+    binds it again), ``{"pid": ..., "starting": True, "rebinding": True}``."""
     try:
         with EngineClient(state_dir, timeout_seconds=_CALL_SECONDS) as client:
             result: dict[str, Any] = client.call("status")
@@ -103,7 +105,12 @@ def _running(state_dir: str) -> dict[str, Any] | None:
         return {"pid": exc.pid, "stopping": True}
     except EngineStartingError as exc:
         return {"pid": exc.pid, "starting": True}
-    except (EngineNotRunningError, EngineSocketMissingError):  # none, or one still binding its socket
+    except EngineSocketMissingError as exc:
+        lock = lock_state(state_dir)
+        if lock is not None and lock.holder == exc.pid and lock.phase == SERVING:  # it binds its socket again
+            return {"pid": exc.pid, "starting": True, "rebinding": True}
+        return None  # an engine that never listens (embedded), or none: a start's serve says which
+    except EngineNotRunningError:
         return None
 
 
@@ -207,27 +214,34 @@ def _wait_stopped(state_dir: str, pid: int, seconds: float) -> None:
         )
 
 
-def _wait_answering(state_dir: str, pid: int, seconds: float) -> dict[str, Any] | None:
-    """Wait up to ``seconds`` for the engine ``pid``, which is starting (it holds the state directory but
-    does not listen yet), to answer; its ``status``, or what :func:`_running` finds once it is gone.
+def _wait_answering(state_dir: str, status: dict[str, Any], seconds: float) -> dict[str, Any] | None:
+    """Wait up to ``seconds`` for the engine of ``status`` (``_running``'s), which is starting (it holds the
+    state directory but does not listen yet) or binds its socket again, to answer; its ``status``, or what
+    :func:`_running` finds once it no longer starts (stopping, or gone).
 
     Raises:
         CommandFailedError: it still does not answer after ``seconds``.
     """
+    pid = int(status["pid"])
+    doing = (
+        "binds its socket again (its socket file was removed)"
+        if status.get("rebinding")
+        else "is starting (it first ends what a crashed engine left running)"
+    )
     print(
-        f"gadget-engine: the engine on {state_dir} (pid {pid}) is starting (it first ends what a crashed "
-        "engine left running); waiting until it answers",
+        f"gadget-engine: the engine on {state_dir} (pid {pid}) {doing}; waiting until it answers",
         file=sys.stderr,
     )
     deadline = time.monotonic() + seconds
     while True:
-        status = _running(state_dir)
-        if status is None or status["pid"] != pid or not status.get("starting"):
-            return status
+        status_now = _running(state_dir)
+        if status_now is None or status_now["pid"] != pid or not status_now.get("starting"):
+            return status_now
         if time.monotonic() > deadline:
             raise CommandFailedError(
-                f"the engine on {state_dir} (pid {pid}) still does not answer after {seconds:g} s; see its "
-                f"log: {log_path(state_dir)} (an engine embedded in another program never answers here)"
+                f"the engine on {state_dir} (pid {pid}) is still starting and does not answer after "
+                f"{seconds:g} s; see its log: {log_path(state_dir)} (an engine embedded in another program "
+                "never answers here)"
             )
         time.sleep(_START_POLL_SECONDS)
 
@@ -242,7 +256,7 @@ def start(args: argparse.Namespace) -> int:
     state_dir = resolve_state_dir(args.state_dir)
     status = _running(state_dir)
     if status is not None and status.get("starting"):  # another start's engine, still sweeping
-        status = _wait_answering(state_dir, int(status["pid"]), args.wait_seconds)
+        status = _wait_answering(state_dir, status, args.wait_seconds)
     if status is not None and status.get("stopping"):  # as systemd queues a start behind a stop
         _wait_stopped(state_dir, int(status["pid"]), args.wait_seconds)
         status = _running(state_dir)
@@ -271,7 +285,10 @@ def start(args: argparse.Namespace) -> int:
             if status is None:
                 status = _running(state_dir)
             if status is not None and status.get("starting"):
-                status = _wait_answering(state_dir, int(status["pid"]), args.wait_seconds)
+                status = _wait_answering(state_dir, status, args.wait_seconds)
+            if status is not None and status.get("stopping"):  # another start's engine, stopped meanwhile
+                _wait_stopped(state_dir, int(status["pid"]), args.wait_seconds)
+                return start(args)
             if status is not None:
                 return _already(state_dir, status, args.json)  # another start won the race
             why = _error_lines(state_dir, offset) or "it exited at once"
@@ -322,6 +339,30 @@ def _ask_to_stop(client: EngineClient, pid: int, end_watched: bool) -> None:
         os.kill(pid, signal.SIGTERM)  # an older engine: the signal stops it the same way
 
 
+def _stop_starting(state_dir: str, pid: int) -> bool:
+    """Send SIGTERM to the engine ``pid``, which is starting (its start-up sweep): it closes once the sweep
+    is over, without listening (``serve``'s stop before it listens). Sent through a pidfd taken while
+    ``pid`` holds the state directory's lock, so no other process can get it; whether it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if lock_holder(state_dir) != pid:  # it exited, or is not the engine of this state directory
+            return False
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    print(
+        f"gadget-engine: the engine on {state_dir} (pid {pid}) is starting (it first ends what a crashed "
+        "engine left running); asked it to stop: it closes once that is over, without answering",
+        file=sys.stderr,
+    )
+    return True
+
+
 def stop(client: EngineClient, args: argparse.Namespace) -> int:
     """``gadget-engine stop``: a graceful stop, waited for; 1 when it takes longer than ``--wait-seconds``.
 
@@ -334,11 +375,17 @@ def stop(client: EngineClient, args: argparse.Namespace) -> int:
     except EngineStoppingError as exc:  # a stop already under way: wait for it as for ours
         pid = exc.pid
         _already_stopping(pid, args.end_watched)
-    except EngineStartingError as exc:  # stopped once it answers: its sweep is not cut short
-        answering = _wait_answering(client.state_dir, exc.pid, args.wait_seconds)
-        pid = exc.pid if answering is None else int(answering["pid"])
-        if answering is not None:
-            _ask_to_stop(client, pid, args.end_watched)
+    except EngineStartingError as exc:
+        pid = exc.pid
+        if args.end_watched or not _stop_starting(client.state_dir, pid):
+            # --end-watched is a request of the method (or the engine went on meanwhile): once it answers
+            answering = _wait_answering(client.state_dir, {"pid": pid, "starting": True}, args.wait_seconds)
+            if answering is not None and answering.get("stopping"):
+                pid = int(answering["pid"])
+                _already_stopping(pid, args.end_watched)
+            elif answering is not None:
+                pid = int(answering["pid"])
+                _ask_to_stop(client, pid, args.end_watched)
     else:
         _ask_to_stop(client, pid, args.end_watched)
     client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import logging
@@ -21,10 +22,11 @@ from ._containment import Containment, open_containment
 from ._errors import EngineLockedError
 from ._exit_notices import send_exit_notice
 from ._guardian_link import GuardianLink
+from ._lockfile import LOCK_NAME, OPEN, STARTING, STOPPING, write_phase
 from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
-from ._sweep import mark_state_dir, sweep_records
+from ._sweep import SWEEP_FORCE, mark_state_dir, sweep_records
 from ._tool import SubprocessTool
 from ._trust import check_state_dir, make_state_dir, open_own_file, write_own_file
 from ._version import __version__
@@ -152,7 +154,7 @@ def _lock_state_dir(state_dir: str) -> int:
     """
     make_state_dir(state_dir)
     fd = open_own_file(
-        os.path.join(state_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o600, what="the state directory's lock"
+        os.path.join(state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600, what="the state directory's lock"
     )
     try:
         try:
@@ -161,10 +163,9 @@ def _lock_state_dir(state_dir: str) -> int:
             raise EngineLockedError(
                 f"another engine holds the state directory {state_dir!r}; stop it or use another --state-dir"
             ) from None
-        # The pid first (a client tells from it that this engine, which does not listen yet, is starting),
-        # then the entries are checked.
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        # The pid and the phase first (a client tells from them that this engine, which does not listen
+        # yet, is starting), then the entries are checked.
+        write_phase(fd, STARTING)
         check_state_dir(state_dir)
     except BaseException:
         os.close(fd)
@@ -229,6 +230,7 @@ async def open_engine(
                 state_dir,
                 grace_seconds=config.grace_seconds,
                 kill_wait_seconds=config.kill_wait_seconds,
+                force=SWEEP_FORCE.get(),
             )
         )
         mark_state_dir(state_dir)  # what is recorded from now on is this directory's own
@@ -263,7 +265,12 @@ async def open_engine(
                 async with _open_services(
                     config, state_dir, containment, guardian, on_fire, engine_id
                 ) as engine:
-                    yield engine
+                    write_phase(lock_fd, OPEN)
+                    try:
+                        yield engine
+                    finally:
+                        with contextlib.suppress(OSError):  # what clients are told, not the stop itself
+                            write_phase(lock_fd, STOPPING)
             finally:
                 await guardian.close()
     finally:

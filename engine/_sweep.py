@@ -21,13 +21,15 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from ._cgroup import Cgroup2, Leaf, load_recorded_parent, parent_leaves
-from ._escalation import Escalation, EscalationTarget, Steps, WaitGone, advance, escalate
+from ._escalation import Escalation, EscalationTarget, Phase, Steps, WaitGone, advance, escalate
 from ._group_journal import JOURNAL_PREFIX, journal_path, read_journal
 from ._procfs import children_map, read_marker, read_proc, scan_processes
 from ._trust import read_pointer, write_own_file
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from ._supervisor import ManagedRun
 
 __all__ = [
+    "SWEEP_FORCE",
     "GroupRecord",
     "drive_blocking",
     "end_processes",
@@ -50,6 +53,10 @@ __all__ = [
 ]
 
 _RECORDS = "groups"
+
+#: Set by ``serve`` in its task before ``open_engine``: an event whose setting (a second stop signal
+#: during the start-up sweep) ends the sweep's grace period; ``None`` (embedded): the sweep runs its course.
+SWEEP_FORCE: ContextVar[threading.Event | None] = ContextVar("SWEEP_FORCE", default=None)
 
 
 class GroupRecord(NamedTuple):
@@ -323,22 +330,29 @@ class _Together:
         return all(target.gone() for target in self._targets)
 
 
-def drive_blocking(target: EscalationTarget, steps: Steps) -> Escalation:
+def drive_blocking(
+    target: EscalationTarget, steps: Steps, force: threading.Event | None = None
+) -> Escalation:
     """Run the escalation ``steps`` on ``target``, blocking: each wait polls ``target.gone()`` every
-    20 ms until it says gone or the request's time is up."""
+    20 ms until it says gone or the request's time is up. Once ``force`` is set (by another thread), the
+    grace period ends at the next poll: SIGKILL follows."""
     answer = advance(steps, None)
     while isinstance(answer, WaitGone):
-        answer = advance(steps, _wait_gone(target, answer.seconds))
+        grace_force = force if answer.phase is Phase.GRACE else None
+        answer = advance(steps, _wait_gone(target, answer.seconds, grace_force))
     return answer
 
 
-def _wait_gone(target: EscalationTarget, seconds: float) -> bool:
+def _wait_gone(target: EscalationTarget, seconds: float, force: threading.Event | None) -> bool:
     deadline = time.monotonic() + seconds
     while not target.gone():
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or (force is not None and force.is_set()):
             return False
-        time.sleep(min(_POLL_SECONDS, left))
+        if force is not None:
+            force.wait(min(_POLL_SECONDS, left))
+        else:
+            time.sleep(min(_POLL_SECONDS, left))
     return True
 
 
@@ -348,6 +362,7 @@ def end_processes(
     grace_seconds: float,
     kill_wait_seconds: float,
     leaves: Sequence[Leaf] = (),
+    force: threading.Event | None = None,
 ) -> list[int]:
     """SIGINT (+SIGCONT) -> ``grace_seconds`` -> SIGKILL -> ``kill_wait_seconds`` on ``targets``.
 
@@ -359,6 +374,7 @@ def end_processes(
         kill_wait_seconds: the longest wait after SIGKILL.
         leaves: cgroup v2 leaves ended in the same escalation (every process in them; SIGKILL through
             ``cgroup.kill``); removed once empty.
+        force: once set (from another thread), the grace period ends: SIGKILL at once.
 
     Returns:
         The pids still alive at the end.
@@ -373,7 +389,7 @@ def end_processes(
         force=False,
         now=time.monotonic,
     )
-    survivors = list(drive_blocking(target, steps).survivors)
+    survivors = list(drive_blocking(target, steps, force).survivors)
     for leaf in leaves:
         with contextlib.suppress(OSError):
             leaf.remove()
@@ -410,7 +426,9 @@ def mark_state_dir(state_dir: str) -> None:
     write_own_file(os.path.join(state_dir, STATE_IDENTITY), _identity(state_dir) + "\n")
 
 
-def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: float) -> tuple[int, list[int]]:
+def sweep_records(
+    state_dir: str, *, grace_seconds: float, kill_wait_seconds: float, force: threading.Event | None = None
+) -> tuple[int, list[int]]:
     """End every process the state dir's records name, then drop the records.
 
     Run by an engine at start-up, under the state-dir lock, so that no other engine's children are
@@ -420,6 +438,10 @@ def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: fl
 
     Records copied from another state directory (:func:`copied_records`: ``cp -a`` of a live engine's)
     name that engine's children: nothing is ended, the copies are dropped, and a warning says so.
+
+    Logs ``sweeping`` (with the number of processes) before it ends anything, and ``swept`` after. Once
+    ``force`` is set (``serve`` sets it on a second stop signal, :data:`SWEEP_FORCE`), the grace period
+    ends: SIGKILL at once.
 
     Returns:
         ``(number of processes ended, survivors)``.
@@ -449,9 +471,12 @@ def sweep_records(state_dir: str, *, grace_seconds: float, kill_wait_seconds: fl
     targets = find_record_processes(records)
     targets.update(find_marked_processes(tokens))
     count = len(targets) + sum(len(leaf.procs()) for leaf in leaves)
+    fields = {"state_dir": state_dir, "processes": count, "grace_seconds": grace_seconds}
+    _log.info("sweeping", extra={"fields": fields})
     survivors = end_processes(
-        targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds, leaves=leaves
+        targets, grace_seconds=grace_seconds, kill_wait_seconds=kill_wait_seconds, leaves=leaves, force=force
     )
+    _log.info("swept", extra={"fields": {"state_dir": state_dir, "survivors": len(survivors)}})
     for rec in records:
         rec.remove(state_dir)
     for token in tokens:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine import __version__
-from engine._cli_start import redact_url
+from engine._cli_start import _running, redact_url
 from engine.server._client import (
     EngineClient,
     EngineSocketMissingError,
@@ -219,12 +219,17 @@ def test_start_after_a_crash_returns_once_the_new_engine_answers(state_dir: Path
 
 
 @contextlib.contextmanager
-def _serve_sweeping(state_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``serve`` with a 4 s grace period, given once it holds the state directory (its start-up sweep
-    is then under way: it does not listen until the crashed engine's child is ended); killed at the end
-    if it still runs, and reaped."""
-    argv = [sys.executable, "-m", "engine", "--state-dir", str(state_dir), "serve", "--grace-seconds", "4"]
-    serve = subprocess.Popen([*argv, *SHELL], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _serve_sweeping(
+    state_dir: Path, grace_seconds: float = 4.0, log: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``serve`` with a long grace period, given once it holds the state directory (its start-up sweep
+    is then under way: it does not listen until the crashed engine's child is ended; the child ignores
+    SIGINT, so the sweep takes the whole grace period); its output to ``log``; killed at the end if it
+    still runs, and reaped."""
+    argv = [sys.executable, "-m", "engine", "--state-dir", str(state_dir), "serve"]
+    argv += ["--grace-seconds", repr(grace_seconds), *SHELL]
+    with open(log or os.devnull, "wb") as out:
+        serve = subprocess.Popen(argv, stdout=out, stderr=out)
     try:
         assert wait_until(lambda: lock_holder(str(state_dir)) == serve.pid, 20)
         yield serve
@@ -232,6 +237,14 @@ def _serve_sweeping(state_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
         if serve.poll() is None:
             serve.kill()
         serve.wait(timeout=10)
+
+
+def _starting_text(state_dir: Path, pid: int) -> str:
+    return (
+        f"gadget-engine: the engine on {state_dir} (pid {pid}) is starting and does not answer yet (after a "
+        "crash it first ends what the crashed engine left running: up to its grace period, then SIGKILL); "
+        "try again once it answers (gadget-engine start waits for it)\n"
+    )
 
 
 def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
@@ -246,11 +259,10 @@ def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
     with _serve_sweeping(state_dir) as serve:
         listed = _ge(state_dir, "list")
         assert listed.returncode == 1
-        assert listed.stderr == (
-            f"gadget-engine: the engine on {state_dir} (pid {serve.pid}) is starting and does not answer "
-            "yet (after a crash it first ends what the crashed engine left running: up to its grace period, "
-            "then SIGKILL); try again in a few seconds\n"
-        )
+        assert listed.stderr == _starting_text(state_dir, serve.pid)
+        (state_dir / "engine.sock").unlink()  # its phase, in the lock file, says it all the same
+        listed = _ge(state_dir, "list")
+        assert (listed.returncode, listed.stderr) == (1, _starting_text(state_dir, serve.pid))
         again = _ge(state_dir, "start", "--json")  # waits for it to answer, then says it runs
         assert again.returncode == 0, again.stderr
         assert json.loads(again.stdout)["pid"] == serve.pid
@@ -259,20 +271,86 @@ def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
         assert not pgrep(first)  # it answered only once the sweep had ended the crashed engine's child
         _crash_leaving_a_child(state_dir, serve.pid, project, second)
 
-    with _serve_sweeping(state_dir) as serve:
-        stopped = _ge(state_dir, "stop")  # waits for it to answer, then stops it
+    log = state_dir.parent / "sweeping.log"
+    with _serve_sweeping(state_dir, log=log) as serve:
+        stopped = _ge(state_dir, "stop")  # asks it to stop: it closes once the sweep is over, unserved
         assert stopped.returncode == 0, stopped.stderr
         assert stopped.stdout == f"stopped the engine on {state_dir} (pid {serve.pid})\n"
         assert f"(pid {serve.pid}) is starting" in stopped.stderr
-        assert "waiting until it answers" in stopped.stderr
+        assert "asked it to stop: it closes once that is over, without answering" in stopped.stderr
         assert serve.wait(timeout=10) == 0
         assert not pgrep(second)
+    events = [
+        line.split(" event=")[1].split()[0] for line in log.read_text().splitlines() if " event=" in line
+    ]
+    assert "ready" not in events  # it never listened
+    assert events[:2] == ["sweeping", "stopping"]  # logged as the sweep began, and at the signal
+    assert "swept" in events
+    assert events[-1] == "stopped"
+
+
+def test_a_second_signal_during_the_start_up_sweep_ends_its_grace_period(
+    state_dir: Path, project: Path
+) -> None:
+    # Found by a new user: SIGTERM to an engine in its start-up sweep was held until the sweep had run its
+    # whole grace period; a second one changed nothing, and the engine then logged `ready` before stopping.
+    child = mark("889.8")
+    _crash_leaving_a_child(state_dir, _start(state_dir), project, child)
+    log = state_dir.parent / "forced.log"
+    with _serve_sweeping(state_dir, grace_seconds=120.0, log=log) as serve:
+        assert wait_until(lambda: "event=sweeping" in log.read_text(), 20)
+        serve.send_signal(signal.SIGTERM)
+        assert wait_until(lambda: "event=stopping" in log.read_text(), 20)
+        assert pgrep(child)  # the sweep's grace period runs on: the child ignores SIGINT
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0  # not the 120 s grace period: SIGKILL at the second signal
+        assert not pgrep(child)
+    text = log.read_text()
+    assert "event=forced" in text
+    assert "event=ready" not in text
+
+
+def test_a_start_queued_behind_a_stop_of_a_starting_engine_starts_a_new_one(
+    state_dir: Path, project: Path
+) -> None:
+    # Found by a new user: with `start` and `stop` both waiting on an engine in its start-up sweep, `start`
+    # read "running" in the instant between the engine's `ready` and the stop, said "already running"
+    # (exit 0), and the engine was stopped right after: none ran.
+    child = mark("889.9")
+    _crash_leaving_a_child(state_dir, _start(state_dir), project, child)
+    said = state_dir.parent / "start.err"
+    with _serve_sweeping(state_dir, grace_seconds=3.0) as serve, open(said, "w") as err_file:
+        argv = [sys.executable, "-m", "engine", "--state-dir", str(state_dir), "start", "--json"]
+        starting = subprocess.Popen(
+            [*argv, "--grace-seconds", "0.5", *SHELL], stdout=subprocess.PIPE, stderr=err_file, text=True
+        )
+        try:
+            assert wait_until(lambda: "is starting" in said.read_text(), 20)  # the start waits on it
+            stopped = _ge(state_dir, "stop")
+            assert stopped.returncode == 0, stopped.stderr
+            out, _ = starting.communicate(timeout=60)
+        finally:
+            if starting.poll() is None:
+                starting.kill()
+                starting.wait()
+        assert serve.wait(timeout=10) == 0
+    err = said.read_text()
+    assert starting.returncode == 0, err
+    started = json.loads(out)
+    assert started["started"] is True  # a new engine: not the one the stop ended
+    assert started["pid"] != serve.pid
+    assert alive(started["pid"])
+    assert _ge(state_dir, "status").returncode == 0
+    assert _ge(state_dir, "stop").returncode == 0
+    _reap(started["pid"])
 
 
 def test_a_refused_socket_is_told_starting_or_stopping_by_the_lock(tmp_path: Path) -> None:
-    """A real lock (this process holds it, as an engine that has just taken it) and a real socket file
-    nobody listens on: the client says "starting" for an engine that has not written its pid yet or whose
-    socket file is older than its lock, "stopping" for one whose own socket stopped listening."""
+    """A real lock (this process holds it, as an engine does) and a real socket file nobody listens on,
+    or none: the client says "starting" for an engine that has not written its pid yet, whose lock says
+    ``starting``, or (an earlier version's pid alone, or ``open``) whose refusing socket file is older
+    than its lock; "stopping" for one whose lock says so, or whose own socket stopped listening; and an
+    engine that serves but lost its socket file binds it again."""
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     sock_path, lock = state / "engine.sock", state / "lock"
@@ -292,20 +370,34 @@ def test_a_refused_socket_is_told_starting_or_stopping_by_the_lock(tmp_path: Pat
         assert info.value.pid == os.getpid()
         return info.value
 
-    def write_pid() -> None:
+    def write(phase: str = "") -> None:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()} {phase}".strip().encode() + b"\n", 0)
 
     try:
         refused_socket()
         assert isinstance(refused(), EngineStartingError)  # the lock is taken, the pid not written yet
-        write_pid()
-        time.sleep(0.05)  # past the coarse clock's tick
-        refused_socket()
-        assert type(refused()) is EngineStoppingError  # its own socket, made after its lock: a stop
-        time.sleep(0.05)
-        write_pid()
-        assert isinstance(refused(), EngineStartingError)  # a socket file older than the lock: a leftover
+        for phase in ("", "open"):  # an earlier version's line, and an open engine about to bind
+            write(phase)
+            time.sleep(0.05)  # past the coarse clock's tick
+            refused_socket()
+            assert type(refused()) is EngineStoppingError  # its own socket, made after its lock: a stop
+            time.sleep(0.05)
+            write(phase)
+            assert isinstance(refused(), EngineStartingError)  # a socket file older than the lock: a leftover
+        write("starting")
+        assert isinstance(refused(), EngineStartingError)
+        sock_path.unlink()
+        assert isinstance(refused(), EngineStartingError)  # its phase, with no socket file at all
+        write("stopping")
+        assert type(refused()) is EngineStoppingError
+        write("serving")
+        assert type(refused()) is EngineSocketMissingError  # it binds it again
+        # `start` waits for that (it spawned a serve that failed "already running"), not for an engine
+        # that never listens (embedded: `open`), where its serve's error says at once who holds the lock.
+        assert _running(str(state)) == {"pid": os.getpid(), "starting": True, "rebinding": True}
+        write("open")
+        assert _running(str(state)) is None
     finally:
         os.close(fd)
 

@@ -218,7 +218,7 @@ async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
             # The embedded engine serves the socket too: the CLI reaches it.
             listed = await trio.to_thread.run_sync(lambda: cli("list", "--state-dir", str(state)))
             assert listed.returncode == 0 and str(live) in listed.stdout, listed
-            server_pid = int((state / "lock").read_text())
+            server_pid = int((state / "lock").read_text().split()[0])
             assert pgrep(marker)
             closed_at = time.monotonic()
         stopped_seconds = time.monotonic() - closed_at
@@ -691,7 +691,7 @@ async def test_nb04_sdk_client_leaves_while_a_kill_waits_and_the_server_exits_by
             )
             pid = int(text.split("\n")[1].removeprefix("pid: "))
             await wait_for_text(text.split("\n")[2].removeprefix("stdout: "), "ready")
-            server_pid = int((state / "lock").read_text())
+            server_pid = int((state / "lock").read_text().split()[0])
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call, session, "subprocess", {"cmd": "kill", "pid": pid})
                 await trio.sleep(0.3)

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import EngineError, UntrustedPathError
+from .._lockfile import OPEN, STARTING, STOPPING
 from ._location import (
     SOCKET_NAME,
     SOCKET_POINTER_NAME,
@@ -141,13 +142,13 @@ class EngineStoppingError(EngineSocketMissingError, EngineConnectionError):
 
 
 class EngineStartingError(EngineSocketMissingError):
-    """Raised by :meth:`EngineClient.connect` when the engine that holds the state directory refuses
-    connections because it does not listen yet: the socket file there is older than the lock that engine
-    took, a leftover of an engine that ended without removing it (a crash, ``kill -9``). An engine that
-    starts after a crash first ends what the crashed one left running (the start-up sweep: up to its
-    grace period, then SIGKILL and the kill wait) and binds its socket after that; ``gadget-engine
-    start`` and ``stop`` wait for it to answer. An engine embedded in another program (``open_engine``)
-    never listens.
+    """Raised by :meth:`EngineClient.connect` when the engine that holds the state directory does not
+    listen yet: its lock file says it is starting, or the socket file there refused and is older than the
+    lock file's last write (a leftover of an engine that ended without removing it: a crash, ``kill -9``).
+    An engine that starts after a crash first ends what the crashed one left running (the start-up sweep:
+    up to its grace period, then SIGKILL and the kill wait) and binds its socket after that;
+    ``gadget-engine start`` waits for it to answer, ``stop`` asks it to stop once the sweep is over. An
+    engine embedded in another program (``open_engine``) never listens.
 
     Attributes:
         pid: the engine's pid.
@@ -163,31 +164,38 @@ def _socket_made(path: str) -> int | None:
         return None
 
 
-def _left_by_an_earlier_engine(lock: LockState, made: int | None) -> bool:
-    """Whether the socket file made at ``made`` (its change time, from :func:`_socket_made`) was not made
-    by the lock's holder: the holder has not written its pid into the lock file yet (it has just taken the
-    lock), or the socket is older than the lock file's last write (the engine writes its pid there as it
-    takes the lock, and binds its socket after that)."""
-    if made is None:
-        return False
-    return lock.written != str(lock.holder) or made < lock.written_ns
+def _phase(lock: LockState, *, refused: bool) -> str:
+    """The lock holder's phase (``_lockfile``). Before it has written its pid: ``starting`` when a socket
+    file refused (an engine that has just taken the lock, the crashed one's socket still there), else
+    unknown (``""``: a holder that writes nothing is not an engine that starts)."""
+    if lock.written == str(lock.holder):
+        return lock.phase
+    return STARTING if refused else ""
 
 
 def _not_running(
     state_dir: str, path: str, *, refused: bool = False, made: int | None = None
 ) -> EngineNotRunningError | EngineSocketMissingError:
     """What a failed connect to ``path`` means; ``made``: the socket file's change time read before it
-    (:func:`_socket_made`)."""
+    (:func:`_socket_made`).
+
+    The lock file says the holder's phase: ``starting`` (its start-up sweep) and ``stopping`` hold whether
+    the socket file is there or not. An engine that is open but not listening yet (``open``, or an earlier
+    version's pid alone) is starting when the file that refused is older than the lock file's last write:
+    a leftover of an engine that ended without removing it (``serve`` binds its own after that write).
+    """
     lock = lock_state(state_dir)
     pid = None if lock is None else lock.holder
-    if lock is not None and pid is not None and refused and _left_by_an_earlier_engine(lock, made):
+    phase = "" if lock is None or pid is None else _phase(lock, refused=refused)
+    leftover = refused and made is not None and lock is not None and made < lock.written_ns
+    if pid is not None and (phase == STARTING or (phase in (OPEN, "") and leftover)):
         return EngineStartingError(
             f"the engine on {state_dir} (pid {pid}) is starting and does not answer yet (after a crash it "
             "first ends what the crashed engine left running: up to its grace period, then SIGKILL); try "
-            "again in a few seconds",
+            "again once it answers (gadget-engine start waits for it)",
             pid,
         )
-    if pid is not None and refused:
+    if pid is not None and (refused or phase == STOPPING):
         return EngineStoppingError(
             f"the engine on {state_dir} (pid {pid}) is stopping and no longer answers; "
             "try again once it has stopped",

@@ -18,6 +18,7 @@ import stat
 from typing import Final, NamedTuple
 
 from .._errors import UntrustedPathError
+from .._lockfile import LOCK_NAME, parse_lock_line
 from .._trust import open_own_file, read_pointer
 
 __all__ = [
@@ -160,8 +161,11 @@ class LockState(NamedTuple):
     holder: int | None
     #: the pid the last engine to take the lock wrote in the file (as text; it writes it as it takes it)
     written: str
-    #: when that was written: the file's modification time, in ns
+    #: when the file was last written: its modification time, in ns
     written_ns: int
+    #: the phase that engine wrote with its pid (``_lockfile``: ``starting``, ``open``, ``serving``,
+    #: ``stopping``; ``""`` from an earlier version)
+    phase: str = ""
 
 
 def lock_state(state_dir: str) -> LockState | None:
@@ -173,13 +177,13 @@ def lock_state(state_dir: str) -> LockState | None:
     Where the device numbers do not match (some overlay filesystems), the inode and the pid the engine
     wrote in the file must both match.
     """
-    path = os.path.join(state_dir, "lock")
+    path = os.path.join(state_dir, LOCK_NAME)
     try:
         # A regular file of ours only: a FIFO planted there blocked the open (the engine refuses it).
         fd = open_own_file(path, os.O_RDONLY, what="the state directory's lock")
         with open(fd, encoding="ascii") as f:
             info = os.fstat(f.fileno())
-            written = f.read().strip()
+            written, phase = parse_lock_line(f.read(256))
         with open("/proc/locks", encoding="ascii") as f:
             lines = f.readlines()
     except (OSError, ValueError):
@@ -193,7 +197,7 @@ def lock_state(state_dir: str) -> LockState | None:
         if fields[5] == where or (fields[5].endswith(f":{info.st_ino}") and fields[4] == written):
             holder = int(fields[4])
             break
-    return LockState(holder, written, info.st_mtime_ns)
+    return LockState(holder, written, info.st_mtime_ns, phase)
 
 
 def lock_holder(state_dir: str) -> int | None:

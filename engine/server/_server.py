@@ -25,6 +25,7 @@ import math
 import os
 import socket as stdlib_socket
 import struct
+import threading
 from collections.abc import AsyncIterator
 from typing import Final, final
 
@@ -35,6 +36,8 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import Engine, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
+from .._lockfile import LOCK_NAME, SERVING, STOPPING, mark_phase, parse_lock_line
+from .._sweep import SWEEP_FORCE
 from .._trust import open_own_file
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import (
@@ -58,7 +61,7 @@ from ._protocol import (
     parse_request,
 )
 from ._socket_watch import serve_socket
-from ._stopping import STOP_SIGNALS, StopRequest, end_subprocesses, force_on_next_signal
+from ._stopping import STOP_SIGNALS, StopRequest, end_subprocesses, force_on_next_signal, stop_while_starting
 
 __all__ = ["RpcServer", "serve"]
 
@@ -402,12 +405,12 @@ def _lock_holder(state_dir: str) -> str:
     if holder is not None:
         return f"pid {holder}"
     try:
-        fd = open_own_file(os.path.join(state_dir, "lock"), os.O_RDONLY, what="the lock")
+        fd = open_own_file(os.path.join(state_dir, LOCK_NAME), os.O_RDONLY, what="the lock")
         with os.fdopen(fd, "rb") as f:
-            pid = f.read(64).decode("ascii", "replace").strip()
+            pid = parse_lock_line(f.read(256).decode("ascii", "replace")).pid
     except OSError:
         pid = ""
-    return f"pid {pid}" if pid.isdigit() else "pid unknown"
+    return f"pid {pid}" if pid else "pid unknown"
 
 
 async def _bind_again(state_dir: str) -> trio.SocketListener:
@@ -454,10 +457,14 @@ async def _serve_until_stopped(
                 functools.partial(_bind_again, state_dir),
                 connections,
             )
+            with contextlib.suppress(OSError):  # what clients are told (``_lockfile``), not the service
+                mark_phase(state_dir, SERVING)
             log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
             task_status.started(path)
             reason = await stop.wait(signals)
             server.refuse_new_requests()
+            with contextlib.suppress(OSError):
+                mark_phase(state_dir, STOPPING)
             log_event("stopping", **reason, pid=os.getpid())
             stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
             listening.cancel_scope.cancel()
@@ -485,6 +492,11 @@ async def serve(
     ``end_watched`` first ends them on purpose). A further signal during that stop sends SIGKILL at once
     (:func:`force_on_next_signal`); more are absorbed. ``stopped`` is logged at the end.
 
+    A stop signal before it listens (while ``open_engine`` ends what a crashed engine left: the start-up
+    sweep) closes the engine as soon as the sweep is over, without listening; a further one ends the
+    sweep's grace period (:func:`~._stopping.stop_while_starting`). The lock file says the engine's phase
+    to clients as it goes (``_lockfile``: ``serving`` once it listens, ``stopping`` at the stop).
+
     Cancellation: the same stop as a signal; then the cancellation propagates.
 
     Raises:
@@ -496,16 +508,27 @@ async def serve(
     config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
     entered = False
     bound: list[str] = []  # the socket this serve made, removed once its engine has closed
+    force_sweep = threading.Event()
+    SWEEP_FORCE.set(force_sweep)  # this task's context: the start-up sweep of open_engine reads it
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         try:
             try:
                 async with trio.open_nursery() as stopping:  # outlives open_engine: a second signal forces
-                    async with open_engine(config) as engine:
-                        entered = True
-                        engine.supervisor.add_observer(RunLogger())
-                        await _serve_until_stopped(
-                            engine, config, state_dir, signals, stopping, bound, task_status
-                        )
+                    with trio.CancelScope() as start:  # a signal before it listens: it closes, unserved
+                        watching = trio.CancelScope()
+
+                        async def watch_while_starting() -> None:
+                            with watching:
+                                await stop_while_starting(signals, start, force_sweep, state_dir)
+
+                        stopping.start_soon(watch_while_starting)
+                        async with open_engine(config) as engine:
+                            entered = True
+                            watching.cancel()  # from here on, the stop's own signal handling
+                            engine.supervisor.add_observer(RunLogger())
+                            await _serve_until_stopped(
+                                engine, config, state_dir, signals, stopping, bound, task_status
+                            )
                     stopping.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 unwrap_single(group)

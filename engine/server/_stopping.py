@@ -6,25 +6,31 @@ watched on-exit commands, left running for the next engine. The agents' subproce
 while the requests waiting for them are still answered (:func:`end_subprocesses`); the rest when the
 engine closes. A further signal during that stop (:func:`force_on_next_signal`) sends SIGKILL to every
 child still running or being ended; the watched commands are still left running. ``docs/guide-cli.md``
-has the table.
+has the table. Before it listens (the start-up sweep, :func:`stop_while_starting`), the first signal
+cuts the start short: the sweep ends what it ends, and the engine closes without listening; a further
+signal ends the sweep's grace period (SIGKILL at once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import signal
+import threading
 from collections.abc import AsyncIterator
 from typing import Any, Final, final
 
 import attrs
 import trio
 
+from .._lockfile import STOPPING, mark_phase
 from .._subprocesses import SubProcessService
 from .._supervisor import RunState, Supervisor
 from ._eventlog import log_event
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "end_subprocesses", "force_on_next_signal"]
+__all__ = ["STOP_SIGNALS", "StopRequest", "end_subprocesses", "force_on_next_signal", "stop_while_starting"]
 
 #: The signals that stop ``serve`` gracefully; another one during the stop forces it.
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -110,3 +116,29 @@ async def force_on_next_signal(signals: AsyncIterator[int], supervisor: Supervis
             for run in supervisor.runs():
                 if not run.outlive_engine_crash or run.state is RunState.EXITING:  # ended on purpose
                     nursery.start_soon(functools.partial(supervisor.cancel, run, force=True))
+
+
+async def stop_while_starting(
+    signals: AsyncIterator[int], start: trio.CancelScope, force_sweep: threading.Event, state_dir: str
+) -> None:
+    """While ``serve`` starts (``open_engine``: the start-up sweep, the services): the first stop signal
+    cancels ``start``, so the engine closes as soon as the sweep is over, without listening; each further
+    one sets ``force_sweep``, which ends the sweep's grace period (SIGKILL at once, ``_sweep.SWEEP_FORCE``).
+
+    The first signal is logged as ``stopping`` (``phase=starting``) and the lock file's phase becomes
+    ``stopping`` at once, so that a client waiting for the engine to answer (``start``) waits for its exit
+    instead; further ones as ``forced``.
+
+    Cancellation: ``serve`` cancels it once the engine is open; a signal not read yet stays queued in
+    ``signals`` for the stop that follows.
+    """
+    async for signum in signals:
+        name = signal.Signals(signum).name
+        if not start.cancel_called:
+            log_event("stopping", signal=name, pid=os.getpid(), phase="starting")
+            with contextlib.suppress(OSError):  # what clients are told, not the stop itself
+                mark_phase(state_dir, STOPPING)
+            start.cancel()
+        else:
+            log_event("forced", level=logging.WARNING, signal=name, phase="starting")
+            force_sweep.set()

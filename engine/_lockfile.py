@@ -1,0 +1,85 @@
+"""What the state directory's lock file says: the pid of the engine that holds it, and its phase.
+
+The engine holds an exclusive ``flock`` on ``<state_dir>/lock`` for its lifetime (``open_engine``); the
+file's one line is ``<pid> <phase>``, rewritten as the engine goes through its phases, so that a client
+that cannot connect tells why without a socket to look at (``server._client``):
+
+- ``starting``: written as the lock is taken; the engine ends what a crashed one left (the start-up
+  sweep, up to its grace period, then SIGKILL and the kill wait) and opens its services;
+- ``open``: the engine is open (``open_engine`` yielded it); an embedded engine stays so, ``serve`` binds
+  its socket next;
+- ``serving``: ``serve`` listens on its socket;
+- ``stopping``: the engine stops (``serve`` stopped listening, or ``open_engine``'s block is left).
+
+An engine of an earlier version wrote its pid alone: its phase reads as ``""``.
+
+Standard library only: the clients import this module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final, NamedTuple
+
+from ._trust import open_own_file
+
+__all__ = [
+    "LOCK_NAME",
+    "OPEN",
+    "SERVING",
+    "STARTING",
+    "STOPPING",
+    "LockLine",
+    "mark_phase",
+    "parse_lock_line",
+    "write_phase",
+]
+
+#: The lock file's name in the state directory.
+LOCK_NAME: Final = "lock"
+STARTING: Final = "starting"
+OPEN: Final = "open"
+SERVING: Final = "serving"
+STOPPING: Final = "stopping"
+
+
+class LockLine(NamedTuple):
+    """The lock file's line, parsed."""
+
+    #: the pid the engine wrote, as text (``""`` when the file is empty: the lock was just taken)
+    pid: str
+    #: its phase (``""`` for an earlier version's pid-only line)
+    phase: str
+
+
+def parse_lock_line(text: str) -> LockLine:
+    """``"4242 serving\\n"`` -> ``LockLine("4242", "serving")``; what is not a pid reads as ``("", "")``."""
+    words = text.split()
+    if not words or not words[0].isdigit():
+        return LockLine("", "")
+    return LockLine(words[0], words[1] if len(words) > 1 else "")
+
+
+def write_phase(fd: int, phase: str) -> None:
+    """Write this process's pid and ``phase`` as the lock file's line, through ``fd`` (open for writing).
+
+    One ``pwrite`` at offset 0, then the file cut to that line: a reader sees the old line or the new one
+    (the tail of a longer old line, past the newline, is not read).
+    """
+    line = f"{os.getpid()} {phase}\n".encode("ascii")
+    os.pwrite(fd, line, 0)
+    os.ftruncate(fd, len(line))
+
+
+def mark_phase(state_dir: str, phase: str) -> None:
+    """:func:`write_phase` on ``<state_dir>/lock`` by its path, for an engine that holds the lock.
+
+    Raises:
+        OSError: the file cannot be opened or written (``UntrustedPathError`` when it is not the engine's
+            own regular file).
+    """
+    fd = open_own_file(os.path.join(state_dir, LOCK_NAME), os.O_WRONLY, what="the state directory's lock")
+    try:
+        write_phase(fd, phase)
+    finally:
+        os.close(fd)
