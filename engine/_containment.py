@@ -61,11 +61,15 @@ class Containment(Protocol):
         reason: why this variant is in use (for the engine log and ``Engine.status()``).
         token: the prefix of every run marker of this engine (``<token>:<run id>``; watched commands
             ``<token>w:<run id>``), which the guardian and the sweep look for in process-group mode.
+        recorded: whether it belongs to an engine's state directory (``open_engine``), where the next
+            engine finds the runs left to it (``outlive_engine_crash``); a bare supervisor's is not, and
+            such a run is then ended at its close like any other (nothing could adopt it).
     """
 
     mode: str
     reason: str
     token: str
+    recorded: bool
 
     def marker(self, run_id: int, *, watched: bool) -> str:
         """The run marker (``GADGET_ENGINE_RUN``) of run ``run_id``."""
@@ -124,6 +128,7 @@ class ProcessGroupContainment:
     token: str
     subreaper: bool
     reason: str = "asked for"
+    recorded: bool = False
     mode: str = attrs.field(init=False, default="process-group")
 
     def marker(self, run_id: int, *, watched: bool) -> str:
@@ -186,6 +191,7 @@ class CgroupContainment:
     cgroup: EngineCgroup
     watcher: LeafWatcher
     reason: str = "a writable cgroup v2 hierarchy"
+    recorded: bool = False
     mode: str = attrs.field(init=False, default="cgroup")
     #: Empty leaves made ahead for the next runs (``_leaf_pool``).
     pool: LeafPool = attrs.field(
@@ -283,7 +289,8 @@ async def open_containment(
         mode: ``"auto"``, ``"cgroup"`` or ``"process-group"`` (see the module).
         state_dir: the engine's state directory: the parent cgroup is named after it and recorded in it.
             ``None`` (a bare supervisor): a parent named after this process and a random token, not
-            recorded.
+            recorded; the runs that would outlive the engine are then ended at the supervisor's close
+            (``Containment.recorded``).
         subreaper: whether the engine is a child subreaper (orphans of a run come to it).
 
     Cancellation: leaving the block removes the parent cgroup if it is empty.
@@ -296,8 +303,9 @@ async def open_containment(
     if mode not in CONTAINMENT_MODES:
         raise ValueError(f"containment must be one of {', '.join(CONTAINMENT_MODES)}, got {mode!r}")
     token = secrets.token_hex(6)
+    recorded = state_dir is not None
     if mode == "process-group":
-        yield ProcessGroupContainment(token=token, subreaper=subreaper)
+        yield ProcessGroupContainment(token=token, subreaper=subreaper, recorded=recorded)
         return
     found, why = find_cgroup2()
     cgroup: EngineCgroup | None = None
@@ -314,12 +322,16 @@ async def open_containment(
                 "containment 'process-group', or run the engine in a delegated cgroup (see "
                 "docs/guide-escalation.md)"
             )
-        yield ProcessGroupContainment(token=token, subreaper=subreaper, reason=f"no usable cgroup: {why}")
+        yield ProcessGroupContainment(
+            token=token, subreaper=subreaper, reason=f"no usable cgroup: {why}", recorded=recorded
+        )
         return
     chosen: CgroupContainment | None = None
     try:
         async with open_leaf_watcher() as watcher:
-            chosen = CgroupContainment(token=token, subreaper=subreaper, cgroup=cgroup, watcher=watcher)
+            chosen = CgroupContainment(
+                token=token, subreaper=subreaper, cgroup=cgroup, watcher=watcher, recorded=recorded
+            )
             yield chosen
     finally:
         if chosen is not None:

@@ -120,7 +120,8 @@ class SpawnSpec:
         outlive_engine_crash: leave this run to the next engine when this one stops, by a crash (the
             guardian and the start-up sweep skip it) or gracefully (closing the supervisor detaches it:
             its pidfd is closed and it is forgotten, never signalled); on-exit watched commands use it.
-            ``cancel`` and ``cancel_scope`` still end it.
+            ``cancel`` and ``cancel_scope`` still end it. Only an engine's supervisor (its containment
+            recorded in a state directory) leaves it: a bare ``open_supervisor`` ends it at close.
     """
 
     argv: tuple[str, ...] | None = attrs.field(default=None, converter=_argv_tuple)
@@ -659,7 +660,7 @@ class Supervisor:
                     tree.snapshot(fresh=True)  # what forked or left the group meanwhile
                     terminate = bool(tree.remaining())
         except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
-            if run._detached or (run.outlive_engine_crash and run._requested is None):
+            if run._detached or self._leaves_to_next_engine(run):
                 run._detached = True  # closing by cancellation or error detaches a watched command too
                 self._forget(run, ended=False)
                 raise
@@ -877,10 +878,16 @@ class Supervisor:
         self._closing = True
         self._reaping.cancel()  # each run reaps its own; the exit reaps the orphans it ends
         for run in self.runs():
-            if run.outlive_engine_crash and run._requested is None:
+            if self._leaves_to_next_engine(run):
                 self._detach(run)
             else:
                 self._request(run, force=False)
+
+    def _leaves_to_next_engine(self, run: ManagedRun) -> bool:
+        """Whether closing leaves ``run`` running for the next engine: spawned ``outlive_engine_crash``, not
+        being ended on purpose, and this supervisor's places recorded in a state directory (a bare
+        supervisor's run could never be adopted: it is ended as any other)."""
+        return run.outlive_engine_crash and run._requested is None and self._containment.recorded
 
     def _detach(self, run: ManagedRun) -> None:
         """Stop watching ``run`` and leave it running, unsignalled, for the next engine (a graceful stop).
@@ -961,8 +968,10 @@ async def open_supervisor(
 ) -> AsyncIterator[Supervisor]:
     """Open a :class:`Supervisor` whose runs all end (terminated and reaped) when the block is left.
 
-    Runs spawned with ``outlive_engine_crash`` are the exception: they are detached, left running and
-    unsignalled (on-exit watched commands, adopted by the next engine).
+    Runs spawned with ``outlive_engine_crash`` are the exception when ``containment`` is an engine's
+    (recorded in its state directory, ``open_engine``): they are detached, left running and unsignalled
+    (on-exit watched commands, adopted by the next engine). Without a state directory nothing could
+    adopt them: they are ended as the others are.
 
     Args:
         grace_seconds: default SIGINT -> SIGKILL delay, in seconds.
@@ -973,7 +982,7 @@ async def open_supervisor(
             containment the caller opened (``open_engine`` opens one named after its state dir).
 
     Cancellation: leaving the block by cancellation or error still ends and reaps every run first
-    (each under a shielded cancel scope), then the exception propagates. Runs spawned with
+    (each under a shielded cancel scope), then the exception propagates. An engine's runs spawned with
     ``outlive_engine_crash`` (watched on-exit commands) are left running, unsignalled.
 
     Raises:

@@ -25,6 +25,7 @@ from engine import (
     _procfs,
     open_supervisor,
 )
+from engine._containment import open_containment
 from engine._errors import unwrap_single
 from engine._procfs import is_child_subreaper
 
@@ -462,13 +463,17 @@ def test_engine_with_sigint_ignored_still_stops_child_with_sigint(tmp_path: Path
 
 
 @pytest.mark.parametrize("how", ["return", "error", "cancel"])
-async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: str) -> None:
+async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: str, tmp_path: Path) -> None:
     kept, ended = mark("338.1"), mark("338.2")
     watched: ManagedRun | None = None
     try:
         with trio.CancelScope() as outer:
             try:
-                async with open_supervisor(grace_seconds=0.3) as sup:
+                # An engine's containment: recorded in its state directory, where the next engine finds it.
+                async with (
+                    open_containment("auto", state_dir=str(tmp_path)) as containment,
+                    open_supervisor(grace_seconds=0.3, containment=containment) as sup,
+                ):
                     watched = await sup.spawn(
                         SpawnSpec(argv=cooperative(kept), outlive_engine_crash=True, scope_key="cron-exit:j")
                     )
@@ -496,6 +501,34 @@ async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: 
             for empty in (leaf, leaf.parent):
                 with contextlib.suppress(OSError):
                     empty.rmdir()
+
+
+@pytest.mark.parametrize("how", ["return", "error", "cancel"])
+async def test_a_bare_supervisor_ends_its_outlive_runs_at_close(how: str) -> None:
+    # Found by a new user: a supervisor without a state directory detached its `outlive_engine_crash` runs
+    # at close as an engine's does, though no next engine could ever find them: the run and its leaf
+    # stayed on the machine.
+    kept = mark("338.4")
+    watched: ManagedRun | None = None
+    with trio.CancelScope() as outer:
+        try:
+            async with open_supervisor(grace_seconds=0.3) as sup:
+                watched = await sup.spawn(SpawnSpec(argv=cooperative(kept), outlive_engine_crash=True))
+                await wait_until(lambda: bool(pgrep(rf"time.sleep\({kept}\)")))
+                if how == "error":
+                    raise ValueError("the body failed")
+                if how == "cancel":
+                    outer.cancel()
+                    await trio.sleep_forever()
+        except ValueError:
+            assert how == "error"
+    assert watched is not None
+    assert not pgrep(rf"time.sleep\({kept}\)")
+    assert watched.state is RunState.EXITED
+    assert watched.exit is not None and watched.exit.reason is TerminationReason.CANCELLED
+    if watched.cgroup is not None:
+        assert not os.path.exists(watched.cgroup)  # its leaf went with it, and the parent with the close
+        assert not os.path.exists(os.path.dirname(watched.cgroup))
 
 
 async def test_cancel_still_ends_an_outlive_run(supervisor: Supervisor) -> None:
