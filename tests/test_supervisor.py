@@ -462,6 +462,16 @@ def test_engine_with_sigint_ignored_still_stops_child_with_sigint(tmp_path: Path
 # ---- runs that outlive the engine (on-exit watched commands) ------------------------------------------
 
 
+async def _leave_as(how: str, outer: trio.CancelScope) -> None:
+    """Leave the supervisor's block as ``how`` says: ``return``, ``error`` (a ValueError) or ``cancel``
+    (``outer`` cancelled)."""
+    if how == "error":
+        raise ValueError("the body failed")
+    if how == "cancel":
+        outer.cancel()
+        await trio.sleep_forever()
+
+
 @pytest.mark.parametrize("how", ["return", "error", "cancel"])
 async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: str, tmp_path: Path) -> None:
     kept, ended = mark("338.1"), mark("338.2")
@@ -479,11 +489,7 @@ async def test_close_detaches_outlive_runs_unsignalled_and_ends_the_others(how: 
                     )
                     other = await sup.spawn(SpawnSpec(argv=("sleep", ended)))
                     await wait_until(lambda: bool(pgrep(rf"time.sleep\({kept}\)")))
-                    if how == "error":
-                        raise ValueError("the body failed")
-                    if how == "cancel":
-                        outer.cancel()
-                        await trio.sleep_forever()
+                    await _leave_as(how, outer)
             except ValueError:
                 assert how == "error"
         assert other.state is RunState.EXITED and not pgrep(rf"^sleep {ended}$")
@@ -515,11 +521,7 @@ async def test_a_bare_supervisor_ends_its_outlive_runs_at_close(how: str) -> Non
             async with open_supervisor(grace_seconds=0.3) as sup:
                 watched = await sup.spawn(SpawnSpec(argv=cooperative(kept), outlive_engine_crash=True))
                 await wait_until(lambda: bool(pgrep(rf"time.sleep\({kept}\)")))
-                if how == "error":
-                    raise ValueError("the body failed")
-                if how == "cancel":
-                    outer.cancel()
-                    await trio.sleep_forever()
+                await _leave_as(how, outer)
         except ValueError:
             assert how == "error"
     assert watched is not None
