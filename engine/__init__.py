@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from .server._client import EngineSocketMissingError as EngineSocketMissingError
     from .server._client import EngineStartingError as EngineStartingError
     from .server._client import EngineStoppingError as EngineStoppingError
+    from .server._client import EngineSuspendedError as EngineSuspendedError
     from .server._protocol import RpcError as RpcError
 
 
@@ -101,6 +102,7 @@ _EXPORTS: dict[str, str] = {
     "EngineSocketMissingError": ".server._client",
     "EngineStartingError": ".server._client",
     "EngineStoppingError": ".server._client",
+    "EngineSuspendedError": ".server._client",
     "Every": ".cron",
     "FiredEvent": ".cron",
     "InvalidArgumentError": "._errors",

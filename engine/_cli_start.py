@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from ._cli_output import CommandFailedError, emit_json
-from ._lockfile import SERVING
+from ._lockfile import SERVE, SERVING
 from ._termtext import escape_controls
 from ._trust import open_own_file
 from ._when import format_duration
@@ -34,7 +34,7 @@ from .server._client import (
     EngineStoppingError,
     RpcError,
 )
-from .server._location import lock_holder, lock_state, resolve_state_dir
+from .server._location import lock_state, resolve_state_dir
 from .server._protocol import METHOD_NOT_FOUND
 
 __all__ = [
@@ -280,7 +280,7 @@ def start(args: argparse.Namespace) -> int:
             and not status.get("stopping")
         ):
             break
-        ended, _ = os.waitpid(pid, os.WNOHANG)
+        ended, wait_status = os.waitpid(pid, os.WNOHANG)
         if ended:
             if status is None:
                 status = _running(state_dir)
@@ -291,6 +291,16 @@ def start(args: argparse.Namespace) -> int:
                 return start(args)
             if status is not None:
                 return _already(state_dir, status, args.json)  # another start won the race
+            if os.WIFSIGNALED(wait_status):
+                raise CommandFailedError(
+                    f"the engine (pid {pid}) was killed by {signal.Signals(os.WTERMSIG(wait_status)).name} "
+                    f"before it answered; its log: {log_path(state_dir)}"
+                )
+            if os.waitstatus_to_exitcode(wait_status) == 0:  # serve exits 0 only when asked to stop
+                raise CommandFailedError(
+                    f"the engine (pid {pid}) was stopped before it answered (a stop or a signal during its "
+                    f"start-up sweep); its log: {log_path(state_dir)}"
+                )
             why = _error_lines(state_dir, offset) or "it exited at once"
             why = why.removeprefix("the engine could not start: ")  # serve's own words, said once
             raise CommandFailedError(f"the engine did not start: {why} (its log: {log_path(state_dir)})")
@@ -341,14 +351,19 @@ def _ask_to_stop(client: EngineClient, pid: int, end_watched: bool) -> None:
 
 def _stop_starting(state_dir: str, pid: int) -> bool:
     """Send SIGTERM to the engine ``pid``, which is starting (its start-up sweep): it closes once the sweep
-    is over, without listening (``serve``'s stop before it listens). Sent through a pidfd taken while
-    ``pid`` holds the state directory's lock, so no other process can get it; whether it was sent."""
+    is over, without listening (``serve``'s stop before it listens). Sent through a pidfd taken before
+    the lock file is read: only while ``pid`` holds the lock and wrote its own line there as a ``serve``,
+    so neither another holder of the lock nor a process that got a reused pid is signalled; whether it
+    was sent."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:
         return False
     try:
-        if lock_holder(state_dir) != pid:  # it exited, or is not the engine of this state directory
+        lock = lock_state(state_dir)
+        # Taken while the pidfd is held: the process holds the lock and wrote its own line as a serve (a
+        # process that merely holds the lock, or an engine embedded in another program, is left alone).
+        if lock is None or lock.holder != pid or lock.written != str(pid) or lock.kind != SERVE:
             return False
         signal.pidfd_send_signal(fd, signal.SIGTERM)
     except OSError:

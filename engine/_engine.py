@@ -9,8 +9,10 @@ import logging
 import os
 import secrets
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any, Final, final
 
@@ -26,7 +28,7 @@ from ._lockfile import LOCK_NAME, OPEN, STARTING, STOPPING, write_phase
 from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
-from ._sweep import SWEEP_FORCE, mark_state_dir, sweep_records
+from ._sweep import mark_state_dir, sweep_records
 from ._tool import SubprocessTool
 from ._trust import check_state_dir, make_state_dir, open_own_file, write_own_file
 from ._version import __version__
@@ -141,7 +143,22 @@ class EngineStatus:
         return out
 
 
-def _lock_state_dir(state_dir: str) -> int:
+@final
+@attrs.frozen
+class ServeStart:
+    """What ``serve`` tells the ``open_engine`` it calls, through :data:`SERVE_START` (set in its task): the
+    engine is a ``serve``, which the lock file says (``_lockfile``: ``gadget-engine stop`` may signal it
+    while it starts, never an engine embedded in another program), and ``force_sweep``, an event whose
+    setting (a second stop signal) ends the start-up sweep's grace period: SIGKILL at once."""
+
+    force_sweep: threading.Event
+
+
+#: Set by ``serve`` in its own task's context before it calls ``open_engine``; ``None``: embedded.
+SERVE_START: ContextVar[ServeStart | None] = ContextVar("SERVE_START", default=None)
+
+
+def _lock_state_dir(state_dir: str, *, serve: bool) -> int:
     """Create (0700) and check the state directory, take its lock, then check what it holds.
 
     Nothing in the directory is read before it is known to be ours (``_trust``): the lock file is
@@ -165,7 +182,7 @@ def _lock_state_dir(state_dir: str) -> int:
             ) from None
         # The pid and the phase first (a client tells from them that this engine, which does not listen
         # yet, is starting), then the entries are checked.
-        write_phase(fd, STARTING)
+        write_phase(fd, STARTING, serve=serve)
         check_state_dir(state_dir)
     except BaseException:
         os.close(fd)
@@ -220,7 +237,8 @@ async def open_engine(
     """
     config = config if config is not None else EngineConfig()
     state_dir = config.resolved_state_dir()
-    lock_fd = _lock_state_dir(state_dir)
+    serving = SERVE_START.get()
+    lock_fd = _lock_state_dir(state_dir, serve=serving is not None)
     try:
         engine_id = config.engine_id or _engine_id(state_dir)
         # Under the lock: what a crashed engine (and its guardian) left behind is ours to end.
@@ -230,7 +248,7 @@ async def open_engine(
                 state_dir,
                 grace_seconds=config.grace_seconds,
                 kill_wait_seconds=config.kill_wait_seconds,
-                force=SWEEP_FORCE.get(),
+                force=None if serving is None else serving.force_sweep,
             )
         )
         mark_state_dir(state_dir)  # what is recorded from now on is this directory's own
@@ -265,12 +283,12 @@ async def open_engine(
                 async with _open_services(
                     config, state_dir, containment, guardian, on_fire, engine_id
                 ) as engine:
-                    write_phase(lock_fd, OPEN)
+                    write_phase(lock_fd, OPEN, serve=serving is not None)
                     try:
                         yield engine
                     finally:
                         with contextlib.suppress(OSError):  # what clients are told, not the stop itself
-                            write_phase(lock_fd, STOPPING)
+                            write_phase(lock_fd, STOPPING, serve=serving is not None)
             finally:
                 await guardian.close()
     finally:

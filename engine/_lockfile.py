@@ -1,8 +1,10 @@
 """What the state directory's lock file says: the pid of the engine that holds it, and its phase.
 
 The engine holds an exclusive ``flock`` on ``<state_dir>/lock`` for its lifetime (``open_engine``); the
-file's one line is ``<pid> <phase>``, rewritten as the engine goes through its phases, so that a client
-that cannot connect tells why without a socket to look at (``server._client``):
+file's one line is ``<pid> <phase> <kind>``, rewritten as the engine goes through its phases, so that a
+client that cannot connect tells why without a socket to look at (``server._client``). The kind is
+``serve`` (``gadget-engine serve``, which listens once open) or ``embedded`` (``open_engine`` in another
+program, ``mcp``'s own engine: it never listens). The phases:
 
 - ``starting``: written as the lock is taken; the engine ends what a crashed one left (the start-up
   sweep, up to its grace period, then SIGKILL and the kill wait) and opens its services;
@@ -11,7 +13,7 @@ that cannot connect tells why without a socket to look at (``server._client``):
 - ``serving``: ``serve`` listens on its socket;
 - ``stopping``: the engine stops (``serve`` stopped listening, or ``open_engine``'s block is left).
 
-An engine of an earlier version wrote its pid alone: its phase reads as ``""``.
+An engine of an earlier version wrote its pid alone: its phase and kind read as ``""``.
 
 Standard library only: the clients import this module.
 """
@@ -24,8 +26,10 @@ from typing import Final, NamedTuple
 from ._trust import open_own_file
 
 __all__ = [
+    "EMBEDDED",
     "LOCK_NAME",
     "OPEN",
+    "SERVE",
     "SERVING",
     "STARTING",
     "STOPPING",
@@ -41,6 +45,8 @@ STARTING: Final = "starting"
 OPEN: Final = "open"
 SERVING: Final = "serving"
 STOPPING: Final = "stopping"
+SERVE: Final = "serve"
+EMBEDDED: Final = "embedded"
 
 
 class LockLine(NamedTuple):
@@ -50,29 +56,34 @@ class LockLine(NamedTuple):
     pid: str
     #: its phase (``""`` for an earlier version's pid-only line)
     phase: str
+    #: ``serve`` or ``embedded`` (``""`` likewise)
+    kind: str
 
 
 def parse_lock_line(text: str) -> LockLine:
-    """``"4242 serving\\n"`` -> ``LockLine("4242", "serving")``; what is not a pid reads as ``("", "")``."""
-    words = text.split()
+    """``"4242 serving serve\\n"`` -> ``LockLine("4242", "serving", "serve")``; what is not a pid reads as
+    ``("", "", "")``."""
+    words = text.split("\n", 1)[0].split()
     if not words or not words[0].isdigit():
-        return LockLine("", "")
-    return LockLine(words[0], words[1] if len(words) > 1 else "")
+        return LockLine("", "", "")
+    words += ["", ""]
+    return LockLine(words[0], words[1], words[2])
 
 
-def write_phase(fd: int, phase: str) -> None:
-    """Write this process's pid and ``phase`` as the lock file's line, through ``fd`` (open for writing).
+def write_phase(fd: int, phase: str, *, serve: bool) -> None:
+    """Write this process's pid, ``phase`` and kind (``serve`` or ``embedded``) as the lock file's line,
+    through ``fd`` (open for writing).
 
     One ``pwrite`` at offset 0, then the file cut to that line: a reader sees the old line or the new one
     (the tail of a longer old line, past the newline, is not read).
     """
-    line = f"{os.getpid()} {phase}\n".encode("ascii")
+    line = f"{os.getpid()} {phase} {SERVE if serve else EMBEDDED}\n".encode("ascii")
     os.pwrite(fd, line, 0)
     os.ftruncate(fd, len(line))
 
 
 def mark_phase(state_dir: str, phase: str) -> None:
-    """:func:`write_phase` on ``<state_dir>/lock`` by its path, for an engine that holds the lock.
+    """:func:`write_phase` of a ``serve`` on ``<state_dir>/lock`` by its path (it holds the lock).
 
     Raises:
         OSError: the file cannot be opened or written (``UntrustedPathError`` when it is not the engine's
@@ -80,6 +91,6 @@ def mark_phase(state_dir: str, phase: str) -> None:
     """
     fd = open_own_file(os.path.join(state_dir, LOCK_NAME), os.O_WRONLY, what="the state directory's lock")
     try:
-        write_phase(fd, phase)
+        write_phase(fd, phase, serve=True)
     finally:
         os.close(fd)

@@ -24,7 +24,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
     from ._supervisor import ManagedRun
 
 __all__ = [
-    "SWEEP_FORCE",
     "GroupRecord",
     "drive_blocking",
     "end_processes",
@@ -53,10 +51,6 @@ __all__ = [
 ]
 
 _RECORDS = "groups"
-
-#: Set by ``serve`` in its task before ``open_engine``: an event whose setting (a second stop signal
-#: during the start-up sweep) ends the sweep's grace period; ``None`` (embedded): the sweep runs its course.
-SWEEP_FORCE: ContextVar[threading.Event | None] = ContextVar("SWEEP_FORCE", default=None)
 
 
 class GroupRecord(NamedTuple):
@@ -440,7 +434,7 @@ def sweep_records(
     name that engine's children: nothing is ended, the copies are dropped, and a warning says so.
 
     Logs ``sweeping`` (with the number of processes) before it ends anything, and ``swept`` after. Once
-    ``force`` is set (``serve`` sets it on a second stop signal, :data:`SWEEP_FORCE`), the grace period
+    ``force`` is set (``serve`` sets it on a second stop signal, ``_engine.ServeStart``), the grace period
     ends: SIGKILL at once.
 
     Returns:
@@ -470,7 +464,7 @@ def sweep_records(
         return 0, []
     targets = find_record_processes(records)
     targets.update(find_marked_processes(tokens))
-    count = len(targets) + sum(len(leaf.procs()) for leaf in leaves)
+    count = len(set(targets).union(*(leaf.procs() for leaf in leaves)))  # a leaf's are often marked too
     fields = {"state_dir": state_dir, "processes": count, "grace_seconds": grace_seconds}
     _log.info("sweeping", extra={"fields": fields})
     survivors = end_processes(

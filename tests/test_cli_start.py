@@ -25,7 +25,7 @@ from engine.server._client import (
     EngineStartingError,
     EngineStoppingError,
 )
-from engine.server._location import lock_holder
+from engine.server._location import lock_holder, lock_state
 
 from .children import kill_pids, mark, pgrep, pgrep_env
 from .serve_support import SHELL, alive, cli, wait_until
@@ -280,11 +280,11 @@ def test_clients_say_an_engine_that_ends_a_crashed_ones_children_is_starting(
         assert "asked it to stop: it closes once that is over, without answering" in stopped.stderr
         assert serve.wait(timeout=10) == 0
         assert not pgrep(second)
-    events = [
-        line.split(" event=")[1].split()[0] for line in log.read_text().splitlines() if " event=" in line
-    ]
+    lines = [line for line in log.read_text().splitlines() if " event=" in line]
+    events = [line.split(" event=")[1].split()[0] for line in lines]
     assert "ready" not in events  # it never listened
     assert events[:2] == ["sweeping", "stopping"]  # logged as the sweep began, and at the signal
+    assert " processes=1 " in lines[0]  # the crashed engine's one child (counted once, not per way found)
     assert "swept" in events
     assert events[-1] == "stopped"
 
@@ -345,6 +345,79 @@ def test_a_start_queued_behind_a_stop_of_a_starting_engine_starts_a_new_one(
     _reap(started["pid"])
 
 
+def test_a_start_whose_engine_is_stopped_in_its_sweep_says_so(state_dir: Path, project: Path) -> None:
+    # Found by a new user: a `start` whose own engine was stopped during its start-up sweep said "the engine
+    # did not start: ts=... event=stopped ...", the last line of the engine's log.
+    child = mark("889.10")
+    _crash_leaving_a_child(state_dir, _start(state_dir), project, child)
+    argv = [sys.executable, "-m", "engine", "--state-dir", str(state_dir), "start", "--grace-seconds", "3"]
+    starting = subprocess.Popen([*argv, *SHELL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: "event=sweeping" in (state_dir / "engine.log").read_text(), 20)
+        stopped = _ge(state_dir, "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        _, err = starting.communicate(timeout=60)
+    finally:
+        if starting.poll() is None:
+            starting.kill()
+            starting.wait()
+    assert starting.returncode == 1
+    pid = lock_state(str(state_dir))
+    assert pid is not None and pid.holder is None  # no engine
+    assert err.startswith("gadget-engine: the engine (pid ")
+    assert err.endswith(
+        f"was stopped before it answered (a stop or a signal during its start-up sweep); its log: "
+        f"{state_dir / 'engine.log'}\n"
+    )
+    assert not pgrep(child)
+
+
+def test_a_stopped_engine_is_named_not_waited_for_forever(state_dir: Path, project: Path) -> None:
+    # Found by a new user: with the engine stopped (SIGSTOP, Ctrl-Z in its terminal), `list`, `status` and
+    # `stop --wait-seconds 3` waited for its answer forever.
+    pid = _start(state_dir)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        said = (
+            f"gadget-engine: the engine on {state_dir} (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its "
+            f"terminal) and answers nothing until it is continued: kill -CONT {pid}\n"
+        )
+        for args in (("list",), ("stop", "--wait-seconds", "3")):
+            out = _ge(state_dir, *args, timeout=30)
+            assert (out.returncode, out.stderr) == (1, said)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert _ge(state_dir, "list").returncode == 0  # continued, it answers as before
+    assert _ge(state_dir, "stop").returncode == 0
+    _reap(pid)
+
+
+def test_stop_signals_only_a_serve_that_wrote_its_own_lock_line(state_dir: Path) -> None:
+    # Found by a new user: a process that merely held the lock (`flock lock sleep`) after a crash, with the
+    # crashed engine's socket file left, was told "the engine ... is starting", and `stop` sent it SIGTERM
+    # and said "stopped the engine".
+    state_dir.mkdir(mode=0o700)
+    (state_dir / "lock").write_text("1 serving serve\n")  # the crashed engine's line
+    (state_dir / "lock").chmod(0o600)
+    with socket.socket(socket.AF_UNIX) as leftover:
+        leftover.bind(str(state_dir / "engine.sock"))  # closed unlistened: a connect is refused
+    nap = mark("889.11")
+    holder = subprocess.Popen(["flock", str(state_dir / "lock"), "sleep", nap])
+    try:
+        assert wait_until(
+            lambda: lock_state(str(state_dir)) is not None and lock_state(str(state_dir)).holder, 10
+        )
+        out = _ge(state_dir, "stop", "--wait-seconds", "1")
+        assert out.returncode == 1
+        assert "asked it to stop" not in out.stderr
+        assert "is still starting and does not answer after 1 s" in out.stderr
+        assert holder.poll() is None and pgrep(f"^sleep {nap}$")  # not signalled
+    finally:
+        holder.kill()
+        holder.wait()
+        kill_pids(pgrep(f"^sleep {nap}$"))
+
+
 def test_a_refused_socket_is_told_starting_or_stopping_by_the_lock(tmp_path: Path) -> None:
     """A real lock (this process holds it, as an engine does) and a real socket file nobody listens on,
     or none: the client says "starting" for an engine that has not written its pid yet, whose lock says
@@ -391,6 +464,9 @@ def test_a_refused_socket_is_told_starting_or_stopping_by_the_lock(tmp_path: Pat
         assert isinstance(refused(), EngineStartingError)  # its phase, with no socket file at all
         write("stopping")
         assert type(refused()) is EngineStoppingError
+        write("open embedded")  # an engine embedded in another program never listens: it says so
+        assert type(refused()) is EngineSocketMissingError
+        assert "embedded in another program" in str(refused())
         write("serving")
         assert type(refused()) is EngineSocketMissingError  # it binds it again
         # `start` waits for that (it spawned a serve that failed "already running"), not for an engine

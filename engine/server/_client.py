@@ -29,7 +29,7 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import EngineError, UntrustedPathError
-from .._lockfile import OPEN, STARTING, STOPPING
+from .._lockfile import EMBEDDED, OPEN, STARTING, STOPPING
 from ._location import (
     SOCKET_NAME,
     SOCKET_POINTER_NAME,
@@ -42,6 +42,7 @@ from ._location import (
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
 __all__ = [
+    "SUSPENDED_LOOK_SECONDS",
     "AsyncEngineClient",
     "EngineClient",
     "EngineConnectionError",
@@ -49,6 +50,7 @@ __all__ = [
     "EngineSocketMissingError",
     "EngineStartingError",
     "EngineStoppingError",
+    "EngineSuspendedError",
     "RpcError",
 ]
 
@@ -56,6 +58,9 @@ __all__ = [
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 #: How often a blocking read looks again, so that a Ctrl-C is raised (``EngineClient._wait_readable``).
 _SIGNAL_LOOK_SECONDS = 0.25
+#: How long a call waits for its answer before it looks whether the engine's process is stopped, in
+#: seconds (:class:`EngineSuspendedError`).
+SUSPENDED_LOOK_SECONDS = 1.0
 
 
 class EngineNotRunningError(EngineError, ConnectionError):
@@ -70,12 +75,27 @@ class EngineConnectionError(EngineError, ConnectionError):
     """
 
 
+class EngineSuspendedError(EngineError):
+    """Raised by :meth:`EngineClient.call` when the engine's process is stopped (SIGSTOP, Ctrl-Z in its
+    terminal) while the call waits for its answer: it answers nothing until it is continued (``kill -CONT``).
+    Looked at after :data:`SUSPENDED_LOOK_SECONDS` of waiting, then every 0.25 s.
+
+    Attributes:
+        pid: the engine's pid.
+    """
+
+    def __init__(self, message: str, pid: int) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def check_peer(sock: socket.socket, path: str, state_dir: str | None = None) -> None:
+def check_peer(sock: socket.socket, path: str, state_dir: str | None = None) -> int:
     """Refuse a socket whose listener runs as another user (``SO_PEERCRED``), or is not the engine of
-    ``state_dir`` (the process holding its lock, ``lock_holder``), before anything is sent.
+    ``state_dir`` (the process holding its lock, ``lock_holder``), before anything is sent; the
+    listener's pid.
 
     A request can carry secrets (``-e API_TOKEN=...``): it goes only to an engine of this user. And a
     ``stop`` or ``kill`` goes only to the engine of the state directory it names: a copied state
@@ -104,6 +124,7 @@ def check_peer(sock: socket.socket, path: str, state_dir: str | None = None) -> 
             "state directory?); remove it, then start the engine again (or, if pid "
             f"{pid} is this state directory's engine and its lock file was removed, stop it by its pid)"
         )
+    return int(pid)
 
 
 def _stale(sock: Any) -> bool:
@@ -173,21 +194,33 @@ def _phase(lock: LockState, *, refused: bool) -> str:
     return STARTING if refused else ""
 
 
+def _kind(lock: LockState) -> str:
+    """The lock holder's kind (``serve``, ``embedded``), or ``""`` when the line is not its own."""
+    return lock.kind if lock.written == str(lock.holder) else ""
+
+
 def _not_running(
     state_dir: str, path: str, *, refused: bool = False, made: int | None = None
 ) -> EngineNotRunningError | EngineSocketMissingError:
     """What a failed connect to ``path`` means; ``made``: the socket file's change time read before it
     (:func:`_socket_made`).
 
-    The lock file says the holder's phase: ``starting`` (its start-up sweep) and ``stopping`` hold whether
-    the socket file is there or not. An engine that is open but not listening yet (``open``, or an earlier
-    version's pid alone) is starting when the file that refused is older than the lock file's last write:
-    a leftover of an engine that ended without removing it (``serve`` binds its own after that write).
+    The lock file says the holder's phase and kind: an engine embedded in another program never listens;
+    ``starting`` (its start-up sweep) and ``stopping`` hold whether the socket file is there or not. A
+    ``serve`` that is open but not listening yet (``open``, or an earlier version's pid alone) is starting
+    when the file that refused is older than the lock file's last write: a leftover of an engine that
+    ended without removing it (``serve`` binds its own after that write).
     """
     lock = lock_state(state_dir)
     pid = None if lock is None else lock.holder
     phase = "" if lock is None or pid is None else _phase(lock, refused=refused)
     leftover = refused and made is not None and lock is not None and made < lock.written_ns
+    if lock is not None and pid is not None and _kind(lock) == EMBEDDED and phase != STOPPING:
+        return EngineSocketMissingError(
+            f"an engine embedded in another program runs on {state_dir} as pid {pid} and listens on no "
+            "socket: this client cannot reach it (stop that program, or use another --state-dir)",
+            pid,
+        )
     if pid is not None and (phase == STARTING or (phase in (OPEN, "") and leftover)):
         return EngineStartingError(
             f"the engine on {state_dir} (pid {pid}) is starting and does not answer yet (after a crash it "
@@ -215,6 +248,15 @@ def _not_running(
 
 #: ``PF_EXITING`` in ``/proc/<pid>/stat`` field 9: the process is exiting (its files are being closed).
 _PF_EXITING = 0x4
+
+
+def _suspended(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T``, or ``t``: stopped by a tracer)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _engine_gone(holder: int | None) -> bool:
@@ -306,6 +348,7 @@ class EngineClient:
         self.state_dir = resolve_state_dir(state_dir)
         self.timeout_seconds = timeout_seconds
         self._sock: socket.socket | None = None
+        self._peer = 0  # the engine's pid, once connected
         self._buffer = bytearray()
         self._next_id = 1
 
@@ -344,7 +387,7 @@ class EngineClient:
         sock.settimeout(self.timeout_seconds)
         try:
             sock.connect(path)
-            check_peer(sock, path, self.state_dir)
+            self._peer = check_peer(sock, path, self.state_dir)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             sock.close()
             raise _not_running(
@@ -443,10 +486,21 @@ class EngineClient:
             TimeoutError: nothing came within ``timeout_seconds``.
         """
         assert self._sock is not None
-        deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+        began = time.monotonic()
+        deadline = None if self.timeout_seconds is None else began + self.timeout_seconds
         while not select.select([self._sock], [], [], _SIGNAL_LOOK_SECONDS)[0]:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("timed out")
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError(
+                    f"the engine on {self.state_dir} (pid {self._peer}) did not answer within "
+                    f"{self.timeout_seconds:g} s"
+                )
+            if now - began >= SUSPENDED_LOOK_SECONDS and _suspended(self._peer):
+                raise EngineSuspendedError(
+                    f"the engine on {self.state_dir} (pid {self._peer}) is stopped (SIGSTOP, or Ctrl-Z in "
+                    f"its terminal) and answers nothing until it is continued: kill -CONT {self._peer}",
+                    self._peer,
+                )
 
 
 class AsyncEngineClient:

@@ -166,6 +166,8 @@ class LockState(NamedTuple):
     #: the phase that engine wrote with its pid (``_lockfile``: ``starting``, ``open``, ``serving``,
     #: ``stopping``; ``""`` from an earlier version)
     phase: str = ""
+    #: its kind: ``serve`` or ``embedded`` (``""`` likewise)
+    kind: str = ""
 
 
 def lock_state(state_dir: str) -> LockState | None:
@@ -183,7 +185,7 @@ def lock_state(state_dir: str) -> LockState | None:
         fd = open_own_file(path, os.O_RDONLY, what="the state directory's lock")
         with open(fd, encoding="ascii") as f:
             info = os.fstat(f.fileno())
-            written, phase = parse_lock_line(f.read(256))
+            written, phase, kind = parse_lock_line(f.read(256))
         with open("/proc/locks", encoding="ascii") as f:
             lines = f.readlines()
     except (OSError, ValueError):
@@ -197,7 +199,7 @@ def lock_state(state_dir: str) -> LockState | None:
         if fields[5] == where or (fields[5].endswith(f":{info.st_ino}") and fields[4] == written):
             holder = int(fields[4])
             break
-    return LockState(holder, written, info.st_mtime_ns, phase)
+    return LockState(holder, written, info.st_mtime_ns, phase, kind)
 
 
 def lock_holder(state_dir: str) -> int | None:

@@ -34,10 +34,9 @@ import trio
 
 from .. import __version__
 from .._config import EngineConfig
-from .._engine import Engine, open_engine
+from .._engine import SERVE_START, Engine, ServeStart, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
 from .._lockfile import LOCK_NAME, SERVING, STOPPING, mark_phase, parse_lock_line
-from .._sweep import SWEEP_FORCE
 from .._trust import open_own_file
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import (
@@ -509,7 +508,7 @@ async def serve(
     entered = False
     bound: list[str] = []  # the socket this serve made, removed once its engine has closed
     force_sweep = threading.Event()
-    SWEEP_FORCE.set(force_sweep)  # this task's context: the start-up sweep of open_engine reads it
+    SERVE_START.set(ServeStart(force_sweep))  # this task's context, which open_engine reads
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         try:
             try:
