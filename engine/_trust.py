@@ -216,6 +216,8 @@ def open_own_file(path: str, flags: int, mode: int = 0o600, *, what: str) -> int
             ) from None
         if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
             raise UntrustedPathError(f"{what} {path} is a FIFO, not a regular file; remove it") from None
+        if exc.errno == errno.EISDIR:  # a directory, opened for writing
+            raise UntrustedPathError(f"{what} {path} is a directory, not a regular file; remove it") from None
         raise
     try:
         check_stat(os.fstat(fd), path, "file", what, "remove it, or use another --state-dir")

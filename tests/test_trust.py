@@ -120,6 +120,7 @@ async def test_state_dir_writable_by_others_is_refused_with_the_fix(tmp_path: Pa
         ("lock", lambda p, t: os.mkfifo(p)),
         ("engine-id", lambda p, t: os.mkfifo(p)),
         ("engine-id", lambda p, t: os.symlink(t, p)),
+        ("lock", lambda p, t: os.mkdir(p)),  # said "[Errno 21] Is a directory" (found by a new user)
     ],
 )
 async def test_entries_of_the_state_dir_are_checked_before_use(
