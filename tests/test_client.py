@@ -8,12 +8,19 @@ module, without running the package's ``__init__``, with the recipe of ``docs/rp
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 import engine
+from engine import AsyncEngineClient, EngineClient, EngineSuspendedError
 
 from .children import kill_leftovers
 from .serve_support import start_serve
@@ -168,3 +175,31 @@ def test_client_modules_import_only_the_standard_library() -> None:
         top_level = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
         for line in top_level:
             assert not any(f" {name}" in line for name in BLOCKED), (module, line)
+
+
+def test_both_clients_name_an_engine_whose_process_is_stopped(tmp_path: Path) -> None:
+    # Found by a new user: with the engine stopped (SIGSTOP, Ctrl-Z in its terminal) every call waited for
+    # its answer forever.
+    served = start_serve(tmp_path / "state")
+    pid = served.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with EngineClient(str(served.state_dir)) as client:
+            t0 = time.monotonic()
+            with pytest.raises(EngineSuspendedError) as info:
+                client.call("status")
+            assert time.monotonic() - t0 < 10  # about a second; a loose bound, to catch a hang
+            assert info.value.pid == pid
+            assert f"(pid {pid}) is stopped" in str(info.value) and f"kill -CONT {pid}" in str(info.value)
+
+        async def call() -> None:
+            async with AsyncEngineClient(str(served.state_dir)) as client:
+                await client.call("status")
+
+        with pytest.raises(EngineSuspendedError):
+            asyncio.run(asyncio.wait_for(call(), 10))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with EngineClient(str(served.state_dir)) as client:  # continued, it answers as before
+        assert client.call("status")["pid"] == pid
+    assert served.stop() == 0

@@ -259,6 +259,14 @@ def _suspended(pid: int) -> bool:
         return False
 
 
+def _suspended_error(state_dir: str, pid: int) -> EngineSuspendedError:
+    return EngineSuspendedError(
+        f"the engine on {state_dir} (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its terminal) and answers "
+        f"nothing until it is continued: kill -CONT {pid}",
+        pid,
+    )
+
+
 def _engine_gone(holder: int | None) -> bool:
     """Whether the engine is gone or exiting: its state directory's lock is free (``holder`` is ``None``),
     or held by a process that is exiting (the lock goes with the last of its files, after the
@@ -496,11 +504,7 @@ class EngineClient:
                     f"{self.timeout_seconds:g} s"
                 )
             if now - began >= SUSPENDED_LOOK_SECONDS and _suspended(self._peer):
-                raise EngineSuspendedError(
-                    f"the engine on {self.state_dir} (pid {self._peer}) is stopped (SIGSTOP, or Ctrl-Z in "
-                    f"its terminal) and answers nothing until it is continued: kill -CONT {self._peer}",
-                    self._peer,
-                )
+                raise _suspended_error(self.state_dir, self._peer)
 
 
 class AsyncEngineClient:
@@ -519,6 +523,7 @@ class AsyncEngineClient:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._lock = asyncio.Lock()
+        self._peer = 0  # the engine's pid, once connected
         self._next_id = 1
 
     def __repr__(self) -> str:
@@ -557,7 +562,7 @@ class AsyncEngineClient:
                 self.state_dir, path, refused=isinstance(exc, ConnectionRefusedError), made=made
             ) from None
         try:
-            check_peer(writer.get_extra_info("socket"), path, self.state_dir)
+            self._peer = check_peer(writer.get_extra_info("socket"), path, self.state_dir)
         except BaseException:
             writer.close()
             raise
@@ -605,7 +610,7 @@ class AsyncEngineClient:
             try:
                 self._writer.write(encode_request(method, params, request_id))
                 await self._writer.drain()
-                line = await self._reader.readuntil(b"\n")
+                line = await self._answer(self._reader)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 await self.aclose()
                 raise _broken(self.state_dir, method) from exc
@@ -620,6 +625,22 @@ class AsyncEngineClient:
             except _UnusableResponseError:
                 await self.aclose()
                 raise
+
+    async def _answer(self, reader: asyncio.StreamReader) -> bytes:
+        """The answer's line, read while looking, after :data:`SUSPENDED_LOOK_SECONDS` and then every 0.25
+        s, whether the engine's process is stopped (:class:`EngineSuspendedError`), as the blocking
+        client does."""
+        reading = asyncio.ensure_future(reader.readuntil(b"\n"))
+        try:
+            wait = SUSPENDED_LOOK_SECONDS
+            while not (await asyncio.wait({reading}, timeout=wait))[0]:
+                wait = _SIGNAL_LOOK_SECONDS
+                if _suspended(self._peer):
+                    raise _suspended_error(self.state_dir, self._peer)
+            return reading.result()
+        finally:
+            if not reading.done():
+                reading.cancel()
 
     async def _abandon(self) -> None:
         """Drop the connection without waiting (a cancelled call): its answer would come out of turn."""
