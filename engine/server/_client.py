@@ -251,10 +251,11 @@ _PF_EXITING = 0x4
 
 
 def _suspended(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (state ``T``, or ``t``: stopped by a tracer)."""
+    """Whether process ``pid`` is stopped by a signal (state ``T``; not ``t``, the stops of a tracer such as
+    ``strace``, which come and go)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
     except (OSError, IndexError):
         return False
 
