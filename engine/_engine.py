@@ -24,7 +24,7 @@ from ._containment import Containment, open_containment
 from ._errors import EngineLockedError
 from ._exit_notices import send_exit_notice
 from ._guardian_link import GuardianLink
-from ._lockfile import LOCK_NAME, OPEN, STARTING, STOPPING, write_phase
+from ._lockfile import EMBEDDED, LOCK_NAME, OPEN, SERVE, STARTING, STOPPING, write_phase
 from ._retry import RetryPolicy
 from ._subprocesses import SubProcessService, open_subprocess_service
 from ._supervisor import Supervisor, open_supervisor
@@ -152,13 +152,16 @@ class ServeStart:
     setting (a second stop signal) ends the start-up sweep's grace period: SIGKILL at once."""
 
     force_sweep: threading.Event
+    #: what the lock file calls the engine (``_lockfile``: ``serve``, or ``mcp`` for ``mcp``'s own)
+    kind: str = SERVE
 
 
-#: Set by ``serve`` in its own task's context before it calls ``open_engine``; ``None``: embedded.
+#: Set by ``serve`` (and ``mcp``) in its own task's context before it calls ``open_engine``; ``None``:
+#: embedded.
 SERVE_START: ContextVar[ServeStart | None] = ContextVar("SERVE_START", default=None)
 
 
-def _lock_state_dir(state_dir: str, *, serve: bool) -> int:
+def _lock_state_dir(state_dir: str, *, kind: str) -> int:
     """Create (0700) and check the state directory, take its lock, then check what it holds.
 
     Nothing in the directory is read before it is known to be ours (``_trust``): the lock file is
@@ -182,7 +185,7 @@ def _lock_state_dir(state_dir: str, *, serve: bool) -> int:
             ) from None
         # The pid and the phase first (a client tells from them that this engine, which does not listen
         # yet, is starting), then the entries are checked.
-        write_phase(fd, STARTING, serve=serve)
+        write_phase(fd, STARTING, kind)
         check_state_dir(state_dir)
     except BaseException:
         os.close(fd)
@@ -238,7 +241,8 @@ async def open_engine(
     config = config if config is not None else EngineConfig()
     state_dir = config.resolved_state_dir()
     serving = SERVE_START.get()
-    lock_fd = _lock_state_dir(state_dir, serve=serving is not None)
+    kind = EMBEDDED if serving is None else serving.kind
+    lock_fd = _lock_state_dir(state_dir, kind=kind)
     try:
         engine_id = config.engine_id or _engine_id(state_dir)
         # Under the lock: what a crashed engine (and its guardian) left behind is ours to end.
@@ -283,12 +287,12 @@ async def open_engine(
                 async with _open_services(
                     config, state_dir, containment, guardian, on_fire, engine_id
                 ) as engine:
-                    write_phase(lock_fd, OPEN, serve=serving is not None)
+                    write_phase(lock_fd, OPEN, kind)
                     try:
                         yield engine
                     finally:
                         with contextlib.suppress(OSError):  # what clients are told, not the stop itself
-                            write_phase(lock_fd, STOPPING, serve=serving is not None)
+                            write_phase(lock_fd, STOPPING, kind)
             finally:
                 await guardian.close()
     finally:

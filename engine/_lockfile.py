@@ -3,8 +3,9 @@
 The engine holds an exclusive ``flock`` on ``<state_dir>/lock`` for its lifetime (``open_engine``); the
 file's one line is ``<pid> <phase> <kind>``, rewritten as the engine goes through its phases, so that a
 client that cannot connect tells why without a socket to look at (``server._client``). The kind is
-``serve`` (``gadget-engine serve``, which listens once open) or ``embedded`` (``open_engine`` in another
-program, ``mcp``'s own engine: it never listens). The phases:
+``serve`` (``gadget-engine serve``, which listens once open), ``mcp`` (``gadget-engine mcp``'s own
+engine, which listens once open too, but is stopped through its stdin, never by a signal from ``stop``)
+or ``embedded`` (``open_engine`` in another program: it never listens). The phases:
 
 - ``starting``: written as the lock is taken; the engine ends what a crashed one left (the start-up
   sweep, up to its grace period, then SIGKILL and the kill wait) and opens its services;
@@ -28,6 +29,7 @@ from ._trust import open_own_file
 __all__ = [
     "EMBEDDED",
     "LOCK_NAME",
+    "MCP",
     "OPEN",
     "SERVE",
     "SERVING",
@@ -47,6 +49,7 @@ SERVING: Final = "serving"
 STOPPING: Final = "stopping"
 SERVE: Final = "serve"
 EMBEDDED: Final = "embedded"
+MCP: Final = "mcp"
 
 
 class LockLine(NamedTuple):
@@ -56,7 +59,7 @@ class LockLine(NamedTuple):
     pid: str
     #: its phase (``""`` for an earlier version's pid-only line)
     phase: str
-    #: ``serve`` or ``embedded`` (``""`` likewise)
+    #: ``serve``, ``mcp`` or ``embedded`` (``""`` likewise)
     kind: str
 
 
@@ -70,20 +73,20 @@ def parse_lock_line(text: str) -> LockLine:
     return LockLine(words[0], words[1], words[2])
 
 
-def write_phase(fd: int, phase: str, *, serve: bool) -> None:
-    """Write this process's pid, ``phase`` and kind (``serve`` or ``embedded``) as the lock file's line,
-    through ``fd`` (open for writing).
+def write_phase(fd: int, phase: str, kind: str) -> None:
+    """Write this process's pid, ``phase`` and ``kind`` (``serve``, ``mcp``, ``embedded``) as the lock
+    file's line, through ``fd`` (open for writing).
 
     One ``pwrite`` at offset 0, then the file cut to that line: a reader sees the old line or the new one
     (the tail of a longer old line, past the newline, is not read).
     """
-    line = f"{os.getpid()} {phase} {SERVE if serve else EMBEDDED}\n".encode("ascii")
+    line = f"{os.getpid()} {phase} {kind}\n".encode("ascii")
     os.pwrite(fd, line, 0)
     os.ftruncate(fd, len(line))
 
 
-def mark_phase(state_dir: str, phase: str) -> None:
-    """:func:`write_phase` of a ``serve`` on ``<state_dir>/lock`` by its path (it holds the lock).
+def mark_phase(state_dir: str, phase: str, kind: str = SERVE) -> None:
+    """:func:`write_phase` on ``<state_dir>/lock`` by its path, for the engine that holds the lock.
 
     Raises:
         OSError: the file cannot be opened or written (``UntrustedPathError`` when it is not the engine's
@@ -91,6 +94,6 @@ def mark_phase(state_dir: str, phase: str) -> None:
     """
     fd = open_own_file(os.path.join(state_dir, LOCK_NAME), os.O_WRONLY, what="the state directory's lock")
     try:
-        write_phase(fd, phase, serve=True)
+        write_phase(fd, phase, kind)
     finally:
         os.close(fd)

@@ -299,6 +299,16 @@ def test_a_second_signal_during_the_start_up_sweep_ends_its_grace_period(
     log = state_dir.parent / "forced.log"
     with _serve_sweeping(state_dir, grace_seconds=120.0, log=log) as serve:
         assert wait_until(lambda: "event=sweeping" in log.read_text(), 20)
+        serve.send_signal(signal.SIGSTOP)  # stopped in its sweep: named so, not "starting"
+        try:
+            listed = _ge(state_dir, "list")
+            assert (listed.returncode, listed.stderr) == (
+                1,
+                f"gadget-engine: the engine on {state_dir} (pid {serve.pid}) is stopped (SIGSTOP, or Ctrl-Z "
+                f"in its terminal) and answers nothing until it is continued: kill -CONT {serve.pid}\n",
+            )
+        finally:
+            serve.send_signal(signal.SIGCONT)
         serve.send_signal(signal.SIGTERM)
         assert wait_until(lambda: "event=stopping" in log.read_text(), 20)
         assert pgrep(child)  # the sweep's grace period runs on: the child ignores SIGINT
@@ -380,7 +390,8 @@ def test_a_stopped_engine_is_named_not_waited_for_forever(state_dir: Path, proje
     try:
         said = (
             f"gadget-engine: the engine on {state_dir} (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its "
-            f"terminal) and answers nothing until it is continued: kill -CONT {pid}\n"
+            f"terminal) and answers nothing until it is continued: kill -CONT {pid} (the request was sent: "
+            "the engine runs it then)\n"
         )
         for args in (("list",), ("stop", "--wait-seconds", "3")):
             out = _ge(state_dir, *args, timeout=30)

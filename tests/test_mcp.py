@@ -219,6 +219,8 @@ async def test_mcp_embedded_engine_serves_the_tools_and_stops_within_the_window(
             listed = await trio.to_thread.run_sync(lambda: cli("list", "--state-dir", str(state)))
             assert listed.returncode == 0 and str(live) in listed.stdout, listed
             server_pid = int((state / "lock").read_text().split()[0])
+            # It listens: the lock says so, for the clients that cannot connect (not "embedded").
+            assert (state / "lock").read_text() == f"{server_pid} serving mcp\n"
             assert pgrep(marker)
             closed_at = time.monotonic()
         stopped_seconds = time.monotonic() - closed_at

@@ -201,7 +201,7 @@ def _kind(lock: LockState) -> str:
 
 def _not_running(
     state_dir: str, path: str, *, refused: bool = False, made: int | None = None
-) -> EngineNotRunningError | EngineSocketMissingError:
+) -> EngineNotRunningError | EngineSocketMissingError | EngineSuspendedError:
     """What a failed connect to ``path`` means; ``made``: the socket file's change time read before it
     (:func:`_socket_made`).
 
@@ -213,6 +213,8 @@ def _not_running(
     """
     lock = lock_state(state_dir)
     pid = None if lock is None else lock.holder
+    if pid is not None and _suspended(pid):  # starting, stopping or its socket lost: it does nothing now
+        return _suspended_error(state_dir, pid, sent=False)
     phase = "" if lock is None or pid is None else _phase(lock, refused=refused)
     leftover = refused and made is not None and lock is not None and made < lock.written_ns
     if lock is not None and pid is not None and _kind(lock) == EMBEDDED and phase != STOPPING:
@@ -260,10 +262,11 @@ def _suspended(pid: int) -> bool:
         return False
 
 
-def _suspended_error(state_dir: str, pid: int) -> EngineSuspendedError:
+def _suspended_error(state_dir: str, pid: int, *, sent: bool) -> EngineSuspendedError:
+    then = " (the request was sent: the engine runs it then)" if sent else ""
     return EngineSuspendedError(
         f"the engine on {state_dir} (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its terminal) and answers "
-        f"nothing until it is continued: kill -CONT {pid}",
+        f"nothing until it is continued: kill -CONT {pid}{then}",
         pid,
     )
 
@@ -505,7 +508,7 @@ class EngineClient:
                     f"{self.timeout_seconds:g} s"
                 )
             if now - began >= SUSPENDED_LOOK_SECONDS and _suspended(self._peer):
-                raise _suspended_error(self.state_dir, self._peer)
+                raise _suspended_error(self.state_dir, self._peer, sent=True)
 
 
 class AsyncEngineClient:
@@ -637,7 +640,7 @@ class AsyncEngineClient:
             while not (await asyncio.wait({reading}, timeout=wait))[0]:
                 wait = _SIGNAL_LOOK_SECONDS
                 if _suspended(self._peer):
-                    raise _suspended_error(self.state_dir, self._peer)
+                    raise _suspended_error(self.state_dir, self._peer, sent=True)
             return reading.result()
         finally:
             if not reading.done():

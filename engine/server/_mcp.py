@@ -25,9 +25,11 @@ stderr while it serves. The engine's own log lines go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+import threading
 from typing import Any, Final
 
 import attrs
@@ -37,8 +39,9 @@ from mcp.server.lowlevel import Server
 
 from .. import __version__
 from .._config import EngineConfig
-from .._engine import Engine, open_engine
+from .._engine import SERVE_START, Engine, ServeStart, open_engine
 from .._errors import EngineLockedError
+from .._lockfile import MCP, SERVING, mark_phase
 from .._supervisor import RunState
 from ._client import EngineClient
 from ._eventlog import RunLogger, log_event, log_fired
@@ -128,11 +131,14 @@ async def stop_quickly(engine: Engine, grace_seconds: float = SHUTDOWN_GRACE_SEC
 async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
     config = attrs.evolve(config, end_unclaimed_orphans=True)  # mcp owns its whole process
     state_dir = config.resolved_state_dir()
+    SERVE_START.set(ServeStart(threading.Event(), kind=MCP))  # the lock says it listens once open
     async with open_engine(config) as engine:
         engine.supervisor.add_observer(RunLogger())  # spawned / exited lines on stderr, as serve logs them
         stop_by = None
         try:
             listener, path = await bind_socket(state_dir)
+            with contextlib.suppress(OSError):  # what clients are told, not the service
+                mark_phase(state_dir, SERVING, MCP)
             try:
                 async with trio.open_nursery() as nursery:
                     server = RpcServer.from_config(Methods(engine, path, __version__), config)
