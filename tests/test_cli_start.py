@@ -415,9 +415,7 @@ def test_stop_signals_only_a_serve_that_wrote_its_own_lock_line(state_dir: Path)
     nap = mark("889.11")
     holder = subprocess.Popen(["flock", str(state_dir / "lock"), "sleep", nap])
     try:
-        assert wait_until(
-            lambda: lock_state(str(state_dir)) is not None and lock_state(str(state_dir)).holder, 10
-        )
+        assert wait_until(lambda: lock_holder(str(state_dir)) == holder.pid, 10)
         out = _ge(state_dir, "stop", "--wait-seconds", "1")
         assert out.returncode == 1
         assert "asked it to stop" not in out.stderr
