@@ -363,7 +363,7 @@ def _stop_starting(state_dir: str, pid: int) -> bool:
         lock = lock_state(state_dir)
         # Taken while the pidfd is held: the process holds the lock and wrote its own line as a serve (a
         # process that merely holds the lock, or an engine embedded in another program, is left alone).
-        if lock is None or lock.holder != pid or lock.written != str(pid) or lock.kind != SERVE:
+        if lock is None or lock.holder != pid or not lock.own_line or lock.kind != SERVE:
             return False
         signal.pidfd_send_signal(fd, signal.SIGTERM)
     except OSError:

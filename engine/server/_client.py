@@ -189,14 +189,14 @@ def _phase(lock: LockState, *, refused: bool) -> str:
     """The lock holder's phase (``_lockfile``). Before it has written its pid: ``starting`` when a socket
     file refused (an engine that has just taken the lock, the crashed one's socket still there), else
     unknown (``""``: a holder that writes nothing is not an engine that starts)."""
-    if lock.written == str(lock.holder):
+    if lock.own_line:
         return lock.phase
     return STARTING if refused else ""
 
 
 def _kind(lock: LockState) -> str:
     """The lock holder's kind (``serve``, ``embedded``), or ``""`` when the line is not its own."""
-    return lock.kind if lock.written == str(lock.holder) else ""
+    return lock.kind if lock.own_line else ""
 
 
 def _not_running(

@@ -166,8 +166,13 @@ class LockState(NamedTuple):
     #: the phase that engine wrote with its pid (``_lockfile``: ``starting``, ``open``, ``serving``,
     #: ``stopping``; ``""`` from an earlier version)
     phase: str = ""
-    #: its kind: ``serve`` or ``embedded`` (``""`` likewise)
+    #: its kind: ``serve``, ``mcp`` or ``embedded`` (``""`` likewise)
     kind: str = ""
+
+    @property
+    def own_line(self) -> bool:
+        """Whether the line was written by the holder itself (an engine writes it as it takes the lock)."""
+        return self.written == str(self.holder)
 
 
 def lock_state(state_dir: str) -> LockState | None:

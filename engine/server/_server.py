@@ -36,14 +36,13 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import SERVE_START, Engine, ServeStart, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
-from .._lockfile import LOCK_NAME, SERVING, STOPPING, mark_phase, parse_lock_line
-from .._trust import open_own_file
+from .._lockfile import SERVING, STOPPING, mark_phase
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import (
     SOCKET_NAME,
     SOCKET_POINTER_NAME,
     choose_socket_path,
-    lock_holder,
+    lock_state,
     staging_socket_path,
 )
 from ._methods import InvalidParamsError, MethodNotFoundError, Methods
@@ -400,15 +399,9 @@ def _remove_socket(state_dir: str, path: str) -> None:
 
 
 def _lock_holder(state_dir: str) -> str:
-    holder = lock_holder(state_dir)
-    if holder is not None:
-        return f"pid {holder}"
-    try:
-        fd = open_own_file(os.path.join(state_dir, LOCK_NAME), os.O_RDONLY, what="the lock")
-        with os.fdopen(fd, "rb") as f:
-            pid = parse_lock_line(f.read(256).decode("ascii", "replace")).pid
-    except OSError:
-        pid = ""
+    """Who holds the state directory: the lock's holder, else the pid its line names, else unknown."""
+    lock = lock_state(state_dir)
+    pid = None if lock is None else lock.holder or lock.written
     return f"pid {pid}" if pid else "pid unknown"
 
 
