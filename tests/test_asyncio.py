@@ -198,7 +198,7 @@ def test_asyncio_engine_closing_leaves_watched_commands_for_the_next_engine(
         job_id = asyncio.run(first())
         assert len(pgrep(rf"^sleep {marker}$")) == 1  # left running
         job, reason, project_id = asyncio.run(second())
-        assert (job, reason) == (job_id, "exit") and project_id is not None
+        assert (job, reason) == (job_id, "signal") and project_id is not None  # the sleep itself, killed
         assert not pgrep(rf"^sleep {marker}$")
     finally:
         end_left_commands(tmp_path)

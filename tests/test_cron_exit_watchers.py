@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from engine import CronJob, FiredEvent, InvalidArgumentError, OnExit, SystemEvent
+from engine._procfs import children_of
 from engine.cron._shell import COMMAND_VAR, resolve_exit_watch_shell
 
 from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
@@ -148,6 +149,40 @@ async def test_exit_watcher_cr01_profile_replacing_shell_is_diagnosed(
         (event,) = await wait_events(engine, 1)
     assert event.reason == "not_started"
     assert "did not run" in event.text
+
+
+async def test_exit_watcher_last_command_replaces_the_shell(tmp_path: Path) -> None:
+    """The command's last simple command runs in the shell's own process, as with ``bash -c`` (the
+    wrapper's ``eval`` used to fork it: one more bash per watched command); earlier lines still run
+    first, in order, and the started mark is there."""
+    out = tmp_path / "first"
+    async with engine_with(tmp_path / "s") as engine:
+        command = f"echo one > {out}\nsleep {mark('337.5')}"
+        job = await engine.cron.add(OnExit(command=command), SystemEvent("x"))
+        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+        shim = engine.watchers.watched_pid(job.id)
+        assert shim is not None
+        await wait_until(lambda: bool(pgrep(rf"^sleep 337\.5{SESSION}")))
+        (shell,) = children_of(shim) or []
+        assert pgrep(rf"^sleep 337\.5{SESSION}") == [shell]  # the shell became the sleep
+        assert children_of(shell) == []
+        assert out.read_text() == "one\n"
+        await engine.cron.remove(job.id)
+
+
+async def test_exit_watcher_runs_lines_as_bash_c_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines before a syntax error run, as in ``bash -c`` (bash reads one line at a time); the error
+    ends the command with status 2 and its message, not as a command that never started."""
+    login_home(tmp_path, monkeypatch, "cd /\n")
+    async with engine_with(tmp_path / "s", exit_watch_shell=("bash", "-lc", "--")) as engine:
+        await engine.cron.add(OnExit(command="echo before\nif"), SystemEvent("syntax"))
+        (event,) = await wait_events(engine, 1, seconds=20)
+    assert event.exit_code == 2
+    assert event.reason != "not_started"
+    assert event.stdout_tail.endswith("before\n")
+    assert "syntax error" in event.stderr_tail
 
 
 # ---- CR-02: re-arming while the previous command exits ---------------------------------------
@@ -314,8 +349,8 @@ async def test_exit_watcher_graceful_stop_leaves_command_running_for_next_engine
             assert await engine.cron.events() == []
             kill_leftovers(rf"^sleep {marker}$")  # the command ends: the adopting engine fires it once
             (event,) = await wait_events(engine, 1)
-        # bash saw its sleep killed: exit 137
-        assert (event.job_id, event.exit_code, event.reason) == (job.id, 137, "exit")
+        # bash ran its last command in its own process (exec): the command itself was killed
+        assert (event.job_id, event.exit_code, event.signal, event.reason) == (job.id, None, 9, "signal")
         assert runs.read_text() == "run\n"
     finally:
         kill_leftovers(rf"^sleep {marker}$")

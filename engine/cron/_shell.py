@@ -25,19 +25,20 @@ SHIM_PY = os.path.join(_HERE, "_shim.py")
 #: starting with ``-`` is a command, not a bash option.
 POSIX_SHELL = ("bash", "-lc", "--")
 
-#: Environment variables the bash wrapper reads (documented in docs/guide-on-exit.md).
+#: Environment variables of a watched command under bash: the first line reads the first and the last; the
+#: command string is in the second, where its processes can be found by it (docs/guide-on-exit.md).
 CWD_VAR = "GADGET_WATCH_CWD"
 COMMAND_VAR = "GADGET_WATCH_COMMAND"
 STARTED_VAR = "GADGET_WATCH_STARTED"
 
-# After the login profile has run (it may `cd` anywhere, print, or `exec` another shell), re-enter the
-# job's cwd, mark that the command is about to run, and run the command string exactly as given:
-# `eval` parses it as bash would parse `bash -c STRING` (quotes, newlines, heredocs, `exit N`).
-_BASH_WRAPPER = (
-    ': > "$GADGET_WATCH_STARTED" || exit 125; '
-    'cd -- "$GADGET_WATCH_CWD" || exit 125; '
-    'eval -- "$GADGET_WATCH_COMMAND"'
-)
+# After the login profile has run (it may `cd` anywhere, print, or `exec` another shell), mark that the
+# command is about to run and re-enter the job's cwd: a line of its own, run before bash reads the next
+# one. The command string follows it unchanged, so bash parses it as it parses any `bash -c STRING`
+# (quotes, newlines, heredocs, `exit N`, one line at a time), and runs its last simple command with
+# `exec`, not in a forked child. (The wrapper ran the string with `eval` until the fourteenth performance
+# round: bash forks the last command of an `eval`, one more bash per watched command, and a command killed
+# by a signal showed as bash's `exit 128+N`.)
+_BASH_PREFIX = ': > "$GADGET_WATCH_STARTED" || exit 125; cd -- "$GADGET_WATCH_CWD" || exit 125\n'
 
 
 def resolve_exit_watch_shell(platform: str = sys.platform, comspec: str | None = None) -> tuple[str, ...]:
@@ -65,14 +66,15 @@ def watch_argv(
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """The argv and extra environment of a watched command.
 
-    With a bash prefix the command string travels in ``GADGET_WATCH_COMMAND`` and a fixed wrapper runs it
-    after the profile, in ``cwd`` (CR-01: a profile's ``cd`` or noise does not change where it runs);
-    ``started_file`` is created just before it runs, so a profile that replaced the shell is noticed.
-    Any other shell gets ``shell + (command,)`` as is.
+    With a bash prefix the command string follows a fixed first line that bash runs after the profile:
+    it creates ``started_file`` (so a profile that replaced the shell is noticed) and goes back to
+    ``cwd`` (CR-01: a profile's ``cd`` or noise does not change where the command runs). The command
+    string also travels in ``GADGET_WATCH_COMMAND``, where its processes (and their children, who
+    inherit it) can be found by it. Any other shell gets ``shell + (command,)`` as is.
     """
     if _is_bash(shell):
         env = {CWD_VAR: cwd, COMMAND_VAR: command, STARTED_VAR: started_file}
-        return (*shell, _BASH_WRAPPER), env
+        return (*shell, _BASH_PREFIX + command), env
     return (*shell, command), {}
 
 
