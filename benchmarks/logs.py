@@ -136,10 +136,17 @@ async def run(ctx: Context) -> list[Row]:
         if name == "engine log file":
             row.target = ">= 0.95x cat"
             row.met = sorted(row.ratios)[len(row.ratios) // 2] >= 0.95
+            # The same writer into a plain file, with no engine, in the same repeats: the engine is not in
+            # the data path, so this is the most its log file can reach (the pipeline's ``cat`` writes up
+            # to 64 KiB at a time on the other core; ``head`` writes 8 KiB). At it, the target is a floor.
+            of_redirect = paired(values, mbps["head > file"])
+            at_redirect = sorted(of_redirect)[len(of_redirect) // 2]
+            row.floor = not row.met and at_redirect >= 0.95
             per_gib = [c / (n / GiB) for c in cpu]
             row.note = (
                 f"engine CPU while the child wrote: median {sorted(cpu)[len(cpu) // 2] * 1e3:.1f} ms "
-                f"({sorted(per_gib)[len(per_gib) // 2] * 1e3:.1f} ms per GiB) for spawn, wait and the log cap"
+                f"({sorted(per_gib)[len(per_gib) // 2] * 1e3:.1f} ms per GiB) for spawn, wait and the log "
+                f"cap; {at_redirect:.2f}x the same writer's `head > file` (the floor: no engine)"
             )
         if name == "supervisord capture":
             row.note = (
