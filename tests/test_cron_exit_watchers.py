@@ -185,6 +185,41 @@ async def test_exit_watcher_runs_lines_as_bash_c_does(
     assert "syntax error" in event.stderr_tail
 
 
+@pytest.mark.parametrize(("shell", "marked"), [(("bash", "-c", "--"), False), (("bash", "-lc", "--"), True)])
+async def test_exit_watcher_marks_the_start_only_where_a_profile_runs_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shell: tuple[str, ...], marked: bool
+) -> None:
+    """The started mark costs each arm a file: it is made where bash runs a file of the user's first
+    (here the login profile), not where nothing can run before the command."""
+    login_home(tmp_path, monkeypatch, "cd /\n")
+    monkeypatch.delenv("BASH_ENV", raising=False)
+    marker = mark("337.6")
+    try:
+        async with engine_with(tmp_path / "s", exit_watch_shell=shell) as engine:
+            job = await engine.cron.add(OnExit(command=f"sleep {marker}"), SystemEvent("x"))
+            await wait_until(lambda: bool(pgrep(rf"^sleep {marker}$")))
+            started = list((tmp_path / "s" / "watch-logs").glob(f"{job.id}.*.started"))
+            assert len(started) == (1 if marked else 0)
+            await engine.cron.remove(job.id)
+    finally:
+        kill_leftovers(rf"^sleep {marker}$")
+
+
+async def test_exit_watcher_bash_env_replacing_the_shell_is_diagnosed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``BASH_ENV`` runs before the command of any non-interactive bash, ``bash -c`` too: the start is
+    marked then, and a file there that replaces the shell is diagnosed as with a profile."""
+    env_file = tmp_path / "bash_env"
+    env_file.write_text("exec sh -c 'exit 0'\n")
+    monkeypatch.setenv("BASH_ENV", str(env_file))
+    async with engine_with(tmp_path / "s") as engine:
+        await engine.cron.add(OnExit(command="echo never"), SystemEvent("replaced"))
+        (event,) = await wait_events(engine, 1)
+    assert event.reason == "not_started"
+    assert event.stdout_tail == ""
+
+
 # ---- CR-02: re-arming while the previous command exits ---------------------------------------
 
 

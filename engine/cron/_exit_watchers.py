@@ -46,7 +46,7 @@ from ._job import CronJob, JobStatus, SystemEvent
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
-from ._shell import shell_installed, shim_argv, watch_argv
+from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv
 from ._shim import read_exit_file, remove_reserved
 from ._watch_state import WatchState
 
@@ -409,7 +409,7 @@ class CronExitWatchers:
                     result.describe(),
                 )
             record = {"exit_code": result.exit_code, "signal": result.signal}
-        if env and not await trio.Path(paths.started).exists():
+        if STARTED_VAR in env and not await trio.Path(paths.started).exists():
             record = {**record, "reason": "not_started"}
         elif watch.ending and result.reason is TerminationReason.CANCELLED:
             record = {**record, "reason": "cancelled"}

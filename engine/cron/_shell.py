@@ -9,9 +9,17 @@ import stat
 import sys
 import time
 
+from .._spawn import engine_environment
 from .._trust import ours_or_roots
 
-__all__ = ["resolve_exit_watch_shell", "shell_installed", "shim_argv", "watch_argv"]
+__all__ = [
+    "STARTED_VAR",
+    "resolve_exit_watch_shell",
+    "runs_user_files_first",
+    "shell_installed",
+    "shim_argv",
+    "watch_argv",
+]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: The exit-recording shim, compiled from ``_shim.c`` at install time where a C compiler is found
@@ -38,7 +46,12 @@ STARTED_VAR = "GADGET_WATCH_STARTED"
 # `exec`, not in a forked child. (The wrapper ran the string with `eval` until the fourteenth performance
 # round: bash forks the last command of an `eval`, one more bash per watched command, and a command killed
 # by a signal showed as bash's `exit 128+N`.)
-_BASH_PREFIX = ': > "$GADGET_WATCH_STARTED" || exit 125; cd -- "$GADGET_WATCH_CWD" || exit 125\n'
+_MARK_STARTED = ': > "$GADGET_WATCH_STARTED" || exit 125; '
+_BACK_TO_CWD = 'cd -- "$GADGET_WATCH_CWD" || exit 125\n'
+
+#: Short options of bash that make it read a file of the user's before the command: ``l`` (a login
+#: shell: the profile), ``i`` (interactive: ``.bashrc``).
+_READS_USER_FILES = frozenset("li")
 
 
 def resolve_exit_watch_shell(platform: str = sys.platform, comspec: str | None = None) -> tuple[str, ...]:
@@ -61,20 +74,53 @@ def _is_bash(shell: tuple[str, ...]) -> bool:
     return os.path.basename(shell[0]) == "bash"
 
 
+def runs_user_files_first(shell: tuple[str, ...]) -> bool:
+    """Whether bash started as ``shell`` may run a file of the user's before the command string.
+
+    A login shell (``-l``, ``--login``) runs the profile, an interactive one (``-i``) ``.bashrc``, and any
+    non-interactive bash the file named by ``BASH_ENV`` (from the engine's environment, which the command
+    inherits); such a file may ``exec`` another shell, so the command's start must be marked. Options are
+    read up to ``--`` or the first operand; an option this does not know counts as one that reads files.
+    """
+    if b"BASH_ENV" in engine_environment():
+        return True
+    args = iter(shell[1:])
+    for arg in args:
+        if arg == "--" or not arg.startswith(("-", "+")):
+            return False
+        if arg.startswith("--"):
+            if arg not in _QUIET_LONG_OPTIONS:
+                return True
+        elif _READS_USER_FILES & set(arg[1:]):
+            return True
+        elif arg[1:] in ("o", "O"):
+            next(args, None)  # its value (``-o pipefail``)
+    return False
+
+
+#: Long options of bash that make it read no file of the user's.
+_QUIET_LONG_OPTIONS = frozenset({"--noprofile", "--norc", "--posix", "--restricted", "--verbose"})
+
+
 def watch_argv(
     shell: tuple[str, ...], command: str, cwd: str, started_file: str
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """The argv and extra environment of a watched command.
 
     With a bash prefix the command string follows a fixed first line that bash runs after the profile:
-    it creates ``started_file`` (so a profile that replaced the shell is noticed) and goes back to
-    ``cwd`` (CR-01: a profile's ``cd`` or noise does not change where the command runs). The command
-    string also travels in ``GADGET_WATCH_COMMAND``, where its processes (and their children, who
-    inherit it) can be found by it. Any other shell gets ``shell + (command,)`` as is.
+    it goes back to ``cwd`` (CR-01: a profile's ``cd`` or noise does not change where the command runs)
+    and, where a file of the user's runs first (:func:`runs_user_files_first`), creates ``started_file``,
+    so that a profile that replaced the shell is noticed (``STARTED_VAR`` is then in the environment
+    returned, and only then). Elsewhere nothing runs before that line, and the mark would cost each arm a
+    file. The command string also travels in ``GADGET_WATCH_COMMAND``, where its processes (and their
+    children, who inherit it) can be found by it. Any other shell gets ``shell + (command,)`` as is.
     """
     if _is_bash(shell):
-        env = {CWD_VAR: cwd, COMMAND_VAR: command, STARTED_VAR: started_file}
-        return (*shell, _BASH_PREFIX + command), env
+        env = {CWD_VAR: cwd, COMMAND_VAR: command}
+        if not runs_user_files_first(shell):
+            return (*shell, _BACK_TO_CWD + command), env
+        env[STARTED_VAR] = started_file
+        return (*shell, _MARK_STARTED + _BACK_TO_CWD + command), env
     return (*shell, command), {}
 
 
