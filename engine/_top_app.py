@@ -3,7 +3,9 @@
 Once a second (never more often: :data:`MIN_REFRESH_SECONDS`) it asks the engine for ``status``,
 ``subprocess.stats`` and ``cron.list`` on one connection, and redraws what :mod:`engine._top_model` makes
 of the answers; a refresh still under way when the next is due is not doubled. Kill and halt go over a
-connection of their own (a kill waits out the grace period), the log screen over a third.
+connection of their own (a kill waits out the grace period), the log screen over a third. An engine
+that does not answer is named on the status line; one whose process is stopped (SIGSTOP, Ctrl-Z) with
+the ``kill -CONT`` that continues it, short enough for 80 columns (:func:`suspended_line`).
 
 Keys: arrows (and PgUp, PgDn, Home, End) select a run; ``l`` follows its log; ``h`` halts it and ``k``
 kills it, each after a yes/no question; ``/`` filters the projects (Enter keeps the filter, Escape clears
@@ -29,9 +31,9 @@ from ._cli_output import user_message
 from ._errors import EngineError
 from ._top_model import EngineLine, Group, JobRow, RunRow, fit, group_runs, job_lines, run_header, run_lines
 from ._top_screens import Confirm, LogScreen
-from .server._client import AsyncEngineClient, EngineNotRunningError
+from .server._client import AsyncEngineClient, EngineNotRunningError, EngineSuspendedError
 
-__all__ = ["MIN_REFRESH_SECONDS", "TopApp"]
+__all__ = ["MIN_REFRESH_SECONDS", "TopApp", "suspended_line"]
 
 #: The shortest time between two refreshes, in seconds.
 MIN_REFRESH_SECONDS: Final = 1.0
@@ -41,6 +43,12 @@ KEYS: Final = "↑↓ select  l log  h halt  k kill  / filter  q quit"
 _STATUS_STYLES: Final = {"running": "green", "stopping": "yellow", "restarting": "yellow", "exit 0": "dim"}
 #: Where the status cell of a run's line starts, and its width (``_top_model``'s columns).
 _STATUS_AT: Final = (8, 18)
+
+
+def suspended_line(pid: int) -> str:
+    """The status line for an engine whose process is stopped (SIGSTOP, Ctrl-Z): the ``kill -CONT`` that
+    continues it, within 80 columns for any pid (``pid_max`` is at most 2**22, 7 digits)."""
+    return f"engine stopped (SIGSTOP or Ctrl-Z): continue it with kill -CONT {pid}"
 
 
 class RunList(OptionList):
@@ -141,6 +149,8 @@ class TopApp(App[int]):
         except EngineNotRunningError as exc:  # stopped: its runs were ended with it
             self.error = f"engine not running: {user_message(exc)}"
             self.engine, self.rows, self.jobs = None, [], []
+        except EngineSuspendedError as exc:  # the client's whole sentence would cut the hint at 80 columns
+            self.error = suspended_line(exc.pid)
         except (EngineError, OSError) as exc:
             self.error = f"engine not answering: {user_message(exc)}"
         else:

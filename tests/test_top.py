@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from textual.widgets import Log
 
 from engine._termtext import last_line, printable, printable_line
 from engine._top import INSTALL_HINT
-from engine._top_app import MIN_REFRESH_SECONDS, TopApp
+from engine._top_app import MIN_REFRESH_SECONDS, TopApp, suspended_line
 from engine._top_model import (
     WIDE_COLUMNS,
     JobRow,
@@ -376,7 +377,9 @@ def test_top_lists_follows_and_kills_in_a_terminal(served: Served, project: Path
                 shown = [f" {web} ", f" {worker} ", "└ serving", "└ waiting for go"]
                 await _until(pilot, lambda: all(text in screen_text(app) for text in shown))
                 screen = screen_text(app)
-                assert "api  " + str(api) in screen and "app  " + str(project) in screen
+                # A project's heading is cut at the list's width: a pytest-xdist worker's tmp path alone
+                # can be 76 characters long.
+                assert f"api  {api}"[:60] in screen and f"app  {project}"[:60] in screen
                 assert all(len(line) <= 80 for line in screen.splitlines())
 
                 await _select(pilot, app, worker)
@@ -562,3 +565,37 @@ def test_top_screen_matches_the_guide() -> None:
     finally:
         engine.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---- an engine whose process is stopped ------------------------------------------------------------
+
+
+def test_top_names_a_stopped_engine_with_its_kill_cont_hint_within_80_columns(tmp_path: Path) -> None:
+    # Found in review: the status line was the client's whole sentence ("the engine on <state dir> (pid N)
+    # is stopped (SIGSTOP, or Ctrl-Z ...) ... kill -CONT N"), cut at 80 columns before the hint.
+    engine = start_serve(tmp_path / "state")
+    pid = engine.proc.pid
+    try:
+
+        async def scenario() -> str:
+            app = TopApp(str(engine.state_dir))
+            async with app.run_test(size=(80, 24)) as pilot:
+                await _until(pilot, lambda: app.engine is not None)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await _until(pilot, lambda: f"kill -CONT {pid}" in screen_text(app).splitlines()[0])
+                    title = screen_text(app).splitlines()[0]
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                await _until(pilot, lambda: not app.error)  # continued, it answers again
+                assert "kill -CONT" not in screen_text(app)
+                await pilot.press("q")
+            return title
+
+        title = _drive(scenario)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        assert engine.stop() == 0
+    assert title.rstrip() == f"engine stopped (SIGSTOP or Ctrl-Z): continue it with kill -CONT {pid}"
+    assert len(title) <= 80
+    assert len(suspended_line(4194304)) <= 80  # the largest pid Linux gives (pid_max, 2**22)
