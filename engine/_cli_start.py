@@ -4,7 +4,9 @@
 from ``/dev/null``, stdout and stderr appended to ``<state_dir>/engine.log``; it returns once a client call
 succeeds, or with the server's own error. ``stop`` asks the engine to stop gracefully (RPC
 ``engine.stop``, as SIGTERM does) and waits until its process is gone, through a pidfd. ``status`` shows
-what ``Engine.status()`` reports, as ``systemctl status`` does: exit 3 when no engine runs.
+what ``Engine.status()`` reports, as ``systemctl status`` does: exit 3 when no engine runs. Before it
+starts one, ``start`` waits for an engine that starts or stops there (:func:`answering_engine`, which
+``mcp`` shares), and refuses, naming it, an engine embedded in another program: that one never listens.
 
 Standard library only, like every client command.
 """
@@ -22,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from ._cli_output import CommandFailedError, emit_json
-from ._lockfile import SERVE, SERVING
+from ._lockfile import EMBEDDED, SERVE, SERVING
 from ._termtext import escape_controls
 from ._trust import open_own_file
 from ._when import format_duration
@@ -39,6 +41,7 @@ from .server._protocol import METHOD_NOT_FOUND
 
 __all__ = [
     "LOG_NAME",
+    "answering_engine",
     "engine_alive",
     "log_path",
     "redact_url",
@@ -96,7 +99,8 @@ def _running(state_dir: str) -> dict[str, Any] | None:
     """The ``status`` of the engine answering on ``state_dir``, or ``None`` when none does; for one that
     is stopping (it refuses connections), ``{"pid": ..., "stopping": True}``; for one that does not listen
     yet (its start-up sweep), ``{"pid": ..., "starting": True}``; for one whose socket file is missing (it
-    binds it again), ``{"pid": ..., "starting": True, "rebinding": True}``."""
+    binds it again), ``{"pid": ..., "starting": True, "rebinding": True}``; for an engine embedded in
+    another program (``open_engine``: it never listens), ``{"pid": ..., "embedded": True}``."""
     try:
         with EngineClient(state_dir, timeout_seconds=_CALL_SECONDS) as client:
             result: dict[str, Any] = client.call("status")
@@ -107,11 +111,49 @@ def _running(state_dir: str) -> dict[str, Any] | None:
         return {"pid": exc.pid, "starting": True}
     except EngineSocketMissingError as exc:
         lock = lock_state(state_dir)
+        if lock is not None and lock.holder == exc.pid and lock.own_line and lock.kind == EMBEDDED:
+            return {"pid": exc.pid, "embedded": True}
         if lock is not None and lock.holder == exc.pid and lock.phase == SERVING:  # it binds its socket again
             return {"pid": exc.pid, "starting": True, "rebinding": True}
-        return None  # an engine that never listens (embedded), or none: a start's serve says which
+        return None  # none, or a holder that says nothing (a start's serve then says who holds the lock)
     except EngineNotRunningError:
         return None
+
+
+def _refuse_embedded(state_dir: str, status: dict[str, Any] | None) -> None:
+    """Raise when ``status`` (:func:`_running`'s) is an engine embedded in another program.
+
+    Raises:
+        CommandFailedError: it is: it holds the state directory and no client reaches it.
+    """
+    if status is not None and status.get("embedded"):
+        raise CommandFailedError(
+            f"an engine embedded in another program is already running on {state_dir} (pid "
+            f"{status['pid']}); it listens on no socket, so no client reaches it, and no other engine can "
+            "run there: stop that program, or use another --state-dir"
+        )
+
+
+def answering_engine(state_dir: str, seconds: float) -> dict[str, Any] | None:
+    """The ``status`` of the engine of ``state_dir`` once it answers, or ``None`` when none runs there.
+
+    What ``start`` does before it starts one: an engine that is starting (its start-up sweep) or binds
+    its socket again is waited for until it answers (:func:`_wait_answering`); one that is stopping, until
+    it has exited (:func:`_wait_stopped`), after which another engine may have taken its place. Each wait
+    is bounded by ``seconds``. ``gadget-engine mcp`` does the same when the state directory is held.
+
+    Raises:
+        CommandFailedError: the engine was still starting, or still stopping, after ``seconds``; or an
+            engine embedded in another program holds the state directory (it never answers).
+    """
+    status = _running(state_dir)
+    if status is not None and status.get("starting"):  # another start's engine, still sweeping
+        status = _wait_answering(state_dir, status, seconds)
+    if status is not None and status.get("stopping"):  # as systemd queues a start behind a stop
+        _wait_stopped(state_dir, int(status["pid"]), seconds)
+        status = _running(state_dir)
+    _refuse_embedded(state_dir, status)
+    return status
 
 
 # ---- start ---------------------------------------------------------------------------------------------
@@ -251,15 +293,10 @@ def start(args: argparse.Namespace) -> int:
 
     Raises:
         CommandFailedError: the server exited (its own error and its log's path), or did not answer
-            within ``--wait-seconds``.
+            within ``--wait-seconds``; an engine embedded in another program holds the state directory.
     """
     state_dir = resolve_state_dir(args.state_dir)
-    status = _running(state_dir)
-    if status is not None and status.get("starting"):  # another start's engine, still sweeping
-        status = _wait_answering(state_dir, status, args.wait_seconds)
-    if status is not None and status.get("stopping"):  # as systemd queues a start behind a stop
-        _wait_stopped(state_dir, int(status["pid"]), args.wait_seconds)
-        status = _running(state_dir)
+    status = answering_engine(state_dir, args.wait_seconds)
     if status is not None:
         return _already(state_dir, status, args.json)
     os.makedirs(state_dir, mode=0o700, exist_ok=True)
@@ -289,6 +326,7 @@ def start(args: argparse.Namespace) -> int:
             if status is not None and status.get("stopping"):  # another start's engine, stopped meanwhile
                 _wait_stopped(state_dir, int(status["pid"]), args.wait_seconds)
                 return start(args)
+            _refuse_embedded(state_dir, status)  # a program that took the lock meanwhile
             if status is not None:
                 return _already(state_dir, status, args.json)  # another start won the race
             if os.WIFSIGNALED(wait_status):

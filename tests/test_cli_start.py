@@ -127,6 +127,48 @@ def test_start_reports_the_servers_own_error_and_its_log(state_dir: Path) -> Non
     )
 
 
+def test_start_names_an_engine_embedded_in_another_program(state_dir: Path, project: Path) -> None:
+    # Found in review: with an `open_engine` in another program holding the state directory, `start` said
+    # "an engine is already running ... (pid N)" (exit 1) and nothing of why no client reached it.
+    code = (
+        "import trio\n"
+        "from engine import EngineConfig, open_engine\n"
+        "async def main():\n"
+        f"    config = EngineConfig(state_dir={str(state_dir)!r}, guardian=False, subreaper=False)\n"
+        "    async with open_engine(config):\n"
+        "        print('open', flush=True)\n"
+        f"        await trio.sleep({mark('889.12')})\n"
+        "trio.run(main)\n"
+    )
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None and host.stdout.readline() == "open\n"
+        assert (state_dir / "lock").read_text() == f"{host.pid} open embedded\n"
+        out = _ge(state_dir, "start")
+        assert (out.returncode, out.stdout) == (1, "")
+        assert out.stderr == (
+            f"gadget-engine: an engine embedded in another program is already running on {state_dir} (pid "
+            f"{host.pid}); it listens on no socket, so no client reaches it, and no other engine can run "
+            "there: stop that program, or use another --state-dir\n"
+        )
+        assert not (state_dir / "engine.log").exists()  # told before any serve was started
+        # serve names it too (what a start says when such a program takes the lock as its serve starts),
+        # and so does mcp, which would otherwise forward to it or embed one.
+        served = _ge(state_dir, "serve")
+        assert served.returncode == 1
+        named = f"already running on {state_dir} (pid {host.pid}, embedded in another program)"
+        assert named in served.stderr
+        mcp = _ge(state_dir, "mcp", "--project", str(project))
+        assert mcp.returncode == 1
+        assert mcp.stderr.endswith(out.stderr.removeprefix("gadget-engine: ")), mcp.stderr
+        assert host.poll() is None and lock_holder(str(state_dir)) == host.pid
+    finally:
+        host.send_signal(signal.SIGINT)  # the host leaves open_engine: its engine closes
+        host.wait(timeout=20)
+        assert host.stdout is not None
+        host.stdout.close()
+
+
 def test_start_says_a_servers_start_failure_once(state_dir: Path) -> None:
     """Found by a new user: "the engine did not start: the engine could not start: ..." for a FIFO in the
     state directory."""

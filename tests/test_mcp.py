@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
 from engine.server._mcp_tools import CRON_TOOLS, EmbeddedBackend, McpTools
 from engine.server._methods import Methods, to_wire
 
-from .children import ignoring_sigint, kill_leftovers, mark, pgrep, wait_for_text, wait_until
+from .children import ignoring_sigint, kill_leftovers, kill_pids, mark, pgrep, wait_for_text, wait_until
 from .serve_support import GRACE, SHELL, alive, cli, start_serve
 from .serve_support import wait_until as wait_until_sync
 
@@ -755,3 +756,107 @@ async def test_mcp_subprocess_extensions_and_an_exit_notice(tmp_path: Path) -> N
         build = int(text.split("\n")[1].removeprefix("pid: "))
         event = await wait_for_event(session, f"subprocess:{build}")
         assert "exited with code 6" in event and "built" in event
+
+
+# ---- the embedded engine's socket, and an engine on the state directory that is not answering yet --------
+
+
+def test_mcp_embedded_engine_binds_its_socket_again_when_the_file_is_removed(
+    tmp_path: Path, project: Path, marker: str
+) -> None:
+    # A gap found in review: serve bound its socket again when the file was removed (NB-06), mcp's own
+    # engine did not; the CLI then named an engine it could never reach, for the rest of the session.
+    state = tmp_path / "state"
+    mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
+    try:
+        mcp.send(*_initialize())
+        assert "result" in mcp.receive()
+        assert (state / "lock").read_text() == f"{mcp.proc.pid} serving mcp\n"
+        mcp.send(_tool_call(2, "subprocess", {"cmd": "create", "command": "sleep", "args": [marker]}))
+        text, is_error = _text(mcp.receive())
+        assert not is_error, text
+        pid = int(text.split("\n")[1].removeprefix("pid: "))
+        (state / "engine.sock").unlink()
+        assert wait_until_sync(lambda: (state / "engine.sock").exists(), 6.0)  # inotify: at once; else 5 s
+        listed = cli("--state-dir", str(state), "list", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert pid in [json.loads(line)["pid"] for line in listed.stdout.splitlines()]
+        mcp.send(_tool_call(3, "subprocess", {"cmd": "list"}))  # the session goes on, as before
+        assert f"pid: {pid} " in _text(mcp.receive())[0]
+        mcp.close_stdin()
+        mcp.finish()
+    finally:
+        mcp.kill()
+        kill_leftovers(rf"^sleep {marker}$")
+    assert mcp.proc.returncode == 0
+    log = mcp.errlog.read_text()
+    assert "event=socket_lost" in log and "event=socket_bound" in log, log
+    assert "event=stopped" in log
+    assert not (state / "engine.sock").exists()  # the socket bound again is removed at the end
+    assert not pgrep(rf"^sleep {marker}$")
+
+
+def test_mcp_waits_for_an_engine_in_its_start_up_sweep_then_forwards_to_it(
+    tmp_path: Path, project: Path
+) -> None:
+    # Found in review: a second mcp started while a serve ended what a crashed engine had left (its
+    # start-up sweep, before it listens) waited 5 s for a socket, then exited 1 saying the socket was
+    # missing; `start` waits for such an engine to answer.
+    from .test_cli_start import _crash_leaving_a_child, _serve_sweeping, _start
+
+    state, child = tmp_path / "state", mark("8812.31")
+    try:
+        _crash_leaving_a_child(state, _start(state), project, child)
+        with _serve_sweeping(state, grace_seconds=8.0) as serve:  # the child ignores SIGINT: the whole 8 s
+            mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
+            try:
+                mcp.send(*_initialize())
+                assert "result" in mcp.receive()  # once serve answers
+                assert not pgrep(child)  # serve's sweep ended it first
+                mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
+                assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+                mcp.close_stdin()
+                mcp.finish()
+            finally:
+                mcp.kill()
+            assert mcp.proc.returncode == 0
+            assert serve.poll() is None  # the engine is serve's: it runs on
+            assert cli("--state-dir", str(state), "stop").returncode == 0
+            assert serve.wait(timeout=20) == 0
+        log = mcp.errlog.read_text()
+        assert f"the engine on {state} (pid {serve.pid}) is starting" in log and "until it answers" in log
+        assert "mode=forward" in log and "mode=embedded" not in log
+    finally:
+        kill_pids(pgrep(str(state)))
+
+
+def test_mcp_embeds_the_engine_when_the_one_starting_stops_before_answering(
+    tmp_path: Path, project: Path
+) -> None:
+    # As "nobody answers" at start-up: the engine it waited for closed without answering (a stop during
+    # its start-up sweep), so this server embeds the engine.
+    from .test_cli_start import _crash_leaving_a_child, _serve_sweeping, _start
+
+    state, child = tmp_path / "state", mark("8812.32")
+    try:
+        _crash_leaving_a_child(state, _start(state), project, child)
+        with _serve_sweeping(state, grace_seconds=4.0) as serve:
+            mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
+            try:
+                assert wait_until_sync(lambda: "until it answers" in mcp.errlog.read_text(), 20.0)
+                serve.send_signal(signal.SIGTERM)  # it closes once its sweep is over, never answering
+                mcp.send(*_initialize())
+                assert "result" in mcp.receive()
+                assert serve.wait(timeout=20) == 0
+                assert (state / "lock").read_text() == f"{mcp.proc.pid} serving mcp\n"
+                mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
+                assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+                mcp.close_stdin()
+                mcp.finish()
+            finally:
+                mcp.kill()
+        assert mcp.proc.returncode == 0
+        assert "mode=embedded" in mcp.errlog.read_text()
+        assert not pgrep(child)
+    finally:
+        kill_pids(pgrep(str(state)))

@@ -8,7 +8,13 @@ Two ways to reach an engine, chosen at start-up:
 - **forward**: a ``serve`` (or another ``mcp``) answers on the state directory's socket; every tool call
   goes there (:class:`~._mcp_tools.SocketBackend`).
 - **embedded**: nobody answers, so this process opens the engine itself and also serves the RPC socket,
-  so the CLI and a second ``mcp`` on the same state directory reach it.
+  so the CLI and a second ``mcp`` on the same state directory reach it; the socket is bound again if its
+  file is removed, as ``serve``'s is (:func:`~._socket_watch.serve_socket`).
+
+An engine that holds the state directory but does not answer yet (its start-up sweep after a crash, a
+socket being bound again, a second client starting at the same moment) is waited for, as
+``gadget-engine start`` waits (:data:`START_WAIT_SECONDS`), then forwarded to; one that stops or dies
+before it answers leaves nobody answering, and this process embeds the engine.
 
 An MCP client ends a stdio server by closing its stdin, waiting 2 s, then SIGTERM (and SIGKILL 2 s
 later). When stdin closes (``stopping`` is logged), every request read before gets its answer within
@@ -38,6 +44,8 @@ import trio
 from mcp.server.lowlevel import Server
 
 from .. import __version__
+from .._cli_output import CommandFailedError
+from .._cli_start import answering_engine
 from .._config import EngineConfig
 from .._engine import SERVE_START, Engine, ServeStart, open_engine
 from .._errors import EngineLockedError
@@ -49,9 +57,10 @@ from ._location import find_socket_path, lock_holder
 from ._mcp_stdio import serve_stdio
 from ._mcp_tools import EmbeddedBackend, McpTools, RpcBackend, SocketBackend
 from ._methods import Methods
-from ._server import RpcServer, _answers, _remove_socket, bind_socket
+from ._server import RpcServer, _answers, _remove_socket, bind_socket, bind_socket_again
+from ._socket_watch import serve_socket
 
-__all__ = ["SHUTDOWN_GRACE_SECONDS", "STOP_BY_SECONDS", "serve_mcp"]
+__all__ = ["SHUTDOWN_GRACE_SECONDS", "START_WAIT_SECONDS", "STOP_BY_SECONDS", "serve_mcp"]
 
 #: At shutdown (stdin closed): how long the engine's children get after SIGINT before SIGKILL, in seconds.
 SHUTDOWN_GRACE_SECONDS: Final = 0.5
@@ -59,6 +68,13 @@ SHUTDOWN_GRACE_SECONDS: Final = 0.5
 STOP_BY_SECONDS: Final = 1.5
 #: How long a start-up that lost the state directory's lock waits for the winner's socket, in seconds.
 _LOCK_WAIT_SECONDS: Final = 5.0
+#: How long a start-up waits for an engine that holds the state directory but does not answer yet (its
+#: start-up sweep, a socket bound again) to answer, or for one that stops to exit, in seconds: what
+#: ``gadget-engine start`` waits by default (``--wait-seconds``).
+START_WAIT_SECONDS: Final = 30.0
+#: How many times a start-up tries to embed the engine when each time another engine held the state
+#: directory and went away before answering.
+_EMBED_ATTEMPTS: Final = 3
 _SERVER_NAME: Final = "gadget-engine"
 _INSTRUCTIONS: Final = (
     "Process management for this project: start dev servers, watchers and test runs with the subprocess "
@@ -142,7 +158,15 @@ async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
             try:
                 async with trio.open_nursery() as nursery:
                     server = RpcServer.from_config(Methods(engine, path, __version__), config)
-                    await nursery.start(trio.serve_listeners, server.handle_connection, [listener])
+                    # As serve does: the socket is bound again if its file is removed (NB-06).
+                    await nursery.start(
+                        serve_socket,
+                        server.handle_connection,
+                        listener,
+                        path,
+                        functools.partial(bind_socket_again, state_dir),
+                        nursery,
+                    )
                     log_event("ready", pid=os.getpid(), mode="embedded", state_dir=state_dir, socket=path)
                     backend = EmbeddedBackend(Methods(engine, path, __version__))
                     stop_by = await _serve_stdio(backend, project_dir, "embedded") + STOP_BY_SECONDS
@@ -163,8 +187,48 @@ async def _wait_for_socket(path: str) -> bool:
     return False
 
 
+async def _wait_for_holder(state_dir: str) -> bool:
+    """Wait for the engine that holds ``state_dir`` (this server could not take its lock) to answer, as
+    ``gadget-engine start`` does (:func:`~engine._cli_start.answering_engine`): one in its start-up sweep
+    or binding its socket again, up to :data:`START_WAIT_SECONDS`; one that stops, until it has exited.
+    Whether it answers now; ``False`` when no engine holds the state directory any more (it stopped or
+    died before answering): nobody answers, so the caller embeds the engine, as at any start-up.
+
+    Cancellation: the wait is abandoned (its thread only looks at the state directory).
+
+    Raises:
+        EngineLockedError: it still does not answer after the wait (the message names it), or it is an
+            engine embedded in another program, which never answers.
+    """
+    try:
+        status = await trio.to_thread.run_sync(
+            answering_engine, state_dir, START_WAIT_SECONDS, abandon_on_cancel=True
+        )
+    except CommandFailedError as exc:
+        raise EngineLockedError(str(exc)) from None
+    if status is not None:
+        return True
+    if lock_holder(state_dir) is None:
+        return False
+    # A holder that says nothing of itself: an engine between its open and its bind, or of an earlier version.
+    if await _wait_for_socket(find_socket_path(state_dir)):
+        return True
+    holder = lock_holder(state_dir)
+    if holder is None:
+        return False
+    raise EngineLockedError(
+        f"an engine is running on {state_dir} as pid {holder}, but its socket is missing; "
+        "it binds it again within 5 s: try again"
+    )
+
+
 async def serve_mcp(config: EngineConfig, project_dir: str) -> str:
     """Serve MCP on stdio until stdin closes; return the mode used: ``"forward"`` or ``"embedded"``.
+
+    Forwards when an engine answers on the state directory's socket; else embeds one. When another
+    engine holds the state directory without answering yet (a second client starting at the same moment,
+    an engine in its start-up sweep, a serve binding its removed socket again), waits for it to answer
+    (:func:`_wait_for_holder`) and forwards to it; should it stop or die first, embeds the engine.
 
     Args:
         config: the embedded engine's settings (its ``state_dir`` also locates a running engine).
@@ -173,28 +237,27 @@ async def serve_mcp(config: EngineConfig, project_dir: str) -> str:
     Cancellation: the embedded engine stops as at the end of stdin.
 
     Raises:
-        EngineLockedError: an engine holds the state directory but never answered on its socket.
+        EngineLockedError: an engine holds the state directory but never answered on its socket, or it
+            is an engine embedded in another program.
     """
     state_dir = config.resolved_state_dir()
-    socket_path = find_socket_path(state_dir)
-    if not await _answers(socket_path):
-        config = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
+    embedded = attrs.evolve(config, fire_observers=(*config.fire_observers, log_fired))
+    attempts = 0
+    while not await _answers(find_socket_path(state_dir)):
+        attempts += 1
         try:
-            await _serve_embedded(config, project_dir)
+            await _serve_embedded(embedded, project_dir)
         except EngineLockedError:
-            # Another engine won the lock (a second client starting at the same moment, or a serve whose
-            # socket was removed and is bound again): use its socket.
-            if not await _wait_for_socket(find_socket_path(state_dir)):
-                holder = lock_holder(state_dir)
-                if holder is None:
-                    raise
-                raise EngineLockedError(
-                    f"an engine is running on {state_dir} as pid {holder}, but its socket is missing; "
-                    "it binds it again within 5 s: try again"
-                ) from None
+            if await _wait_for_holder(state_dir):
+                break
+            # It ended without answering: nobody answers, so this server embeds the engine after all
+            # (a lock nobody is seen holding, taken again each time, ends it: no busy loop).
+            if attempts >= _EMBED_ATTEMPTS:
+                raise
         else:
             log_event("stopped", pid=os.getpid(), mode="embedded")
             return "embedded"
+    socket_path = find_socket_path(state_dir)
     # The engine answering must be this state directory's (``check_peer``): a copied state directory's
     # pointer names another engine's socket, and every call would then fail, each with a traceback.
     await trio.to_thread.run_sync(_connect_once, state_dir)

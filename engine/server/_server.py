@@ -36,7 +36,7 @@ from .. import __version__
 from .._config import EngineConfig
 from .._engine import SERVE_START, Engine, ServeStart, open_engine
 from .._errors import EngineError, EngineLockedError, unwrap_single
-from .._lockfile import SERVING, STOPPING, mark_phase
+from .._lockfile import EMBEDDED, SERVING, STOPPING, mark_phase
 from ._eventlog import RunLogger, log_event, log_fired
 from ._location import (
     SOCKET_NAME,
@@ -399,14 +399,27 @@ def _remove_socket(state_dir: str, path: str) -> None:
 
 
 def _lock_holder(state_dir: str) -> str:
-    """Who holds the state directory: the lock's holder, else the pid its line names, else unknown."""
+    """Who holds the state directory: the lock's holder, else the pid its line names, else unknown; an
+    engine embedded in another program (``open_engine``, which listens on no socket) is named so."""
     lock = lock_state(state_dir)
     pid = None if lock is None else lock.holder or lock.written
-    return f"pid {pid}" if pid else "pid unknown"
+    if not pid:
+        return "pid unknown"
+    embedded = lock is not None and lock.own_line and lock.kind == EMBEDDED
+    return f"pid {pid}, embedded in another program" if embedded else f"pid {pid}"
 
 
-async def _bind_again(state_dir: str) -> trio.SocketListener:
-    listener, _ = await bind_socket(state_dir)  # the same path: it depends on the state dir alone
+async def bind_socket_again(state_dir: str) -> trio.SocketListener:
+    """:func:`bind_socket` once more, for :func:`~._socket_watch.serve_socket` when the socket file went
+    away: the same path (it depends on the state directory alone); the new listener.
+
+    Cancellation: nothing is bound if cancelled before the bind.
+
+    Raises:
+        EngineLockedError: something else answers on the socket path.
+        OSError: the socket cannot be made.
+    """
+    listener, _ = await bind_socket(state_dir)
     return listener
 
 
@@ -446,7 +459,7 @@ async def _serve_until_stopped(
                 server.handle_connection,
                 listener,
                 path,
-                functools.partial(_bind_again, state_dir),
+                functools.partial(bind_socket_again, state_dir),
                 connections,
             )
             with contextlib.suppress(OSError):  # what clients are told (``_lockfile``), not the service

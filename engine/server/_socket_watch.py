@@ -1,4 +1,4 @@
-"""``serve``'s socket, bound again when its file goes away (NB-06).
+"""The RPC socket of ``serve`` and of ``mcp``'s embedded engine, bound again when its file goes away (NB-06).
 
 A socket file removed while the engine runs (by hand, by a cleaner of ``/tmp``) would leave a live
 engine that no client reaches, and whose state directory no other engine can take. :func:`serve_socket`
