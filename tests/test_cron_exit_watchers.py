@@ -13,9 +13,9 @@ import attrs
 import pytest
 import trio
 
-from engine import CronJob, FiredEvent, InvalidArgumentError, OnExit, SystemEvent
+from engine import CronJob, FiredEvent, InvalidArgumentError, InvalidScheduleError, OnExit, SystemEvent
 from engine._procfs import children_of
-from engine.cron._shell import COMMAND_VAR, resolve_exit_watch_shell
+from engine.cron._shell import COMMAND_VAR, MAX_COMMAND_BYTES, resolve_exit_watch_shell, runs_user_files_first
 
 from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
 from .watch_support import FlakyStore, end_left_commands, engine_with, wait_events, wait_until
@@ -218,6 +218,67 @@ async def test_exit_watcher_bash_env_replacing_the_shell_is_diagnosed(
         (event,) = await wait_events(engine, 1)
     assert event.reason == "not_started"
     assert event.stdout_tail == ""
+
+
+@pytest.mark.parametrize("ended", ["while adopted", "while no engine ran"])
+async def test_exit_watcher_profile_replacing_shell_is_diagnosed_across_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ended: str
+) -> None:
+    # Found in review: the engine that started the command looked for the mark, the next one did not
+    # (the event said exit 0). The watch state now says a mark is due.
+    flag = tmp_path / "go"
+    login_home(tmp_path, monkeypatch, f"while [ ! -e {flag} ]; do sleep 0.05; done\nexec sh -c 'exit 0'\n")
+    shell = ("bash", "-lc", "--")
+    async with engine_with(tmp_path / "s", exit_watch_shell=shell) as engine:
+        job = await engine.cron.add(OnExit(command="echo never"), SystemEvent("replaced"))
+        await wait_until(lambda: engine.watchers.watched_pid(job.id) is not None)
+    # The engine stopped gracefully: the profile still runs, the command has not started.
+    if ended == "while no engine ran":
+        flag.touch()
+        logs = tmp_path / "s" / "watch-logs"
+        await wait_until(lambda: bool(list(logs.glob(f"{job.id}.*.exit.json"))))  # the shim recorded it
+    async with engine_with(tmp_path / "s", exit_watch_shell=shell) as engine:
+        flag.touch()
+        (event,) = await wait_events(engine, 1)
+    assert (event.job_id, event.reason) == (job.id, "not_started")
+    assert "did not run" in event.text
+
+
+@pytest.mark.parametrize(
+    ("shell", "reads"),
+    [
+        (("bash", "-eo", "pipefail", "-lc", "--"), True),
+        (("bash", "-euo", "pipefail", "-c", "--"), False),
+        (("bash", "-eO", "extglob", "-c"), False),
+        (("bash", "+O", "extglob", "-lc"), True),
+        (("bash", "-o", "pipefail", "-o", "nounset", "-c", "--"), False),
+        (("bash", "--login", "-c"), True),
+        (("bash", "--noprofile", "--norc", "-c", "--"), False),
+        (("bash", "--rcfile", "x", "-ic"), True),
+        (("bash", "-ic"), True),
+        (("bash", "-c", "--"), False),
+    ],
+)
+def test_which_bash_reads_a_users_file_first(
+    monkeypatch: pytest.MonkeyPatch, shell: tuple[str, ...], reads: bool
+) -> None:
+    # Found in review: "-eo pipefail -lc" was read as ending at "pipefail", so a login shell got no mark.
+    monkeypatch.delenv("BASH_ENV", raising=False)
+    assert runs_user_files_first(shell) is reads
+    monkeypatch.setenv("BASH_ENV", "/nonexistent")
+    assert runs_user_files_first(shell)
+
+
+async def test_exit_watcher_longest_command_runs_and_one_byte_more_is_refused(tmp_path: Path) -> None:
+    # Found in review: the wrapper's first line shares the command's argument, so a command near the
+    # argument limit never started (E2BIG, retried for ever) although `cron add` took it.
+    longest = "true #" + "x" * (MAX_COMMAND_BYTES - 6)
+    async with engine_with(tmp_path / "s") as engine:
+        with pytest.raises(InvalidScheduleError, match=f"at most {MAX_COMMAND_BYTES}"):
+            await engine.cron.add(OnExit(command=longest + "x"), SystemEvent("too long"))
+        await engine.cron.add(OnExit(command=longest), SystemEvent("longest"))
+        (event,) = await wait_events(engine, 1)
+    assert (event.exit_code, event.reason) == (0, "exit")
 
 
 # ---- CR-02: re-arming while the previous command exits ---------------------------------------

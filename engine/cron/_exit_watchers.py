@@ -309,6 +309,8 @@ class CronExitWatchers:
                     record = await self._run(job, watch, paths)
                 if record is None or not self._owns(watch):
                     return
+                if adopted is not None and adopted.marks_start and await self._never_started(paths):
+                    record = {**record, "reason": "not_started"}  # started by an earlier engine
                 started_at = adopted.started_at if adopted is not None else None
                 await self._hook("after_exit", job.id)
                 await self._complete(watch, paths, record, started_at)
@@ -352,7 +354,13 @@ class CronExitWatchers:
                 # older arms' files are removed once the command is started, off the path to its start.
                 os.makedirs(os.path.dirname(paths.stdout), mode=0o700, exist_ok=True)
                 run = watch.run = await self.supervisor.spawn(spec)  # known at once to the clean-up
-                watch.state = WatchState.of_run(run, schedule, arm_id=watch.arm_id, exit_file=paths.exit_file)
+                watch.state = WatchState.of_run(
+                    run,
+                    schedule,
+                    arm_id=watch.arm_id,
+                    exit_file=paths.exit_file,
+                    marks_start=STARTED_VAR in env,
+                )
                 return run
             except SpawnError as exc:
                 message = f"{_START_FAILED}: {exc}; retrying"
@@ -409,11 +417,17 @@ class CronExitWatchers:
                     result.describe(),
                 )
             record = {"exit_code": result.exit_code, "signal": result.signal}
-        if STARTED_VAR in env and not await trio.Path(paths.started).exists():
+        if STARTED_VAR in env and await self._never_started(paths):
             record = {**record, "reason": "not_started"}
         elif watch.ending and result.reason is TerminationReason.CANCELLED:
             record = {**record, "reason": "cancelled"}
         return {**record, "duration_seconds": result.duration_seconds}
+
+    @staticmethod
+    async def _never_started(paths: _Paths) -> bool:
+        """Whether the mark the shell makes as the command starts (:func:`~._shell.watch_argv`) is missing:
+        what ran before the command (a profile) replaced the shell, and the command never ran."""
+        return not await trio.Path(paths.started).exists()
 
     async def _wait_or_end(
         self, watch: _Watch, wait: Callable[[], Awaitable[_T]], end: Callable[[], Awaitable[object]]

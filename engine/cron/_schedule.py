@@ -35,6 +35,7 @@ from cronsim import CronSim, CronSimError
 from .._errors import InvalidArgumentError, InvalidScheduleError
 from .._input import check_argument, check_optional_text, check_text, show
 from .._when import TEN_YEARS_SECONDS
+from ._shell import MAX_COMMAND_BYTES
 
 __all__ = [
     "MAX_CRON_EXPR_CHARS",
@@ -102,7 +103,13 @@ def _schedule_check(check: Callable[[object, str], _T], value: object, field: st
 
 
 def _shell_command(value: object, field: str) -> str:
-    return check_argument(check_text(value, field), field)
+    text = check_argument(check_text(value, field), field)
+    if len(text) > MAX_COMMAND_BYTES // 4 and len(text.encode()) > MAX_COMMAND_BYTES:
+        raise InvalidArgumentError(
+            f"{field} is {len(text.encode())} bytes long; an on-exit command holds at most "
+            f"{MAX_COMMAND_BYTES} (one argument of a program, less the wrapper's first line)"
+        )
+    return text
 
 
 def require_aware(value: datetime, field: str) -> datetime:

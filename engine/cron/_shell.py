@@ -8,11 +8,13 @@ import shutil
 import stat
 import sys
 import time
+from typing import Final
 
-from .._spawn import engine_environment
+from .._input import MAX_ARG_BYTES
 from .._trust import ours_or_roots
 
 __all__ = [
+    "MAX_COMMAND_BYTES",
     "STARTED_VAR",
     "resolve_exit_watch_shell",
     "runs_user_files_first",
@@ -46,8 +48,13 @@ STARTED_VAR = "GADGET_WATCH_STARTED"
 # `exec`, not in a forked child. (The wrapper ran the string with `eval` until the fourteenth performance
 # round: bash forks the last command of an `eval`, one more bash per watched command, and a command killed
 # by a signal showed as bash's `exit 128+N`.)
-_MARK_STARTED = ': > "$GADGET_WATCH_STARTED" || exit 125; '
-_BACK_TO_CWD = 'cd -- "$GADGET_WATCH_CWD" || exit 125\n'
+# A redirection alone (no command to look up) makes the mark, and `builtin` keeps a profile's `cd`
+# function out of it.
+_MARK_STARTED = '> "$GADGET_WATCH_STARTED" || exit 125; '
+_BACK_TO_CWD = 'builtin cd -- "$GADGET_WATCH_CWD" || exit 125\n'
+#: The longest on-exit command string, in bytes: one argument of a program (``MAX_ARG_STRLEN``) less the
+#: wrapper's first line, which travels in the same argument.
+MAX_COMMAND_BYTES: Final = MAX_ARG_BYTES - len((_MARK_STARTED + _BACK_TO_CWD).encode())
 
 #: Short options of bash that make it read a file of the user's before the command: ``l`` (a login
 #: shell: the profile), ``i`` (interactive: ``.bashrc``).
@@ -80,21 +87,25 @@ def runs_user_files_first(shell: tuple[str, ...]) -> bool:
     A login shell (``-l``, ``--login``) runs the profile, an interactive one (``-i``) ``.bashrc``, and any
     non-interactive bash the file named by ``BASH_ENV`` (from the engine's environment, which the command
     inherits); such a file may ``exec`` another shell, so the command's start must be marked. Options are
-    read up to ``--`` or the first operand; an option this does not know counts as one that reads files.
+    read as bash reads them, up to ``--`` or the first operand: clusters (``-euo pipefail -lc``), each
+    ``o`` or ``O`` in one taking the next argument as its value; a long option this does not know counts
+    as one that reads files.
     """
-    if b"BASH_ENV" in engine_environment():
+    if "BASH_ENV" in os.environ:
         return True
     args = iter(shell[1:])
     for arg in args:
-        if arg == "--" or not arg.startswith(("-", "+")):
+        if arg == "--" or not arg.startswith(("-", "+")) or arg in ("-", "+"):
             return False
         if arg.startswith("--"):
             if arg not in _QUIET_LONG_OPTIONS:
                 return True
-        elif _READS_USER_FILES & set(arg[1:]):
+            continue
+        letters = arg[1:]
+        if _READS_USER_FILES & set(letters):
             return True
-        elif arg[1:] in ("o", "O"):
-            next(args, None)  # its value (``-o pipefail``)
+        for _ in range(letters.count("o") + letters.count("O")):
+            next(args, None)  # its value (``-o pipefail``, ``-euo pipefail``, ``+O extglob``)
     return False
 
 

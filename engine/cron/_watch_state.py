@@ -48,6 +48,10 @@ class WatchState:
         started_at: aware UTC time of the spawn.
         cgroup: the command's cgroup v2 leaf (``w-...``) in cgroup containment, else ``None``: kept across
             an engine stop or crash, ended with the command's leftovers once it is over.
+        marks_start: whether the command's shell writes a mark just before the command runs (a login
+            shell's profile runs first, and may replace the shell): its absence then means the command
+            never ran (``not_started``), whichever engine sees the end. ``False`` in states stored before
+            the field existed (no engine looked then).
     """
 
     arm_id: str = attrs.field(validator=_str)
@@ -60,9 +64,12 @@ class WatchState:
     cwd: str | None = attrs.field(validator=attrs.validators.optional(_str))
     started_at: datetime = attrs.field(validator=attrs.validators.instance_of(datetime))
     cgroup: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
+    marks_start: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @classmethod
-    def of_run(cls, run: ManagedRun, schedule: OnExit, *, arm_id: str, exit_file: str) -> WatchState:
+    def of_run(
+        cls, run: ManagedRun, schedule: OnExit, *, arm_id: str, exit_file: str, marks_start: bool = False
+    ) -> WatchState:
         """The state of ``run``, started for ``schedule`` by arm ``arm_id``."""
         return cls(
             arm_id=arm_id,
@@ -75,6 +82,7 @@ class WatchState:
             cwd=schedule.cwd,
             started_at=run.started_at,
             cgroup=run.cgroup,
+            marks_start=marks_start,
         )
 
     def targets(self, schedule: OnExit) -> bool:
@@ -102,6 +110,7 @@ class WatchState:
             "cwd": self.cwd,
             "started_at": self.started_at.isoformat(),
             "cgroup": self.cgroup,
+            "marks_start": self.marks_start,
         }
 
     @classmethod
@@ -126,6 +135,7 @@ class WatchState:
                 cwd=data["cwd"],
                 started_at=started_at,
                 cgroup=data.get("cgroup"),
+                marks_start=data.get("marks_start", False),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid watch state: {exc}") from exc
