@@ -139,19 +139,24 @@ def answering_engine(state_dir: str, seconds: float) -> dict[str, Any] | None:
 
     What ``start`` does before it starts one: an engine that is starting (its start-up sweep) or binds
     its socket again is waited for until it answers (:func:`_wait_answering`); one that is stopping, until
-    it has exited (:func:`_wait_stopped`), after which another engine may have taken its place. Each wait
-    is bounded by ``seconds``. ``gadget-engine mcp`` does the same when the state directory is held.
+    it has exited (:func:`_wait_stopped`), after which another engine may have taken its place, and is
+    waited for in turn. All of it is bounded by ``seconds``. ``gadget-engine mcp`` does the same when the
+    state directory is held.
 
     Raises:
         CommandFailedError: the engine was still starting, or still stopping, after ``seconds``; or an
             engine embedded in another program holds the state directory (it never answers).
     """
+    deadline = time.monotonic() + seconds
     status = _running(state_dir)
-    if status is not None and status.get("starting"):  # another start's engine, still sweeping
-        status = _wait_answering(state_dir, status, seconds)
-    if status is not None and status.get("stopping"):  # as systemd queues a start behind a stop
-        _wait_stopped(state_dir, int(status["pid"]), seconds)
-        status = _running(state_dir)
+    # Until one answers or none runs: an engine that stopped may have been followed by another that
+    # starts (a second client's), which is waited for in turn, all within ``seconds``.
+    while status is not None and (status.get("starting") or status.get("stopping")):
+        if status.get("starting"):  # another start's engine, still sweeping
+            status = _wait_answering(state_dir, status, seconds, deadline=deadline)
+        else:  # as systemd queues a start behind a stop
+            _wait_stopped(state_dir, int(status["pid"]), seconds, deadline=deadline)
+            status = _running(state_dir)
     _refuse_embedded(state_dir, status)
     return status
 
@@ -239,8 +244,9 @@ def _already(state_dir: str, status: dict[str, Any], as_json: bool) -> int:
     return 0
 
 
-def _wait_stopped(state_dir: str, pid: int, seconds: float) -> None:
-    """Wait up to ``seconds`` for the engine ``pid``, which is stopping, to exit.
+def _wait_stopped(state_dir: str, pid: int, seconds: float, *, deadline: float | None = None) -> None:
+    """Wait up to ``seconds`` (or until ``deadline``, on :func:`time.monotonic`, when given) for the engine
+    ``pid``, which is stopping, to exit.
 
     Raises:
         CommandFailedError: it is still stopping after ``seconds``.
@@ -249,15 +255,19 @@ def _wait_stopped(state_dir: str, pid: int, seconds: float) -> None:
         f"gadget-engine: the engine on {state_dir} (pid {pid}) is stopping; starting once it has exited",
         file=sys.stderr,
     )
-    if not wait_process_gone(pid, seconds):
+    left = seconds if deadline is None else max(deadline - time.monotonic(), 0.0)
+    if not wait_process_gone(pid, left):
         raise CommandFailedError(
             f"the engine on {state_dir} (pid {pid}) is still stopping after {seconds:g} s; start again once "
             "it has exited (gadget-engine status tells)"
         )
 
 
-def _wait_answering(state_dir: str, status: dict[str, Any], seconds: float) -> dict[str, Any] | None:
-    """Wait up to ``seconds`` for the engine of ``status`` (``_running``'s), which is starting (it holds the
+def _wait_answering(
+    state_dir: str, status: dict[str, Any], seconds: float, *, deadline: float | None = None
+) -> dict[str, Any] | None:
+    """Wait up to ``seconds`` (or until ``deadline``, on :func:`time.monotonic`, when given) for the engine
+    of ``status`` (``_running``'s), which is starting (it holds the
     state directory but does not listen yet) or binds its socket again, to answer; its ``status``, or what
     :func:`_running` finds once it no longer starts (stopping, or gone).
 
@@ -268,13 +278,14 @@ def _wait_answering(state_dir: str, status: dict[str, Any], seconds: float) -> d
     doing = (
         "binds its socket again (its socket file was removed)"
         if status.get("rebinding")
-        else "is starting (it first ends what a crashed engine left running)"
+        else "is starting (after a crash, it first ends what the crashed engine left running)"
     )
     print(
         f"gadget-engine: the engine on {state_dir} (pid {pid}) {doing}; waiting until it answers",
         file=sys.stderr,
     )
-    deadline = time.monotonic() + seconds
+    if deadline is None:
+        deadline = time.monotonic() + seconds
     while True:
         status_now = _running(state_dir)
         if status_now is None or status_now["pid"] != pid or not status_now.get("starting"):
