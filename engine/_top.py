@@ -15,7 +15,7 @@ import sys
 from typing import Final
 
 from ._cli_output import EXIT_OK, CommandFailedError
-from .server._client import EngineClient
+from .server._client import EngineClient, EngineSuspendedError
 
 __all__ = ["INSTALL_HINT", "top"]
 
@@ -31,7 +31,10 @@ def top(client: EngineClient, args: argparse.Namespace) -> int:
         raise CommandFailedError(
             f"top needs the terminal UI library Textual ({exc}); {INSTALL_HINT}"
         ) from None
-    client.call("status")  # no engine: exit 3 now, with the usual message
+    try:
+        client.call("status")  # no engine: exit 3 now, with the usual message
+    except EngineSuspendedError:
+        pass  # it runs, stopped: the view names it and what continues it, and goes on once it is continued
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise CommandFailedError("top draws on a terminal and reads keys from it; run it in one")
     needle = ""

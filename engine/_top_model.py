@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
+from ._termtext import escape_controls
+
 __all__ = [
     "WIDE_COLUMNS",
     "EngineLine",
@@ -147,7 +149,7 @@ class RunRow:
             project_id=str(entry.get("project_id", "")),
             project=str(entry.get("project_slug", "")),
             directory=str(entry.get("project_directory", "")),
-            command=" ".join(shlex.join(argv).split()),
+            command=escape_controls(shlex.join(argv)),  # as ``cron list`` shows a command: \n stays visible
             state=state,
             status=short,
             uptime_seconds=entry.get("uptime_seconds"),
@@ -274,7 +276,7 @@ class JobRow:
         next_run, last_run = job.get("next_run_at"), job.get("last_run_at")
         return cls(
             id=str(job.get("id", "")),
-            name=str(job.get("name") or job.get("id", "")),
+            name=escape_controls(str(job.get("name") or job.get("id", ""))),
             project_id=job.get("project"),
             enabled=bool(job.get("enabled")),
             schedule=_schedule(job.get("schedule") or {}),
@@ -310,7 +312,7 @@ def _schedule(schedule: Mapping[str, Any]) -> str:
     if kind == "at":
         at = schedule.get("at")
         return f"at {datetime.fromisoformat(at):%Y-%m-%d %H:%M}" if isinstance(at, str) else "at ?"
-    return f"on exit of {schedule.get('command')}"
+    return f"on exit of {escape_controls(str(schedule.get('command')))}"
 
 
 _JOB_COLUMNS: Final = (("NAME", 16, "<"), ("NEXT RUN", 10, "<"))

@@ -108,7 +108,9 @@ def test_top_rows_say_status_in_a_word_and_restarts_only_where_the_engine_does()
         "restarting",
     ]
     assert (exited.restarts, restarting.restarts) == (None, 2)
-    assert RunRow.from_stats(_entry(9, "app", args=["-c", "a\nb"])).command == "python3 -c 'a b'"
+    # A newline is shown as \n, as `cron list` shows it (found in review: joined with a space, the
+    # command read as another one).
+    assert RunRow.from_stats(_entry(9, "app", args=["-c", "a\nb"])).command == "python3 -c 'a\\nb'"
 
 
 def test_top_groups_runs_by_project_and_filters_by_name_or_directory() -> None:
@@ -163,6 +165,17 @@ def test_top_job_lines_say_next_run_and_last_result() -> None:
     assert re.sub(" +", " ", lines[1]) == "stretch in 1h29m - every 1h30m"
     assert re.sub(" +", " ", lines[2]) == "quick off error 12s ago on exit of exit 3"
     assert job_lines([], 80, now)[1] == "(no cron jobs)"
+    # Found in review: a multi-line on-exit command (or name) spilled its lines into the table.
+    multi = JobRow.from_job(
+        {
+            "id": "c3",
+            "name": "two\nlines",
+            "enabled": True,
+            "schedule": {"kind": "on_exit", "command": "echo a\nexit 4"},
+        }
+    )
+    (_title, line) = job_lines([multi], 80, now)
+    assert "\n" not in line and line.endswith("on exit of echo a\\nexit 4") and line.startswith("two\\nlines")
 
 
 def test_top_child_output_is_drawn_without_terminal_escapes() -> None:
@@ -599,3 +612,19 @@ def test_top_names_a_stopped_engine_with_its_kill_cont_hint_within_80_columns(tm
     assert title.rstrip() == f"engine stopped (SIGSTOP or Ctrl-Z): continue it with kill -CONT {pid}"
     assert len(title) <= 80
     assert len(suspended_line(4194304)) <= 80  # the largest pid Linux gives (pid_max, 2**22)
+
+
+def test_top_goes_on_to_its_view_when_the_engine_is_stopped_at_its_start(tmp_path: Path) -> None:
+    # Found in review: top started while the engine was SIGSTOPped exited 1 with the client's sentence,
+    # where the view (which names it and goes on once it is continued) was what it needed. Without a
+    # terminal it now gets past that look, to the terminal check.
+    engine = start_serve(tmp_path / "state")
+    try:
+        os.kill(engine.proc.pid, signal.SIGSTOP)
+        try:
+            piped = cli("top", "--state-dir", str(engine.state_dir))
+        finally:
+            os.kill(engine.proc.pid, signal.SIGCONT)
+        assert piped.returncode == 1 and "run it in one" in piped.stderr, piped.stderr
+    finally:
+        engine.stop()
