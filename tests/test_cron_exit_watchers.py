@@ -272,6 +272,8 @@ def test_which_bash_reads_a_users_file_first(
 async def test_exit_watcher_longest_command_runs_and_one_byte_more_is_refused(tmp_path: Path) -> None:
     # Found in review: the wrapper's first line shares the command's argument, so a command near the
     # argument limit never started (E2BIG, retried for ever) although `cron add` took it.
+    guide = (Path(__file__).parent.parent / "docs" / "guide-on-exit.md").read_text()
+    assert f"{MAX_COMMAND_BYTES:,} bytes" in " ".join(guide.split())  # the guide states the limit
     longest = "true #" + "x" * (MAX_COMMAND_BYTES - 6)
     async with engine_with(tmp_path / "s") as engine:
         with pytest.raises(InvalidScheduleError, match=f"at most {MAX_COMMAND_BYTES}"):
