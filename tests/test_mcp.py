@@ -28,7 +28,9 @@ from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from engine import EngineConfig, EngineError, Every, Project, SystemEvent, open_engine
 from engine._input import read_schedule
+from engine._lockfile import STOPPING
 from engine.server._client import EngineClient
+from engine.server._location import lock_state
 from engine.server._mcp import SHUTDOWN_GRACE_SECONDS
 from engine.server._mcp_tools import CRON_TOOLS, EmbeddedBackend, McpTools
 from engine.server._methods import Methods, to_wire
@@ -830,6 +832,11 @@ def test_mcp_waits_for_an_engine_in_its_start_up_sweep_then_forwards_to_it(
         kill_pids(pgrep(str(state)))
 
 
+def _lock_phase(state_dir: Path) -> str | None:
+    lock = lock_state(str(state_dir))
+    return None if lock is None else lock.phase
+
+
 def test_mcp_embeds_the_engine_when_the_one_starting_stops_before_answering(
     tmp_path: Path, project: Path
 ) -> None:
@@ -840,11 +847,15 @@ def test_mcp_embeds_the_engine_when_the_one_starting_stops_before_answering(
     state, child = tmp_path / "state", mark("8812.32")
     try:
         _crash_leaving_a_child(state, _start(state), project, child)
-        with _serve_sweeping(state, grace_seconds=4.0) as serve:
+        # A grace period no start-up of mcp outlasts, even on a loaded machine (with 4 s, the sweep was
+        # sometimes over, and serve answering, before mcp looked); the second signal ends it at once.
+        with _serve_sweeping(state, grace_seconds=60.0) as serve:
             mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
             try:
-                assert wait_until_sync(lambda: "until it answers" in mcp.errlog.read_text(), 20.0)
-                serve.send_signal(signal.SIGTERM)  # it closes once its sweep is over, never answering
+                assert wait_until_sync(lambda: "until it answers" in mcp.errlog.read_text(), 30.0)
+                serve.send_signal(signal.SIGTERM)  # it closes after its sweep, never answering
+                assert wait_until_sync(lambda: _lock_phase(state) == STOPPING, 10.0)
+                serve.send_signal(signal.SIGTERM)  # and the sweep's grace ends now: SIGKILL
                 mcp.send(*_initialize())
                 assert "result" in mcp.receive()
                 assert serve.wait(timeout=20) == 0
