@@ -169,12 +169,15 @@ def check_optional_text(value: object, field: str) -> str | None:
     return None if value is None else check_text(value, field)
 
 
-def check_argument(value: object, field: str) -> str:
-    """:func:`check_string`, and short enough for one argument of a program (:data:`MAX_ARG_BYTES`)."""
+def check_argument(
+    value: object, field: str, *, max_bytes: int = MAX_ARG_BYTES, what: str = "one argument"
+) -> str:
+    """:func:`check_string`, and short enough for one argument of a program (:data:`MAX_ARG_BYTES`), or
+    for ``max_bytes`` of it (``what`` then says what holds them, in the error)."""
     text = check_string(value, field)
-    if len(text) > MAX_ARG_BYTES // 4 and len(text.encode()) > MAX_ARG_BYTES:
+    if len(text) > max_bytes // 4 and len(text.encode()) > max_bytes:
         raise InvalidArgumentError(
-            f"{field} is {len(text.encode())} bytes long; one argument holds at most {MAX_ARG_BYTES}"
+            f"{field} is {len(text.encode())} bytes long; {what} holds at most {max_bytes}"
         )
     return text
 

@@ -309,8 +309,11 @@ class CronExitWatchers:
                     record = await self._run(job, watch, paths)
                 if record is None or not self._owns(watch):
                     return
-                if adopted is not None and adopted.marks_start and await self._never_started(paths):
-                    record = {**record, "reason": "not_started"}  # started by an earlier engine
+                # The command's shell marks its start (a profile ran first): without the mark, whichever
+                # engine started the command, it never ran.
+                state = watch.state or adopted
+                if state is not None and state.marks_start and await self._never_started(paths):
+                    record = {**record, "reason": "not_started"}
                 started_at = adopted.started_at if adopted is not None else None
                 await self._hook("after_exit", job.id)
                 await self._complete(watch, paths, record, started_at)
@@ -417,9 +420,7 @@ class CronExitWatchers:
                     result.describe(),
                 )
             record = {"exit_code": result.exit_code, "signal": result.signal}
-        if STARTED_VAR in env and await self._never_started(paths):
-            record = {**record, "reason": "not_started"}
-        elif watch.ending and result.reason is TerminationReason.CANCELLED:
+        if watch.ending and result.reason is TerminationReason.CANCELLED:
             record = {**record, "reason": "cancelled"}
         return {**record, "duration_seconds": result.duration_seconds}
 

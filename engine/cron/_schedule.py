@@ -103,13 +103,10 @@ def _schedule_check(check: Callable[[object, str], _T], value: object, field: st
 
 
 def _shell_command(value: object, field: str) -> str:
-    text = check_argument(check_text(value, field), field)
-    if len(text) > MAX_COMMAND_BYTES // 4 and len(text.encode()) > MAX_COMMAND_BYTES:
-        raise InvalidArgumentError(
-            f"{field} is {len(text.encode())} bytes long; an on-exit command holds at most "
-            f"{MAX_COMMAND_BYTES} (one argument of a program, less the wrapper's first line)"
-        )
-    return text
+    # One argument of a program, less the wrapper's first line that travels in it (``_shell``).
+    return check_argument(
+        check_text(value, field), field, max_bytes=MAX_COMMAND_BYTES, what="an on-exit command"
+    )
 
 
 def require_aware(value: datetime, field: str) -> datetime:

@@ -59,6 +59,8 @@ MAX_COMMAND_BYTES: Final = MAX_ARG_BYTES - len((_MARK_STARTED + _BACK_TO_CWD).en
 #: Short options of bash that make it read a file of the user's before the command: ``l`` (a login
 #: shell: the profile), ``i`` (interactive: ``.bashrc``).
 _READS_USER_FILES = frozenset("li")
+#: Long options of bash that make it read no file of the user's.
+_QUIET_LONG_OPTIONS = frozenset({"--noprofile", "--norc", "--posix", "--restricted", "--verbose"})
 
 
 def resolve_exit_watch_shell(platform: str = sys.platform, comspec: str | None = None) -> tuple[str, ...]:
@@ -107,10 +109,6 @@ def runs_user_files_first(shell: tuple[str, ...]) -> bool:
         for _ in range(letters.count("o") + letters.count("O")):
             next(args, None)  # its value (``-o pipefail``, ``-euo pipefail``, ``+O extglob``)
     return False
-
-
-#: Long options of bash that make it read no file of the user's.
-_QUIET_LONG_OPTIONS = frozenset({"--noprofile", "--norc", "--posix", "--restricted", "--verbose"})
 
 
 def watch_argv(
