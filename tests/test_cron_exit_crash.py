@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +90,7 @@ async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path) -> No
     with trio.fail_after(5):
         while pgrep(rf"^sleep 30\.5{SESSION}") or shim_pids(state):
             await trio.sleep(0.02)
+    leaves = _watch_leaves(state)  # in cgroup containment: the command's leaf, left by the crash
     async with engine_with(state) as engine:
 
         async def disabled() -> bool:
@@ -98,6 +102,15 @@ async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path) -> No
         assert job.last_error is not None and "watch lost across restart" in job.last_error
         assert await engine.cron.events() == []
         assert not pgrep(rf"sleep 30\.5{SESSION}")
+    # Found by a fresh helper: the lost watch's leaf (and so the engine's cgroup) outlived the engine.
+    assert not [leaf for leaf in leaves if os.path.exists(leaf)]
+
+
+def _watch_leaves(state: Path) -> list[str]:
+    """The cgroup leaves the store's watch states name (none in process-group containment)."""
+    with contextlib.closing(sqlite3.connect(f"file:{state / 'cron.sqlite3'}?mode=ro", uri=True)) as conn:
+        rows = conn.execute("SELECT watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
+    return [leaf for (text,) in rows if (leaf := json.loads(text).get("cgroup"))]
 
 
 async def test_exit_crash_in_on_fire_delivers_same_fire_id_again(tmp_path: Path) -> None:

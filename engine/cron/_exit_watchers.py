@@ -715,6 +715,8 @@ class CronExitWatchers:
                     await self._end_leaf(state.cgroup)  # its leftovers, now: the command is over
             else:
                 await self._report_lost(job_id, "the command was neither running nor recorded")
+                if state.cgroup is not None:
+                    await self._end_leaf(state.cgroup)  # what its tree left, and the leaf itself
         # Leaves of watched commands no job watches any more (the state was dropped meanwhile).
         claimed = {state.cgroup for state in states.values() if state.cgroup is not None}
         for leaf in self.supervisor.containment.watched_leaves():
