@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import functools
 import itertools
 import logging
@@ -25,7 +26,7 @@ import attrs
 import trio
 
 from ._containment import Containment, Placement, open_containment
-from ._errors import unwrap_single
+from ._errors import SpawnError, unwrap_single
 from ._escalation import check_wait_seconds
 from ._input import show
 from ._keyed_locks import KeyedLocks
@@ -85,6 +86,25 @@ def _optional_positive(_inst: object, attribute: attrs.Attribute[float | None], 
 def _stream_target(_inst: object, attribute: attrs.Attribute[str | int | None], value: object) -> None:
     if value is not None and not isinstance(value, str | int):
         raise TypeError(f"{attribute.name} must be a path, a file descriptor or None, got {value!r}")
+
+
+def _open_output(path: str) -> int:
+    """``path`` opened for a child's output (``O_APPEND``, made 0600 when missing), as a shell's ``>>``
+    opens it, except that a FIFO with no reader is refused instead of waited on (the open is
+    ``O_NONBLOCK``, cleared again before the child gets the descriptor).
+
+    Raises:
+        SpawnError: it cannot be opened.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        why = "a FIFO no process reads" if exc.errno == errno.ENXIO else (exc.strerror or str(exc))
+        message = f"cannot open the output file {path}: {why}"
+        raise SpawnError(message, errno=exc.errno, path=path, reason="bad output file") from None
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _argv_tuple(value: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -550,7 +570,7 @@ class Supervisor:
             fds: list[int | None] = []
             for target in (spec.stdout, spec.stderr):
                 if isinstance(target, str):
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                    fd = _open_output(target)
                     opened.append(fd)
                     fds.append(fd)
                 else:

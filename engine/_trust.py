@@ -58,6 +58,7 @@ STATE_ENTRIES: Final[Mapping[str, Kind]] = {
     "cgroup.path": "file",
     "groups": "directory",
     "watch-logs": "directory",
+    "cron-logs": "directory",
 }
 #: Folders of the state directory whose every entry must be a regular file of ours.
 _FOLDERS_OF_FILES: Final = ("groups", "watch-logs")
@@ -197,31 +198,95 @@ def _entries(folder: str) -> Iterator[str]:
             yield entry.name
 
 
-def open_own_file(path: str, flags: int, mode: int = 0o600, *, what: str) -> int:
+def open_own_file(
+    path: str, flags: int, mode: int = 0o600, *, what: str, folder_too: bool = False, fresh: bool = False
+) -> int:
     """Open ``path`` without following a symbolic link, and check the file is a regular one of ours.
 
     ``O_NOFOLLOW``, ``O_NONBLOCK`` (a FIFO in its place never blocks the open) and ``O_CLOEXEC`` are
     added to ``flags``; ``O_NONBLOCK`` is cleared again once the file is known to be regular.
 
+    Args:
+        path: the file.
+        flags: ``os.O_*`` flags of the open.
+        mode: the mode of a file ``O_CREAT`` makes.
+        what: what the file is to the engine, for a message ("the job store").
+        folder_too: the file's folder (a folder of the state directory: ``watch-logs/``) is reached the
+            same way: its parent is opened as it is (the state directory may be a link the user chose),
+            the folder with ``O_NOFOLLOW | O_DIRECTORY`` from there, and it must be ours; the file is opened
+            from the folder's descriptor. A folder swapped for a link meanwhile is refused, not followed.
+        fresh: remove whatever is at ``path`` first (a link, a FIFO, an older file: never followed, never
+            written) and make a new file (``O_CREAT | O_EXCL`` are added): for a log that starts empty.
+
+    Returns:
+        The descriptor (the caller closes it).
+
     Raises:
-        UntrustedPathError: ``path`` is a symbolic link, not a regular file, or not ours.
-        OSError: it cannot be opened.
+        UntrustedPathError: ``path`` or (``folder_too``) its folder is a symbolic link, not of the kind
+            expected, or not ours.
+        OSError: it cannot be opened (``FileNotFoundError``: it, or its folder, is missing).
     """
+    folder = os.path.dirname(path) or "."
+    name = os.path.basename(path)
+    dir_fd = _open_own_folder(folder, what) if folder_too else None
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UntrustedPathError(
-                f"{what} {path} is a symbolic link, which the engine does not follow; remove it"
-            ) from None
-        if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
-            raise UntrustedPathError(f"{what} {path} is a FIFO, not a regular file; remove it") from None
-        if exc.errno == errno.EISDIR:  # a directory, opened for writing
-            raise UntrustedPathError(f"{what} {path} is a directory, not a regular file; remove it") from None
-        raise
+        if fresh:
+            flags |= os.O_CREAT | os.O_EXCL
+            try:
+                os.unlink(name if dir_fd is not None else path, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:
+                raise UntrustedPathError(_not_regular(what, path, "a directory")) from None
+        try:
+            fd = os.open(
+                name if dir_fd is not None else path,
+                flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                mode,
+                dir_fd=dir_fd,
+            )
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UntrustedPathError(
+                    f"{what} {path} is a symbolic link, which the engine does not follow; remove it"
+                ) from None
+            if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
+                raise UntrustedPathError(_not_regular(what, path, "a FIFO")) from None
+            if exc.errno == errno.EISDIR:  # a directory, opened for writing
+                raise UntrustedPathError(_not_regular(what, path, "a directory")) from None
+            raise
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
     try:
         check_stat(os.fstat(fd), path, "file", what, "remove it, or use another --state-dir")
         os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(what: str, path: str, kind: str) -> str:
+    return f"{what} {path} is {kind}, not a regular file; remove it"
+
+
+def _open_own_folder(folder: str, what: str) -> int:
+    """A descriptor of ``folder``, reached without following a link at its last step, checked ours."""
+    parent = os.open(os.path.dirname(folder) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(os.path.basename(folder), flags, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            info = os.stat(os.path.basename(folder), dir_fd=parent, follow_symlinks=False)
+            problem = describe_problem(info, "directory") or "is not a folder"
+            raise UntrustedPathError(f"the folder of {what} {folder} {problem}; remove it") from None
+        raise
+    finally:
+        os.close(parent)
+    try:
+        check_stat(os.fstat(fd), folder, "directory", f"the folder of {what}", "remove it")
     except BaseException:
         os.close(fd)
         raise

@@ -28,7 +28,8 @@ import pytest
 import trio
 
 from engine import EngineConfig, OnExit, SystemEvent, open_engine
-from engine.cron import _shell, _shim
+from engine.cron import _shell
+from engine.cron._exit_record import read_exit_record
 
 from .children import mark, pgrep_env
 
@@ -233,7 +234,7 @@ def run_shim(kind: str, exit_file: Path, *command: str) -> tuple[int, str, str, 
         out, err = proc.communicate(timeout=10)
     finally:
         end_group(proc)
-    record = _shim.read_exit_file(str(exit_file))
+    record = read_exit_record(str(exit_file)).record
     assert record is not None, err
     return proc.returncode, out, err, record
 
@@ -283,7 +284,7 @@ def test_shim_outlives_a_signal_to_the_group_and_records_it(kind: str, tmp_path:
     finally:
         end_group(proc)
     assert proc.returncode == -number, err
-    record = _shim.read_exit_file(str(exit_file))
+    record = read_exit_record(str(exit_file)).record
     assert record is not None and record["signal"] == number and "exit_code" not in record
 
 
@@ -376,5 +377,5 @@ def test_the_shim_ignores_the_interpreters_startup_variables_and_a_path_taint_mo
         check=False,
     )
     assert (proc.returncode, proc.stdout, proc.stderr) == (4, "ran\n", "")
-    record = _shim.read_exit_file(str(tmp_path / "exit.json"))
+    record = read_exit_record(str(tmp_path / "exit.json")).record
     assert record is not None and record["exit_code"] == 4

@@ -14,6 +14,7 @@ from .._spawn import describe_exec_failure, resolve_executable, shebang_interpre
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
+from ._log_files import open_logs
 
 __all__ = ["check_command_can_start", "command_log_paths", "run_command"]
 
@@ -71,15 +72,17 @@ async def run_command(
     Cancellation: the command is ended by escalation (shielded), then the cancellation propagates.
     """
     stdout, stderr = command_log_paths(state_dir, job.id)
-    os.makedirs(os.path.dirname(stdout), mode=0o700, exist_ok=True)
-    for path in (stdout, stderr):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
     command = shlex.join(payload.argv)
-    spec = SpawnSpec(
-        argv=payload.argv, cwd=payload.cwd, stdout=stdout, stderr=stderr, scope_key=f"cron:{job.id}"
-    )
     try:
-        run = await supervisor.spawn(spec)
+        logs = open_logs(stdout, stderr)  # each run's pair starts empty
+        try:
+            spec = SpawnSpec(
+                argv=payload.argv, cwd=payload.cwd, stdout=logs[0], stderr=logs[1], scope_key=f"cron:{job.id}"
+            )
+            run = await supervisor.spawn(spec)
+        finally:
+            for fd in logs:
+                os.close(fd)
     except SpawnError as exc:
         error = f"could not start {command!r}: {exc}"
         fire = exit_fire(

@@ -12,14 +12,18 @@ import os
 import secrets
 import signal as _signal
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
+
+from .._errors import UntrustedPathError
+from .._trust import open_own_file
 
 __all__ = [
     "PENDING_FIRE_FIELDS",
     "FiredEvent",
     "PendingFire",
+    "Tail",
     "describe_outcome",
     "exit_fire",
     "format_exit_text",
@@ -193,23 +197,44 @@ def text_fire(job_name: str, text: str, *, fire_id: str | None = None) -> Pendin
     return PendingFire(fire_id=fire_id or new_fire_id(), job_name=job_name, text=text)
 
 
-def read_tail(
-    path: str | None, *, max_lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES
-) -> tuple[str, int]:
-    """The last ``max_lines`` lines of a log file, at most ``max_bytes`` bytes, and how many bytes were cut.
+class Tail(NamedTuple):
+    """The end of a log file, as an exit's text shows it.
 
-    Invalid UTF-8 is replaced. A missing file reads as empty.
+    Attributes:
+        text: the last lines (invalid UTF-8 replaced).
+        cut_bytes: how many earlier bytes are not shown.
+        problem: why the file was not read although something is at its path (a link, a FIFO: never
+            followed, never waited on), or ``None``.
+    """
+
+    text: str
+    cut_bytes: int
+    problem: str | None = None
+
+
+def read_tail(path: str | None, *, max_lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> Tail:
+    """The last ``max_lines`` lines of a log file in a folder of the state directory, at most ``max_bytes``
+    bytes (blocking: run it in a worker thread).
+
+    The file and its folder are opened without following a link, and a FIFO is not waited on
+    (:func:`~engine._trust.open_own_file`): anything but the engine's own regular file is not read, and
+    the tail says why. A missing file reads as empty.
     """
     if path is None:
-        return "", 0
+        return Tail("", 0)
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            data = f.read(max_bytes)
-    except OSError:
-        return "", 0
+        fd = open_own_file(path, os.O_RDONLY, what="the log", folder_too=True)
+    except FileNotFoundError:
+        return Tail("", 0)
+    except UntrustedPathError as exc:
+        return Tail("", 0, str(exc))
+    except OSError as exc:
+        return Tail("", 0, f"the log {path} cannot be read: {exc.strerror or exc}")
+    with os.fdopen(fd, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - max_bytes)
+        f.seek(start)
+        data = f.read(max_bytes)
     if start > 0:  # a partial first line: drop it
         newline = data.find(b"\n")
         data = data[newline + 1 :] if newline >= 0 else data
@@ -217,7 +242,7 @@ def read_tail(
     if len(lines) > max_lines:
         lines = lines[-max_lines:]
     kept = b"".join(lines)
-    return kept.decode("utf-8", errors="replace"), size - len(kept)
+    return Tail(kept.decode("utf-8", errors="replace"), size - len(kept))
 
 
 def describe_outcome(exit_code: int | None, signal: int | None) -> str:
@@ -246,16 +271,24 @@ def format_exit_text(
     stdout_cut_bytes: int = 0,
     stderr_cut_bytes: int = 0,
     intro: str | None = None,
+    stdout_problem: str | None = None,
+    stderr_problem: str | None = None,
 ) -> str:
-    """The text an agent is told when a command ended: command, outcome, duration, the last lines."""
+    """The text an agent is told when a command ended: command, outcome, duration, the last lines.
+
+    A stream whose log was not read (``*_problem``: a link or a FIFO at its path) says so where an empty
+    one says ``empty``."""
     outcome = describe_outcome(exit_code, signal)
     took = "" if duration_seconds is None else f" after {duration_seconds:.1f} s"
     parts = [intro] if intro else []
     parts.append(f"Command {command!r} {outcome}{took} (reason: {reason}).")
-    for label, tail, cut in (
-        ("stdout", stdout_tail, stdout_cut_bytes),
-        ("stderr", stderr_tail, stderr_cut_bytes),
+    for label, tail, cut, problem in (
+        ("stdout", stdout_tail, stdout_cut_bytes, stdout_problem),
+        ("stderr", stderr_tail, stderr_cut_bytes, stderr_problem),
     ):
+        if problem:
+            parts.append(f"--- {label}: not read: {problem} ---")
+            continue
         if not tail:
             parts.append(f"--- {label}: empty ---")
             continue
@@ -295,19 +328,21 @@ def exit_fire(
         max_lines: lines kept of each stream.
         max_bytes: bytes kept of each stream.
     """
-    out, out_cut = read_tail(stdout_path, max_lines=max_lines, max_bytes=max_bytes)
-    err, err_cut = read_tail(stderr_path, max_lines=max_lines, max_bytes=max_bytes)
+    out = read_tail(stdout_path, max_lines=max_lines, max_bytes=max_bytes)
+    err = read_tail(stderr_path, max_lines=max_lines, max_bytes=max_bytes)
     text = format_exit_text(
         command=command,
         exit_code=exit_code,
         signal=signal,
         reason=reason,
         duration_seconds=duration_seconds,
-        stdout_tail=out,
-        stderr_tail=err,
-        stdout_cut_bytes=out_cut,
-        stderr_cut_bytes=err_cut,
+        stdout_tail=out.text,
+        stderr_tail=err.text,
+        stdout_cut_bytes=out.cut_bytes,
+        stderr_cut_bytes=err.cut_bytes,
         intro=intro,
+        stdout_problem=out.problem,
+        stderr_problem=err.problem,
     )
     return PendingFire(
         fire_id=fire_id or new_fire_id(),
@@ -318,7 +353,7 @@ def exit_fire(
         signal=signal,
         reason=reason,
         duration_seconds=duration_seconds,
-        stdout_tail=out,
-        stderr_tail=err,
-        truncated=bool(out_cut or err_cut),
+        stdout_tail=out.text,
+        stderr_tail=err.text,
+        truncated=bool(out.cut_bytes or err.cut_bytes),
     )

@@ -42,12 +42,13 @@ from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor, Terminati
 from .._sweep import end_processes, find_record_processes
 from ._arming import ArmTable, watchable
 from ._events import PendingFire, describe_outcome, exit_fire
+from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved
 from ._job import CronJob, JobStatus, SystemEvent
+from ._log_files import open_logs
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
 from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv
-from ._shim import read_exit_file, remove_reserved
 from ._watch_state import WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
@@ -115,6 +116,10 @@ def _reap_if_ours(pid: int, start_time: int) -> None:
     if info is not None and info.zombie and info.ppid == os.getpid() and info.start_time == start_time:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def _because(read: ExitRecordRead) -> str:
+    return f" ({read.problem})" if read.problem else ""
 
 
 def _outcome(record: Mapping[str, object]) -> tuple[int | None, int | None]:
@@ -353,10 +358,14 @@ class CronExitWatchers:
             try:
                 if not shell_installed(self.shell[0]):
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
-                # The folder only (one stat when it is there): the supervisor creates the log files, and
-                # older arms' files are removed once the command is started, off the path to its start.
-                os.makedirs(os.path.dirname(paths.stdout), mode=0o700, exist_ok=True)
-                run = watch.run = await self.supervisor.spawn(spec)  # known at once to the clean-up
+                # Older arms' files are removed once the command is started, off the path to its start.
+                logs = open_logs(paths.stdout, paths.stderr)
+                try:
+                    run = await self.supervisor.spawn(attrs.evolve(spec, stdout=logs[0], stderr=logs[1]))
+                finally:
+                    for fd in logs:
+                        os.close(fd)
+                watch.run = run  # known at once to the clean-up
                 watch.state = WatchState.of_run(
                     run,
                     schedule,
@@ -401,7 +410,8 @@ class CronExitWatchers:
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
         result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
-        record = await trio.to_thread.run_sync(read_exit_file, paths.exit_file)
+        read = await trio.to_thread.run_sync(read_exit_record, paths.exit_file)
+        record = read.record
         if record is None:  # the shim was killed, or could not write (a full disk): what the supervisor saw
             await trio.to_thread.run_sync(remove_reserved, paths.exit_file, run.pid)
             if result.signal == SIGKILL and result.escalated:
@@ -413,10 +423,9 @@ class CronExitWatchers:
                 )
             else:
                 logger.warning(
-                    "on-exit job %s: its exit was not recorded (the shim says why in %s); "
-                    "using what the supervisor saw: %s",
+                    "on-exit job %s: its exit was not recorded (%s); using what the supervisor saw: %s",
                     job.id,
-                    paths.stderr,
+                    read.problem or f"the shim says why in {paths.stderr}",
                     result.describe(),
                 )
             record = {"exit_code": result.exit_code, "signal": result.signal}
@@ -475,7 +484,8 @@ class CronExitWatchers:
         watch.adopted = None
         watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)
-        record = await trio.to_thread.run_sync(read_exit_file, state.exit_file)
+        read = await trio.to_thread.run_sync(read_exit_record, state.exit_file)
+        record = read.record
         if record is None:
             await trio.to_thread.run_sync(remove_reserved, state.exit_file, state.pid)
         if record is None and watch.ending:
@@ -487,7 +497,9 @@ class CronExitWatchers:
             )
             record = {"exit_code": None, "signal": int(SIGKILL)}
         if record is None:
-            await self._report_lost(watch.job_id, "the adopted command ended without recording its exit")
+            await self._report_lost(
+                watch.job_id, f"the adopted command ended without a record of its exit{_because(read)}"
+            )
         elif watch.ending:
             record = {**record, "reason": "cancelled"}
         return record
@@ -692,7 +704,8 @@ class CronExitWatchers:
             alive = state.alive()
             if not alive:
                 _reap_if_ours(state.pid, state.start_time)
-            record = read_exit_file(state.exit_file)
+            read = read_exit_record(state.exit_file)
+            record = read.record
             if not alive and record is None:  # its shim was killed: the temp file it reserved is all left
                 remove_reserved(state.exit_file, state.pid)
             current = (
@@ -714,7 +727,10 @@ class CronExitWatchers:
                 if not alive and state.cgroup is not None:
                     await self._end_leaf(state.cgroup)  # its leftovers, now: the command is over
             else:
-                await self._report_lost(job_id, "the command was neither running nor recorded")
+                why = "the command is not running" + (
+                    f" and {read.problem}" if read.problem else " and left no record of its exit"
+                )
+                await self._report_lost(job_id, why)
                 if state.cgroup is not None:
                     await self._end_leaf(state.cgroup)  # what its tree left, and the leaf itself
         # Leaves of watched commands no job watches any more (the state was dropped meanwhile).

@@ -15,12 +15,12 @@ recording failure separately, on stderr (the watch log, when it has room).
 ``_shim.c`` (compiled at install time into ``_shim.bin``) and ``_shim.pl`` are the same shim in C and in
 Perl, run instead of this one where they are found (they start many times sooner); this one is the last
 fallback. All three take the same arguments, write the same record and end the same way
-(``tests/test_cron_shim.py`` runs every test on each). :func:`read_exit_file` reads them all.
+(``tests/test_cron_shim.py`` runs every test on each). The engine reads the record with
+:func:`~engine.cron._exit_record.read_exit_record`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -149,24 +149,6 @@ def main(argv: list[str]) -> int:
         )
     _end(status)
     return 0  # not reached
-
-
-def read_exit_file(path: str) -> dict[str, object] | None:
-    """The record the shim wrote, or ``None`` when there is none (or it is unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def remove_reserved(path: str, shim_pid: int) -> None:
-    """Remove the temp file the shim ``shim_pid`` reserved for ``path``'s record and never renamed: what
-    a shim killed with its command (SIGKILL, ``stop --end-watched`` of a command that ignores SIGINT)
-    leaves behind. Missing is fine; call it once that shim has ended."""
-    with contextlib.suppress(OSError):
-        os.unlink(f"{path}.tmp.{shim_pid}")
 
 
 if __name__ == "__main__":

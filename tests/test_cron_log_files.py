@@ -1,0 +1,151 @@
+"""Cron's log files and exit records in the state directory: what a command leaves at their paths (a
+link, a FIFO, garbage) is never followed, waited on or trusted, and the engine says why it read nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine import Command, Every, OnExit, SpawnError, SpawnSpec, Supervisor, SystemEvent
+from engine.cron._exit_record import read_exit_record
+
+from .watch_support import engine_with, wait_events
+
+SECRET = "secret-that-must-not-reach-the-agent"
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.txt"
+    victim.write_text(SECRET + "\n")
+    return victim
+
+
+async def test_a_command_jobs_planted_log_link_and_fifo_are_replaced_not_followed(tmp_path: Path) -> None:
+    victim = _victim(tmp_path)
+    state = tmp_path / "s"
+    async with engine_with(state) as engine:
+        job = await engine.cron.add(
+            Every(3600), Command(("sh", "-c", "echo out; echo err >&2"), cwd=str(tmp_path)), name="build"
+        )
+        logs = state / "cron-logs"
+        logs.mkdir(mode=0o700, exist_ok=True)
+        (logs / f"{job.id}.stdout.log").symlink_to(victim)  # an earlier run's command left these
+        os.mkfifo(logs / f"{job.id}.stderr.log", 0o600)
+        with trio.fail_after(10):  # opened O_WRONLY, the FIFO blocked the engine's loop for ever
+            await engine.cron.run_now(job.id)
+        (event,) = await wait_events(engine, 1)
+    assert victim.read_text() == SECRET + "\n"  # neither truncated nor written through the link
+    assert (event.stdout_tail, event.stderr_tail) == ("out\n", "err\n")
+    for name in (f"{job.id}.stdout.log", f"{job.id}.stderr.log"):
+        assert (logs / name).is_file() and not (logs / name).is_symlink()
+
+
+async def test_a_watched_command_that_swaps_its_logs_and_record_still_fires_and_leaks_nothing(
+    tmp_path: Path,
+) -> None:
+    victim = _victim(tmp_path)
+    # The command finds its files from the shim's argv (its parent), replaces its stdout log with a link
+    # to another file, its stderr log and its exit record with FIFOs, then kills the shim with SIGKILL.
+    command = (
+        "exit_file=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | sed -n 2p); base=${exit_file%.exit.json}; "
+        f"echo gone; rm -f \"$base.stdout.log\" \"$base.stderr.log\"; ln -s {victim} \"$base.stdout.log\"; "
+        'mkfifo "$base.stderr.log" "$exit_file"; kill -KILL $PPID'
+    )
+    async with engine_with(tmp_path / "s") as engine:
+        await engine.cron.add(OnExit(command=command, cwd=str(tmp_path)), SystemEvent("swapped"))
+        (event,) = await wait_events(engine, 1)  # read as a FIFO, the record hung the fire for ever
+        await engine.cron.get(event.job_id)
+    assert SECRET not in event.text and event.stdout_tail == ""
+    assert (event.exit_code, event.signal) == (None, 9)  # what the supervisor saw of the shim
+    assert "--- stdout: not read: the log " in event.text and "is a symbolic link" in event.text
+    assert "--- stderr: not read: the log " in event.text and "is a FIFO" in event.text
+
+
+async def test_a_watch_log_folder_swapped_for_a_link_is_not_read(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    state = tmp_path / "s"
+    logs = state / "watch-logs"
+    gate = tmp_path / "gate"
+    async with engine_with(state) as engine:
+        job = await engine.cron.add(
+            OnExit(command=f"echo before; while [ ! -e {gate} ]; do sleep 0.02; done; echo after"),
+            SystemEvent("moved"),
+        )
+        with trio.fail_after(10):
+            while not list(logs.glob(f"{job.id}.*.stdout.log")):
+                await trio.sleep(0.02)
+        # The folder moves away and a link to it takes its place while the command runs: its files are
+        # still reached through the link by path, never by the engine.
+        moved = elsewhere / "watch-logs"
+        logs.rename(moved)
+        logs.symlink_to(moved)
+        gate.touch()
+        (event,) = await wait_events(engine, 1)
+    assert event.exit_code == 0 and event.stdout_tail == ""
+    assert "--- stdout: not read: the folder of the log " in event.text
+    assert "is a symbolic link, which the engine does not follow" in event.text
+
+
+def test_read_exit_record_says_why_a_file_is_no_record(tmp_path: Path) -> None:
+    folder = tmp_path / "watch-logs"
+    folder.mkdir(mode=0o700)
+    good = folder / "a.exit.json"
+    good.write_text(json.dumps({"pid": 1, "exit_code": 3}))
+    assert read_exit_record(str(good)).record == {"pid": 1, "exit_code": 3}
+    assert read_exit_record(str(folder / "missing.exit.json")) == read_exit_record(str(tmp_path / "no/x"))
+    assert read_exit_record(str(folder / "missing.exit.json")).problem is None
+    garbage = folder / "g.exit.json"
+    garbage.write_text("{not json")
+    assert "is not a JSON object as the shim writes" in str(read_exit_record(str(garbage)).problem)
+    (folder / "l.exit.json").symlink_to(good)
+    assert "is a symbolic link" in str(read_exit_record(str(folder / "l.exit.json")).problem)
+    os.mkfifo(folder / "f.exit.json", 0o600)
+    with_fifo = read_exit_record(str(folder / "f.exit.json"))  # not waited on: no writer ever comes
+    assert with_fifo.record is None and "is a FIFO" in str(with_fifo.problem)
+    linked = tmp_path / "linked"
+    linked.symlink_to(folder)
+    through = read_exit_record(str(linked / "a.exit.json"))
+    assert through.record is None and "the folder of the exit record" in str(through.problem)
+
+
+async def test_a_garbage_exit_record_left_while_no_engine_ran_is_named_in_the_lost_message(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "s"
+    gate = tmp_path / "gate"
+    async with engine_with(state, kill_wait_seconds=0.5) as engine:
+        job = await engine.cron.add(
+            OnExit(command=f"while [ ! -e {gate} ]; do sleep 0.02; done"), SystemEvent("lost")
+        )
+        with trio.fail_after(10):
+            while engine.watchers.watched_pid(job.id) is None:
+                await trio.sleep(0.02)
+        await trio.sleep(0.2)  # its watch state stored
+    # Stopped gracefully: the command is left running for the next engine. It ends while none runs,
+    # and its record is then turned into garbage.
+    gate.touch()
+    records = state / "watch-logs"
+    with trio.fail_after(10):
+        while not (found := list(records.glob(f"{job.id}.*.exit.json"))):
+            await trio.sleep(0.02)
+    found[0].write_text("garbage")
+    async with engine_with(state) as engine:
+        stored = await engine.cron.get(job.id)
+    assert not stored.enabled and stored.last_error is not None
+    assert "watch lost across restart: the command is not running and the exit record " in stored.last_error
+    assert "is not a JSON object as the shim writes" in stored.last_error
+
+
+async def test_a_spawn_spec_output_path_at_a_fifo_with_no_reader_is_a_spawn_error(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo, 0o600)
+    with trio.fail_after(5), pytest.raises(SpawnError, match="a FIFO no process reads"):
+        await supervisor.spawn(SpawnSpec(argv=(shutil.which("true") or "true",), stdout=str(fifo)))
