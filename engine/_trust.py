@@ -36,6 +36,7 @@ __all__ = [
     "describe_problem",
     "make_state_dir",
     "open_own_file",
+    "open_own_folder",
     "ours_or_roots",
     "read_pointer",
     "what_it_is",
@@ -199,7 +200,14 @@ def _entries(folder: str) -> Iterator[str]:
 
 
 def open_own_file(
-    path: str, flags: int, mode: int = 0o600, *, what: str, folder_too: bool = False, fresh: bool = False
+    path: str,
+    flags: int,
+    mode: int = 0o600,
+    *,
+    what: str,
+    folder_too: bool = False,
+    folder_fd: int | None = None,
+    fresh: bool = False,
 ) -> int:
     """Open ``path`` without following a symbolic link, and check the file is a regular one of ours.
 
@@ -215,6 +223,8 @@ def open_own_file(
             same way: its parent is opened as it is (the state directory may be a link the user chose),
             the folder with ``O_NOFOLLOW | O_DIRECTORY`` from there, and it must be ours; the file is opened
             from the folder's descriptor. A folder swapped for a link meanwhile is refused, not followed.
+        folder_fd: the folder, already opened so (:func:`open_own_folder`): ``path``'s name is opened
+            from it (for several files of one folder).
         fresh: remove whatever is at ``path`` first (a link, a FIFO, an older file: never followed, never
             written) and make a new file (``O_CREAT | O_EXCL`` are added): for a log that starts empty.
 
@@ -226,9 +236,8 @@ def open_own_file(
             expected, or not ours.
         OSError: it cannot be opened (``FileNotFoundError``: it, or its folder, is missing).
     """
-    folder = os.path.dirname(path) or "."
     name = os.path.basename(path)
-    dir_fd = _open_own_folder(folder, what) if folder_too else None
+    dir_fd = open_own_folder(os.path.dirname(path), what) if folder_too and folder_fd is None else folder_fd
     try:
         if fresh:
             flags |= os.O_CREAT | os.O_EXCL
@@ -256,7 +265,7 @@ def open_own_file(
                 raise UntrustedPathError(_not_regular(what, path, "a directory")) from None
             raise
     finally:
-        if dir_fd is not None:
+        if dir_fd is not None and dir_fd != folder_fd:
             os.close(dir_fd)
     try:
         check_stat(os.fstat(fd), path, "file", what, "remove it, or use another --state-dir")
@@ -271,8 +280,19 @@ def _not_regular(what: str, path: str, kind: str) -> str:
     return f"{what} {path} is {kind}, not a regular file; remove it"
 
 
-def _open_own_folder(folder: str, what: str) -> int:
-    """A descriptor of ``folder``, reached without following a link at its last step, checked ours."""
+def open_own_folder(folder: str, what: str) -> int:
+    """A descriptor of ``folder`` (a folder of the state directory), reached without following a link at
+    its last step (its parent is opened as it is), checked a directory of ours; the caller closes it.
+
+    Args:
+        folder: the folder.
+        what: what is in it to the engine, for a message ("the log").
+
+    Raises:
+        UntrustedPathError: it is a link, not a directory, or not ours.
+        OSError: it cannot be opened (``FileNotFoundError``: it is missing).
+    """
+    folder = folder or "."
     parent = os.open(os.path.dirname(folder) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

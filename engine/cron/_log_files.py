@@ -16,7 +16,7 @@ import errno
 import os
 
 from .._errors import SpawnError, UntrustedPathError
-from .._trust import open_own_file
+from .._trust import open_own_file, open_own_folder
 
 __all__ = ["open_logs"]
 
@@ -36,19 +36,34 @@ def open_logs(*paths: str) -> list[int]:
             log's name, another owner), or the disk refuses the file; no descriptor is left open.
     """
     fds: list[int] = []
-    for path in paths:
-        try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            fds.append(open_own_file(path, _FLAGS, what="the log", folder_too=True, fresh=True))
-        except UntrustedPathError as exc:
-            _close(fds)
-            message = f"cannot make the log file: {exc}"
-            raise SpawnError(message, errno=errno.EPERM, path=path, reason=_WHY) from None
-        except OSError as exc:
-            _close(fds)
-            message = f"cannot make the log file {path}: {exc.strerror or exc}"
-            raise SpawnError(message, errno=exc.errno, path=path, reason=_WHY) from None
+    folders: dict[str, int] = {}
+    try:
+        for path in paths:
+            try:
+                folder = os.path.dirname(path)
+                if folder not in folders:
+                    folders[folder] = _folder(folder)
+                fds.append(open_own_file(path, _FLAGS, what="the log", folder_fd=folders[folder], fresh=True))
+            except UntrustedPathError as exc:
+                _close(fds)
+                message = f"cannot make the log file: {exc}"
+                raise SpawnError(message, errno=errno.EPERM, path=path, reason=_WHY) from None
+            except OSError as exc:
+                _close(fds)
+                message = f"cannot make the log file {path}: {exc.strerror or exc}"
+                raise SpawnError(message, errno=exc.errno, path=path, reason=_WHY) from None
+    finally:
+        _close(list(folders.values()))
     return fds
+
+
+def _folder(path: str) -> int:
+    """The log folder, opened (:func:`~engine._trust.open_own_folder`); made first when it is missing."""
+    try:
+        return open_own_folder(path, "the log")
+    except FileNotFoundError:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        return open_own_folder(path, "the log")
 
 
 def _close(fds: list[int]) -> None:
