@@ -151,6 +151,37 @@ async def test_exit_watcher_cr01_profile_replacing_shell_is_diagnosed(
     assert "did not run" in event.text
 
 
+async def test_a_login_profile_that_holds_the_command_back_is_noted_until_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile that waits (here on a file; on the machine that found it, a stale ``pyenv`` lock) left
+    the job enabled with nothing to say why its command did not run: now ``last_error`` says so, from
+    ``start_hint_seconds`` until the command starts, and the status is left as it was."""
+    profile_gate, command_gate = tmp_path / "profile-gate", tmp_path / "command-gate"
+    login_home(tmp_path, monkeypatch, f"while [ ! -e {profile_gate} ]; do sleep 0.05; done\n")
+    async with engine_with(tmp_path / "s", exit_watch_shell=("bash", "-lc", "--")) as engine:
+        engine.watchers.start_hint_seconds = 0.3
+        command = f"echo started; while [ ! -e {command_gate} ]; do sleep 0.05; done"
+        job = await engine.cron.add(OnExit(command=command), SystemEvent("slow"))
+        await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
+        note = engine.watchers.last_error(job.id)
+        assert note is not None and note.startswith("the watched command has not started yet: after 0.3 s")
+        assert "a login profile waiting on something?" in note
+        stored = await engine.cron.get(job.id)
+        assert (stored.enabled, stored.last_status, stored.last_error) == (True, None, note)
+        profile_gate.touch()
+        await wait_until(lambda: engine.watchers.last_error(job.id) is None)
+        with trio.fail_after(10):
+            while (await engine.cron.get(job.id)).last_error is not None:
+                await trio.sleep(0.02)
+        assert engine.watchers.active_job_ids() == [job.id]  # still running, now without the note
+        command_gate.touch()
+        (event,) = await wait_events(engine, 1)
+        done = await engine.cron.get(job.id)
+    assert (event.exit_code, event.reason, event.stdout_tail) == (0, "exit", "started\n")
+    assert done.last_error is None and done.last_status is not None and done.last_status.value == "ok"
+
+
 async def test_exit_watcher_last_command_replaces_the_shell(tmp_path: Path) -> None:
     """The command's last simple command runs in the shell's own process, as with ``bash -c`` (the
     wrapper's ``eval`` used to fork it: one more bash per watched command); earlier lines still run

@@ -53,7 +53,7 @@ async def test_a_watched_command_that_swaps_its_logs_and_record_still_fires_and_
     # to another file, its stderr log and its exit record with FIFOs, then kills the shim with SIGKILL.
     command = (
         "exit_file=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | sed -n 2p); base=${exit_file%.exit.json}; "
-        f"echo gone; rm -f \"$base.stdout.log\" \"$base.stderr.log\"; ln -s {victim} \"$base.stdout.log\"; "
+        f'echo gone; rm -f "$base.stdout.log" "$base.stderr.log"; ln -s {victim} "$base.stdout.log"; '
         'mkfifo "$base.stderr.log" "$exit_file"; kill -KILL $PPID'
     )
     async with engine_with(tmp_path / "s") as engine:

@@ -65,6 +65,8 @@ HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "
 _LOGS = "watch-logs"
 #: How a failed start of a watched command begins its ``last_error``.
 _START_FAILED = "cannot start the watched command"
+#: How a note that the watched command has not started yet (its login shell still busy) begins.
+_NOT_STARTED_YET = "the watched command has not started yet"
 
 _T = TypeVar("_T")
 
@@ -142,6 +144,9 @@ class CronExitWatchers:
         retry: the waits between persist (or spawn) attempts (``EngineConfig.watch_retry_seconds``).
         now: the wall clock, aware (``CronService.now``), for the jobs' ``last_run_at`` and ``updated_at``.
         hooks: named test hooks, see :data:`HOOK_POINTS`.
+        start_hint_seconds: how long a command whose shell runs a file of the user's first (a login
+            profile) may take to start before the job's ``last_error`` says it has not started yet, and
+            why that may be; the note goes once the command starts (seconds).
     """
 
     store: JobStore
@@ -153,6 +158,7 @@ class CronExitWatchers:
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     now: Callable[[], datetime] = utc_now
     hooks: Mapping[str, WatchHook] = attrs.field(factory=dict)
+    start_hint_seconds: float = 10.0
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
@@ -409,7 +415,11 @@ class CronExitWatchers:
         await trio.to_thread.run_sync(self._remove_older_arms, job.id, watch.arm_id, paths)
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
-        result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
+        async with trio.open_nursery() as nursery:
+            if watch.state is not None and watch.state.marks_start:
+                nursery.start_soon(self._note_slow_start, job.id, paths, run.pid)
+            result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
+            nursery.cancel_scope.cancel()
         read = await trio.to_thread.run_sync(read_exit_record, paths.exit_file)
         record = read.record
         if record is None:  # the shim was killed, or could not write (a full disk): what the supervisor saw
@@ -432,6 +442,36 @@ class CronExitWatchers:
         if watch.ending and result.reason is TerminationReason.CANCELLED:
             record = {**record, "reason": "cancelled"}
         return {**record, "duration_seconds": result.duration_seconds}
+
+    async def _note_slow_start(self, job_id: str, paths: _Paths, pid: int) -> None:
+        """Once :attr:`start_hint_seconds` have passed without the start mark, say so in the job's
+        ``last_error`` (and :meth:`last_error`) until the mark appears; cancelled when the command ends.
+
+        A login profile that waits (a lock, a prompt on a closed stdin, a slow network mount) holds the
+        command back with nothing to show for it: the job stays enabled, its pid is the shim's.
+        """
+        await trio.sleep(self.start_hint_seconds)
+        if not await self._never_started(paths):
+            return
+        message = (
+            f"{_NOT_STARTED_YET}: after {self.start_hint_seconds:g} s the shell (in the shim, pid {pid}) is "
+            f"still running what comes before the command (a login profile waiting on something?); what it "
+            f"printed is in {paths.stderr}; `exit_watch_shell` ('bash', '-c', '--') runs no profile"
+        )
+        logger.warning("on-exit job %s: %s", job_id, message)
+        self._errors[job_id] = message
+        try:
+            await self._store_start_error(job_id, message, status=None)
+            wait = 0.5
+            while await self._never_started(paths):
+                await trio.sleep(wait)
+                wait = min(2 * wait, 10.0)
+            logger.info("on-exit job %s: the watched command has started", job_id)
+        finally:  # started, or ended (its outcome comes next), or no longer watched: the note goes
+            if self._errors.get(job_id) == message:
+                del self._errors[job_id]
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await self._clear_start_error(job_id)
 
     @staticmethod
     async def _never_started(paths: _Paths) -> bool:
@@ -570,16 +610,20 @@ class CronExitWatchers:
         await self._hook("before_fire", job.id)
         await self.fire_pending(job.id, fire)
 
-    async def _store_start_error(self, job_id: str, message: str) -> None:
-        """A start of the watched command failed: ``message`` becomes the job's ``last_error`` (its status
-        ``error``), and what they were before is kept for :meth:`_clear_start_error`."""
+    async def _store_start_error(
+        self, job_id: str, message: str, *, status: JobStatus | None = JobStatus.ERROR
+    ) -> None:
+        """A start of the watched command failed (or is slow): ``message`` becomes the job's
+        ``last_error`` (and ``status`` its ``last_status``; ``None``: unchanged), and what they were before
+        is kept for :meth:`_clear_start_error`."""
         now = self.now()
 
         before: list[tuple[JobStatus | None, str | None]] = []
 
         def change(job: CronJob) -> CronJob:
             before.append((job.last_status, job.last_error))
-            return attrs.evolve(job, last_status=JobStatus.ERROR, last_error=message, updated_at=now)
+            last_status = status or job.last_status
+            return attrs.evolve(job, last_status=last_status, last_error=message, updated_at=now)
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
@@ -587,13 +631,14 @@ class CronExitWatchers:
             self._before_start_error.setdefault(job_id, before[-1])
 
     async def _clear_start_error(self, job_id: str) -> None:
-        """A start succeeded after failed ones: the job's ``last_status`` and ``last_error`` are what they
-        were before (found by a new user: the start error stayed after the command ran)."""
+        """A start succeeded after failed ones (or a slow one started): the job's ``last_status`` and
+        ``last_error`` are what they were before (found by a new user: the start error stayed after the
+        command ran)."""
         status, error = self._before_start_error.pop(job_id, (None, None))
         now = self.now()
 
         def change(job: CronJob) -> CronJob:
-            if job.last_error is None or not job.last_error.startswith(_START_FAILED):
+            if job.last_error is None or not job.last_error.startswith((_START_FAILED, _NOT_STARTED_YET)):
                 return job  # changed meanwhile (an exit, another error): that stands
             return attrs.evolve(job, last_status=status, last_error=error, updated_at=now)
 
