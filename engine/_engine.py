@@ -377,6 +377,7 @@ async def _open_services(
                 started_at=started_at,
             )
         finally:
+            cron.stop_timer()  # nothing more starts while the rest closes
             cron.on_jobs_changed = None
             # Graceful: watched commands keep running, unsignalled, adopted by the next engine.
             watchers.detach_all()

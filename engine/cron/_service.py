@@ -134,6 +134,7 @@ class CronService:
     _reconcile_pending: bool = attrs.field(init=False, default=False)
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
     timer: CronTimer = attrs.field(init=False, default=attrs.Factory(CronTimer, takes_self=True))
+    _timer_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
@@ -489,9 +490,23 @@ class CronService:
                 await self.notify_jobs_changed()
                 task_status.started()
                 await self._recover(pending)
-                await self.timer.run()
+                with self._timer_scope:
+                    await self.timer.run()
+                await trio.sleep_forever()  # stopped (stop_timer): runs under way go on until the close
             finally:
                 self._nursery = self.timer.nursery = None
+
+    def stop_timer(self) -> None:
+        """Start nothing more that falls due: the first step of an engine's stop (``serve``'s, before it
+        ends every child with a grace period; ``open_engine``'s exit).
+
+        Runs and deliveries under way go on until the service closes (a ``Command`` run then shows
+        ``interrupted``). A job that falls due from now on is not claimed, so it is still due when the
+        next engine starts, and runs once then (missed runs run once), where it used to start during
+        the stop's grace period only to be ended at once, with its due time spent. ``run_now`` still
+        works (a stopping ``serve`` takes no such request). Idempotent.
+        """
+        self._timer_scope.cancel()
 
     async def _recover(self, pending: builtins.list[tuple[CronJob, PendingFire]]) -> None:
         """Start-up delivery, before the timer runs: the fires a stopped engine left behind, in order.

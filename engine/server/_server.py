@@ -471,6 +471,7 @@ async def _serve_until_stopped(
             with contextlib.suppress(OSError):
                 mark_phase(state_dir, STOPPING)
             log_event("stopping", **reason, pid=os.getpid())
+            engine.cron.stop_timer()  # a job due during the stop runs once on the next engine
             stopping.start_soon(force_on_next_signal, signals, engine.supervisor)
             listening.cancel_scope.cancel()
         # Bounded by the escalation (grace, SIGKILL, the wait after it), or at once by a second signal.
