@@ -4,7 +4,9 @@ A follower asks for more at a fixed pace (:data:`LOG_FOLLOW_SECONDS`, :data:`EVE
 ends with exit 0 on Ctrl-C, when the followed process has exited and its log is drained, and when the
 engine stops gracefully ("engine stopped" on stderr): a graceful stop removes the engine's socket before
 the process ends, a crash leaves it, so a broken connection is told apart by looking at the socket file
-while the engine's process is still there (:func:`engine_went_away`).
+while the engine's process is still there (:func:`engine_went_away`). It ends with exit 141 when the
+reader of its output went away (``| head``): it watches standard output while it waits (:func:`idle`),
+so it notices at once, not at its next write.
 
 Standard library only, like every client command.
 """
@@ -12,7 +14,9 @@ Standard library only, like every client command.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import select
 import sys
 import time
 from typing import Any, Final
@@ -31,15 +35,24 @@ from .server._client import (
 )
 from .server._protocol import METHOD_NOT_FOUND
 
-__all__ = ["EVENTS_FOLLOW_SECONDS", "LOG_FOLLOW_SECONDS", "engine_went_away", "events", "log", "print_events"]
+__all__ = [
+    "EVENTS_FOLLOW_SECONDS",
+    "LOG_FOLLOW_SECONDS",
+    "engine_went_away",
+    "events",
+    "idle",
+    "log",
+    "print_events",
+]
 
 #: How often ``log --follow`` asks for more output, in seconds.
 LOG_FOLLOW_SECONDS: Final = 0.25
 #: How often ``events --follow`` asks for new events of an engine without ``events.wait``, in seconds.
 EVENTS_FOLLOW_SECONDS: Final = 0.5
 #: How long one ``events.wait`` call of ``events --follow`` waits for an event, in seconds: the engine
-#: answers as soon as one is logged (woken by LISTEN/NOTIFY on a fleet store), so there is no polling.
-EVENTS_WAIT_SECONDS: Final = 30.0
+#: answers as soon as one is logged (woken by LISTEN/NOTIFY on a fleet store), so an event is never
+#: late; between two calls the follower looks whether its output's reader is still there (:func:`idle`).
+EVENTS_WAIT_SECONDS: Final = 1.0
 #: How long a follower whose connection broke watches for the socket to go (graceful) or the engine's
 #: process to end with it still there (a crash), in seconds.
 GONE_SECONDS: Final = 5.0
@@ -72,6 +85,38 @@ def engine_went_away(client: EngineClient, socket_path: str, engine_pid: int, er
             ) from None
         time.sleep(0.02)
     raise error
+
+
+#: What ``poll`` reports on standard output once its reader went away: ``POLLERR`` on the write end of a
+#: pipe whose reader closed (Linux), ``POLLHUP`` on a socket or terminal that hung up.
+_READER_GONE: Final = select.POLLERR | select.POLLHUP
+
+
+def idle(seconds: float) -> None:
+    """Wait ``seconds`` between two looks of a follower, ending early when its output's reader went away.
+
+    A follower that only writes when something comes would otherwise notice ``| head`` ending only at its
+    next write, perhaps never; GNU ``tail -f`` watches its output in the same way. Standard output that is
+    not a pipe, socket or terminal (a file, or none) is never "gone": this is a plain sleep then.
+
+    Args:
+        seconds: how long to wait (0: only look).
+
+    Raises:
+        BrokenPipeError: standard output's reader went away (the CLI exits 141, as for a failed write).
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object with no descriptor, or closed
+        time.sleep(seconds)
+        return
+    poller = select.poll()
+    poller.register(fd, 0)  # no event asked for: POLLERR, POLLHUP and POLLNVAL are reported all the same
+    for _fd, events in poller.poll(seconds * 1000):
+        if events & _READER_GONE:
+            raise BrokenPipeError(errno.EPIPE, "standard output's reader went away")
+        if events & select.POLLNVAL:  # not an open descriptor: the next write says so
+            time.sleep(seconds)
 
 
 class _Lines:
@@ -162,7 +207,7 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
             return EXIT_OK
         common = {"pid": args.pid, "max_bytes": _PAGE_BYTES}
         while not all(not p["running"] and p["next_offset"] >= p["total_bytes"] for p in last.values()):
-            time.sleep(LOG_FOLLOW_SECONDS)
+            idle(LOG_FOLLOW_SECONDS)
             for stream in streams:
                 offset = last[stream]["next_offset"]
                 piece = client.call("subprocess.read_log", stream=stream, offset=offset, **common)
@@ -223,13 +268,14 @@ def events(client: EngineClient, args: argparse.Namespace) -> int:
                 return EXIT_OK
             if waits:
                 try:
+                    idle(0)
                     found = client.call("events.wait", since=since, seconds=EVENTS_WAIT_SECONDS)
                     continue
                 except RpcError as exc:
                     if exc.code != METHOD_NOT_FOUND:
                         raise
                     waits = False
-            time.sleep(EVENTS_FOLLOW_SECONDS)
+            idle(EVENTS_FOLLOW_SECONDS)
             found = client.call("events", since=since)
     except (EngineConnectionError, EngineNotRunningError, EngineSocketMissingError) as exc:
         if not args.follow:
