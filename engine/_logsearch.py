@@ -9,14 +9,23 @@ time is a :class:`~engine._patterns.PatternTimeoutError`.
 
 Lines are numbered from the first byte the log still keeps (line 1), as ``grep -n`` numbers a file; once
 the log cap has dropped the oldest output, the numbers start again from what is kept. Each matching line
-is shown once as ``<number>: <line>``, cut at :data:`LINE_CHARS` characters.
+is shown once as ``<number>: <line>``, cut at :data:`LINE_CHARS` characters with the count of the
+characters left out.
+
+A line longer than a piece is read on piece by piece (:class:`_LongLine`): the pattern runs on each piece
+until one matches, and only the line's first :data:`LINE_CHARS` characters and its length are kept, so a
+line of gigabytes is never held at once. Its pieces are searched one by one: a match across a boundary
+between two of them is not found, and ``^`` and ``$`` also match at those boundaries.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
+import functools
 import time
-from typing import Final
+from collections.abc import Callable
+from typing import Final, TypeVar
 
 import attrs
 import trio
@@ -33,17 +42,21 @@ CHUNK_BYTES: Final = 1 << 20
 LINE_CHARS: Final = 2000
 
 
+_T = TypeVar("_T")
+
+
 @attrs.frozen
 class _Hit:
     number: int  # the line number
     offset: int  # the logical offset of the line's first byte
-    line: str
+    head: str  # the line's first LINE_CHARS characters
+    chars: int  # the whole line's length in characters (without its newline)
 
 
 def _shown(hit: _Hit) -> str:
-    line = hit.line
-    if len(line) > LINE_CHARS:
-        line = f"{line[:LINE_CHARS]}... [line cut: {len(line) - LINE_CHARS} more characters]"
+    line = hit.head
+    if hit.chars > len(hit.head):
+        line = f"{hit.head}... [line cut: {hit.chars - len(hit.head)} more characters]"
     return f"{hit.number}: {line}\n"
 
 
@@ -64,8 +77,54 @@ def _hits(pattern: Pattern, raw: bytes, start: int, number: int, deadline: float
             byte_at = raw.index(b"\n", byte_at) + 1
         number += skipped
         line_at = begin
-        hits.append(_Hit(number=number, offset=start + byte_at, line=text[begin:end]))
+        head = text[begin : min(end, begin + LINE_CHARS)]
+        hits.append(_Hit(number=number, offset=start + byte_at, head=head, chars=end - begin))
     return hits
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+@attrs.define(eq=False)
+class _LongLine:
+    """A line longer than a piece, read on piece by piece: its first :data:`LINE_CHARS` characters, its
+    length so far, and whether the pattern matched one of its pieces (then the rest is only counted)."""
+
+    number: int  # the line number
+    offset: int  # the logical offset of the line's first byte
+    head: str = ""
+    chars: int = 0
+    matched: bool = False
+    _decoder: codecs.IncrementalDecoder = attrs.field(factory=_utf8_decoder, init=False)
+
+    def take(self, pattern: Pattern, part: bytes, deadline: float, *, final: bool) -> None:
+        """Add the next ``part`` of the line (without a newline; ``final``: the last). Runs in a worker
+        thread.
+
+        Raises:
+            TimeoutError: the pattern ran past ``deadline`` (``time.monotonic()``).
+        """
+        text = self._decoder.decode(part, final)  # a character cut between two parts is counted once
+        if not self.matched:
+            self.matched = next(search_lines(pattern, text, deadline), None) is not None
+        self.head += text[: LINE_CHARS - len(self.head)]
+        self.chars += len(text)
+
+    def hit(self) -> _Hit:
+        return _Hit(number=self.number, offset=self.offset, head=self.head, chars=self.chars)
+
+
+async def _in_thread(work: Callable[[], _T]) -> _T:
+    """``work()`` in a worker thread (abandoned when cancelled).
+
+    Raises:
+        PatternTimeoutError: the pattern ran out of time (:data:`~engine._patterns.REGEX_SECONDS`).
+    """
+    try:
+        return await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+    except TimeoutError:
+        raise timed_out("grep", REGEX_SECONDS) from None
 
 
 @attrs.define(eq=False)
@@ -142,22 +201,38 @@ async def _grep(
     stopped_at: int | None = None  # forward: where the first line not shown starts
     pos, carry, last = start, b"", b""
     total = head.total
+    long: _LongLine | None = None  # a line longer than a piece, under way
     while True:
         piece = await reader.read(pos)
         total = piece.total
         pos = piece.start + len(piece.data)
         at_end = len(piece.data) < CHUNK_BYTES
-        data = carry + piece.data
+        data, carry = carry + piece.data, b""
+        at = pos - len(data)  # the logical offset of data[0]
+        hits: list[_Hit] = []
+        if long is None and not at_end and b"\n" not in data:  # a line longer than a piece begins
+            long = _LongLine(number=newlines + 1, offset=at)
+        if long is not None:
+            newline = data.find(b"\n")
+            part = data if newline < 0 else data[:newline]
+            final = newline >= 0 or at_end
+            await _in_thread(functools.partial(long.take, pattern, part, deadline, final=final))
+            last = part[-1:] or last
+            if not final:
+                continue
+            if long.matched:
+                hits.append(long.hit())
+            long = None
+            if newline >= 0:
+                newlines += 1
+                last = b"\n"
+                data, at = data[newline + 1 :], at + newline + 1
+            else:
+                data = b""
         cut = len(data) if at_end else data.rfind(b"\n") + 1
-        if cut == 0:  # a line longer than a piece: take it as it is
-            cut = len(data)
         block, carry = data[:cut], data[cut:]
-        try:
-            hits = await trio.to_thread.run_sync(
-                _hits, pattern, block, pos - len(data), newlines + 1, deadline, abandon_on_cancel=True
-            )
-        except TimeoutError:
-            raise timed_out("grep", REGEX_SECONDS) from None
+        if block:
+            hits += await _in_thread(functools.partial(_hits, pattern, block, at, newlines + 1, deadline))
         newlines += block.count(b"\n")
         last = block[-1:] or last
         matched += len(hits)
