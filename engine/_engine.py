@@ -324,6 +324,7 @@ async def _open_services(
             on_fire=on_fire,
             fire_observers=config.fire_observers,
             engine_id=engine_id,
+            log_cap_bytes=config.log_cap_bytes,
         ) as cron,
         trio.open_nursery() as watch_nursery,
         trio.open_nursery() as beat_nursery,
@@ -343,6 +344,7 @@ async def _open_services(
             retry=RetryPolicy(config.watch_retry_seconds),
             now=cron.now,
             hooks=config.watch_hooks or {},
+            log_cap_bytes=config.log_cap_bytes,
         )
         # Adopt what a crashed engine left before the first reconcile, which arms the rest.
         await watchers.adopt()

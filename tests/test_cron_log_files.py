@@ -149,3 +149,40 @@ async def test_a_spawn_spec_output_path_at_a_fifo_with_no_reader_is_a_spawn_erro
     os.mkfifo(fifo, 0o600)
     with trio.fail_after(5), pytest.raises(SpawnError, match="a FIFO no process reads"):
         await supervisor.spawn(SpawnSpec(argv=(shutil.which("true") or "true",), stdout=str(fifo)))
+
+
+def _kept_bytes(path: Path) -> int:
+    """What a log holds on disk: its blocks where a hole was punched, else its length."""
+    info = path.stat()
+    return min(info.st_size, info.st_blocks * 512)
+
+
+CAP = 64 * 1024
+#: Writes 2 MB, then its last line, then waits long enough for the cap's first look (1 s).
+CHATTY = "head -c 2000000 /dev/zero | tr '\\0' z; echo; echo LAST-LINE; sleep 1.6"
+
+
+async def test_a_watched_commands_logs_are_capped_while_it_runs_and_go_with_its_job(tmp_path: Path) -> None:
+    logs = tmp_path / "s" / "watch-logs"
+    async with engine_with(tmp_path / "s", log_cap_bytes=CAP) as engine:
+        job = await engine.cron.add(OnExit(command=CHATTY), SystemEvent("chatty"))
+        (event,) = await wait_events(engine, 1)
+        (stdout,) = logs.glob(f"{job.id}.*.stdout.log")
+        assert stdout.stat().st_size > 2_000_000  # the offsets stay: the oldest part is a hole, or cut
+        assert _kept_bytes(stdout) <= CAP + 64 * 1024
+        assert event.stdout_tail == "LAST-LINE\n"  # the 2 MB line before it is cut
+        await engine.cron.remove(job.id)
+        assert [p.name for p in logs.iterdir() if p.name.startswith(f"{job.id}.")] == []
+
+
+async def test_a_command_jobs_logs_are_capped_while_it_runs(tmp_path: Path) -> None:
+    async with engine_with(tmp_path / "s", log_cap_bytes=CAP) as engine:
+        job = await engine.cron.add(Every(3600), Command(("sh", "-c", CHATTY)), name="chatty")
+        with trio.fail_after(20):
+            await engine.cron.run_now(job.id)
+        (event,) = await wait_events(engine, 1)
+        stdout = tmp_path / "s" / "cron-logs" / f"{job.id}.stdout.log"
+        assert _kept_bytes(stdout) <= CAP + 64 * 1024
+        assert event.stdout_tail == "LAST-LINE\n"  # the 2 MB line before it is cut
+        await engine.cron.remove(job.id)
+        assert not stdout.exists()

@@ -14,7 +14,7 @@ from .._spawn import describe_exec_failure, resolve_executable, shebang_interpre
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
-from ._log_files import open_logs
+from ._log_files import COMMAND_LOGS, keep_within_cap, log_files, open_logs
 
 __all__ = ["check_command_can_start", "command_log_paths", "run_command"]
 
@@ -57,17 +57,18 @@ def _interpreter_missing(path: str) -> bool:
 
 def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
     """The stdout and stderr logs of a ``Command`` job: ``<state_dir>/cron-logs/<job_id>.std*.log``."""
-    folder = os.path.join(state_dir, "cron-logs")
+    folder = os.path.join(state_dir, COMMAND_LOGS)
     return (os.path.join(folder, f"{job_id}.stdout.log"), os.path.join(folder, f"{job_id}.stderr.log"))
 
 
 async def run_command(
-    supervisor: Supervisor, state_dir: str, job: CronJob, payload: Command
+    supervisor: Supervisor, state_dir: str, job: CronJob, payload: Command, *, log_cap_bytes: int = 50 * 2**20
 ) -> tuple[PendingFire, str | None]:
     """Run ``payload`` for ``job`` to its end; return its pending fire and what failed (``None``: exit 0).
 
-    The command runs in scope ``cron:<job id>`` with its output in a fresh pair of log files. A program
-    that cannot be started is reported (reason ``"spawn_failed"``), not raised.
+    The command runs in scope ``cron:<job id>`` with its output in a fresh pair of log files, each kept
+    within ``log_cap_bytes`` (bytes) while it runs (``_log_files``). A program that cannot be started is
+    reported (reason ``"spawn_failed"``), not raised.
 
     Cancellation: the command is ended by escalation (shielded), then the cancellation propagates.
     """
@@ -76,6 +77,7 @@ async def run_command(
     try:
         logs = open_logs(stdout, stderr)  # each run's pair starts empty
         try:
+            files = log_files((stdout, stderr), logs)
             spec = SpawnSpec(
                 argv=payload.argv, cwd=payload.cwd, stdout=logs[0], stderr=logs[1], scope_key=f"cron:{job.id}"
             )
@@ -97,12 +99,16 @@ async def run_command(
             intro=error,
         )
         return fire, error
-    try:
-        result = await run.wait()
-    except trio.Cancelled:  # the engine is closing: end the command; the job shows "interrupted"
-        with trio.CancelScope(shield=True):
-            await supervisor.cancel(run)
-        raise
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep_within_cap, files, log_cap_bytes)
+        try:
+            result = await run.wait()
+        except trio.Cancelled:  # the engine is closing, or the job was removed: end the command
+            with trio.CancelScope(shield=True):
+                await supervisor.cancel(run)
+            raise
+        finally:
+            nursery.cancel_scope.cancel()
     read_logs = functools.partial(
         exit_fire,
         job.name,

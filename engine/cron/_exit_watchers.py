@@ -35,6 +35,7 @@ import trio
 from .._cgroup import watched_leaf
 from .._errors import JobNotFoundError, SpawnError
 from .._keyed_locks import KeyedLocks
+from .._logs import LogFile
 from .._pidfd import wait_exited
 from .._procfs import read_proc
 from .._retry import RetryPolicy
@@ -44,7 +45,7 @@ from ._arming import ArmTable, watchable
 from ._events import PendingFire, describe_outcome, exit_fire
 from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved
 from ._job import CronJob, JobStatus, SystemEvent
-from ._log_files import open_logs
+from ._log_files import WATCH_LOGS, keep_within_cap, log_files, open_logs
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
@@ -62,7 +63,6 @@ WatchHook = Callable[[str], Awaitable[None]]
 #: after the persist committed; and right before the fire is delivered.
 HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "before_fire")
 
-_LOGS = "watch-logs"
 #: How a failed start of a watched command begins its ``last_error``.
 _START_FAILED = "cannot start the watched command"
 #: How a note that the watched command has not started yet (its login shell still busy) begins.
@@ -84,7 +84,7 @@ class _Paths:
 
     @classmethod
     def of(cls, state_dir: str, job_id: str, arm_id: str) -> _Paths:
-        base = os.path.join(state_dir, _LOGS, f"{job_id}.{arm_id}")
+        base = os.path.join(state_dir, WATCH_LOGS, f"{job_id}.{arm_id}")
         return cls(f"{base}.stdout.log", f"{base}.stderr.log", f"{base}.exit.json", f"{base}.started")
 
 
@@ -95,6 +95,8 @@ class _Watch:
     arm_id: str
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     run: ManagedRun | None = None
+    #: the command's logs, kept within the cap while it runs (made with it, or found at adoption)
+    logs: list[LogFile] = attrs.field(factory=list)
     adopted: WatchState | None = None
     #: an adopted command's leaf, to be emptied and removed once the command is over (cgroup mode)
     leftover_leaf: str | None = None
@@ -147,6 +149,7 @@ class CronExitWatchers:
         start_hint_seconds: how long a command whose shell runs a file of the user's first (a login
             profile) may take to start before the job's ``last_error`` says it has not started yet, and
             why that may be; the note goes once the command starts (seconds).
+        log_cap_bytes: the size each log of a running command keeps on disk (``EngineConfig.log_cap_bytes``).
     """
 
     store: JobStore
@@ -159,6 +162,7 @@ class CronExitWatchers:
     now: Callable[[], datetime] = utc_now
     hooks: Mapping[str, WatchHook] = attrs.field(factory=dict)
     start_hint_seconds: float = 10.0
+    log_cap_bytes: int = 50 * 2**20
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
@@ -367,6 +371,7 @@ class CronExitWatchers:
                 # Older arms' files are removed once the command is started, off the path to its start.
                 logs = open_logs(paths.stdout, paths.stderr)
                 try:
+                    watch.logs = log_files((paths.stdout, paths.stderr), logs)
                     run = await self.supervisor.spawn(attrs.evolve(spec, stdout=logs[0], stderr=logs[1]))
                 finally:
                     for fd in logs:
@@ -416,6 +421,7 @@ class CronExitWatchers:
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_within_cap, watch.logs, self.log_cap_bytes)
             if watch.state is not None and watch.state.marks_start:
                 nursery.start_soon(self._note_slow_start, job.id, paths, run.pid)
             result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
@@ -516,11 +522,16 @@ class CronExitWatchers:
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
         watch.adopted = state
-        await self._wait_or_end(
-            watch,
-            functools.partial(wait_exited, state.pid, start_time=state.start_time),
-            functools.partial(self._end_group, state),
-        )
+        paths = _Paths.of(self.state_dir, watch.job_id, state.arm_id)
+        async with trio.open_nursery() as nursery:
+            logs = [LogFile(paths.stdout), LogFile(paths.stderr)]  # their inodes: taken at the first look
+            nursery.start_soon(keep_within_cap, logs, self.log_cap_bytes)
+            await self._wait_or_end(
+                watch,
+                functools.partial(wait_exited, state.pid, start_time=state.start_time),
+                functools.partial(self._end_group, state),
+            )
+            nursery.cancel_scope.cancel()
         watch.adopted = None
         watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)

@@ -1,6 +1,6 @@
 """The log files of the commands cron runs (a ``Command`` job's in ``cron-logs/``, a watched command's in
-``watch-logs/``): made fresh in a folder of the state directory, and handed to the supervisor as
-descriptors.
+``watch-logs/``): made fresh in a folder of the state directory and handed to the supervisor as
+descriptors, kept within the engine's log cap while the command writes them, and removed with their job.
 
 The engine trusts nothing at a path in its state directory (``docs/security.md``): a command it ran
 earlier, with the engine's own uid, may have put a symbolic link or a FIFO where its next log goes. So the
@@ -8,17 +8,37 @@ folder is reached without following a link, whatever is at a log's name is remov
 truncated or waited on) and a new file is made there with ``O_EXCL`` (:func:`~engine._trust.open_own_file`).
 The supervisor gets the descriptors, not the paths, so nothing can be swapped between the check and the
 child's start.
+
+While the command runs, each log is kept within ``EngineConfig.log_cap_bytes`` as a subprocess's is
+(:meth:`~engine._logs.LogFile.enforce_cap`: the oldest part dropped, punched out where the filesystem can,
+on the very inode made here): a chatty test run watched by an on-exit job cannot fill the state
+directory's disk. The fire reads only the end. A job's logs stay after its fire, for a person to read
+(one pair per job: an arm removes the older arms' files), and go when the job is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Sequence
+from typing import Final, NoReturn
+
+import trio
 
 from .._errors import SpawnError, UntrustedPathError
+from .._logs import LogFile
 from .._trust import open_own_file, open_own_folder
 
-__all__ = ["open_logs"]
+__all__ = ["COMMAND_LOGS", "WATCH_LOGS", "keep_within_cap", "log_files", "open_logs", "remove_job_logs"]
+
+#: The folder of ``Command`` jobs' logs in the state directory.
+COMMAND_LOGS: Final = "cron-logs"
+#: The folder of watched commands' logs, exit records and start marks in the state directory.
+WATCH_LOGS: Final = "watch-logs"
+#: The cap's first look after the start, and its longest wait while no log grows (seconds).
+_FIRST_LOOK_SECONDS: Final = 1.0
+_QUIET_LOOK_SECONDS: Final = 30.0
 
 _FLAGS = os.O_WRONLY | os.O_APPEND
 _WHY = "bad log file"
@@ -69,3 +89,58 @@ def _folder(path: str) -> int:
 def _close(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def log_files(paths: Sequence[str], fds: Sequence[int]) -> list[LogFile]:
+    """The logs :func:`open_logs` made at ``paths`` (its descriptors ``fds``, still open), each tied to
+    its inode: a file put at the path later is not this log, and the cap leaves it alone."""
+    files = []
+    for path, fd in zip(paths, fds, strict=True):
+        info = os.fstat(fd)
+        files.append(LogFile(path, identity=(info.st_dev, info.st_ino)))
+    return files
+
+
+async def keep_within_cap(files: Sequence[LogFile], cap_bytes: int) -> NoReturn:
+    """Keep each log of ``files`` within ``cap_bytes`` until cancelled (run it beside the command's wait).
+
+    Args:
+        files: the logs (:func:`log_files`; a ``LogFile`` by path alone takes its inode at the first look).
+        cap_bytes: the size each keeps on disk (``EngineConfig.log_cap_bytes``), in bytes.
+
+    A look comes 1 s after the start, then every second while a log grows, and at an interval that
+    doubles up to 30 s while none does: a quiet command costs a look every half minute.
+
+    Cancellation: the only way it ends; a look under way in its worker thread finishes first.
+    """
+    wait: float = _FIRST_LOOK_SECONDS
+    sizes: list[int | None] | None = None
+    while True:
+        await trio.sleep(wait)
+        seen = await trio.to_thread.run_sync(_enforce, files, cap_bytes)
+        wait = _FIRST_LOOK_SECONDS if seen != sizes else min(2 * wait, _QUIET_LOOK_SECONDS)
+        sizes = seen
+
+
+def _enforce(files: Sequence[LogFile], cap_bytes: int) -> list[int | None]:
+    sizes: list[int | None] = []
+    for log in files:
+        log.enforce_cap(cap_bytes)
+        info = log.stat()
+        sizes.append(None if info is None else info.st_size)
+    return sizes
+
+
+def remove_job_logs(state_dir: str, job_id: str) -> None:
+    """Remove what is left of ``job_id``'s logs: a ``Command`` job's pair and every file of its watched
+    commands (logs, exit records, marks). Names only: a link there is removed, never followed; a file
+    that cannot be removed is left (blocking: a worker thread, or a job's last clean-up)."""
+    folder = os.path.join(state_dir, WATCH_LOGS)
+    try:
+        names = [name for name in os.listdir(folder) if name.startswith(f"{job_id}.")]
+    except OSError:
+        names = []
+    paths = [os.path.join(state_dir, COMMAND_LOGS, f"{job_id}.{end}.log") for end in ("stdout", "stderr")]
+    for path in [*paths, *(os.path.join(folder, name) for name in names)]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -32,7 +32,6 @@ import builtins
 import contextlib
 import functools
 import logging
-import os
 import secrets
 import shlex
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -52,6 +51,7 @@ from ._command import check_command_can_start
 from ._delivery import Delivery, FireHandler, FireObserver
 from ._events import FiredEvent, PendingFire
 from ._job import CronJob, JobStatus, Payload, SystemEvent, validate_payload
+from ._log_files import remove_job_logs
 from ._notices import NoticeStore
 from ._plan import interrupted, schedule_next
 from ._protocol import JobStore
@@ -116,6 +116,7 @@ class CronService:
         retry: the waits between attempts of a store write that must not be lost (a run's result) and
             between the timer's looks at a failing store.
         engine_id: this engine's id, kept as the ``owner`` of every job it adds.
+        log_cap_bytes: the size each log of a running ``Command`` keeps on disk, in bytes.
     """
 
     store: JobStore
@@ -128,6 +129,7 @@ class CronService:
     on_jobs_changed: JobsChangedHandler | None = None
     recheck_seconds: float = 60.0
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    log_cap_bytes: int = 50 * 2**20
     engine_id: str | None = None
     _nursery: trio.Nursery | None = attrs.field(init=False, default=None)
     _appended: trio.Event = attrs.field(init=False, factory=trio.Event)
@@ -293,9 +295,7 @@ class CronService:
             busy = self.timer.running.get(job_id)
             if scope is not None and busy is not None:
                 await busy.ended.wait()  # the command is ended by escalation, shielded, in the run's task
-            for path in self.timer.log_paths(job_id):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+            await trio.to_thread.run_sync(remove_job_logs, self.state_dir, job_id)  # an on-exit job's too
             await self.notify_jobs_changed()
             if event is not None:
                 await self.delivery.hand_over(event)
@@ -550,6 +550,7 @@ async def open_cron_service(
     on_jobs_changed: JobsChangedHandler | None = None,
     fire_observers: Iterable[FireObserver] = (),
     engine_id: str | None = None,
+    log_cap_bytes: int = 50 * 2**20,
 ) -> AsyncIterator[CronService]:
     """Open the store, start a :class:`CronService` (start-up recovery done), and stop it on exit.
 
@@ -562,6 +563,8 @@ async def open_cron_service(
         on_jobs_changed: see :attr:`CronService.on_jobs_changed`.
         fire_observers: called with each event as it is recorded in the event log (``serve`` logs it).
         engine_id: this engine's id (the ``owner`` of the jobs it adds).
+        log_cap_bytes: the size each log of a running ``Command`` keeps on disk, in bytes
+            (``EngineConfig.log_cap_bytes``).
 
     Cancellation: leaving the block stops the timer and every run (``Command`` children ended), then
     closes the store under a shield.
@@ -581,6 +584,7 @@ async def open_cron_service(
                 delivery=Delivery(store, on_fire=on_fire, observers=list(fire_observers)),
                 on_jobs_changed=on_jobs_changed,
                 engine_id=engine_id,
+                log_cap_bytes=log_cap_bytes,
             )
             await nursery.start(service.run)
             try:

@@ -20,7 +20,7 @@ import trio
 
 from .._errors import JobNotFoundError
 from ._claims import Claim, due_at
-from ._command import command_log_paths, run_command
+from ._command import run_command
 from ._events import FiredEvent, PendingFire, text_fire
 from ._job import Command, CronJob, SystemEvent
 from ._plan import claim, claim_and_finish, finish, is_due, should_delete
@@ -96,10 +96,6 @@ class CronTimer:
         self._generation += 1
         self._changed.set()
 
-    def log_paths(self, job_id: str) -> tuple[str, str]:
-        """The stdout and stderr log files of ``job_id``'s ``Command`` runs (``_command``)."""
-        return command_log_paths(self.service.state_dir, job_id)
-
     async def claim_and_start(self, job_id: str, now: datetime, *, forced: bool) -> Run | None:
         """Claim ``job_id``'s due time (or a forced run) and start its run; ``None`` if it was not due."""
         assert self.nursery is not None, "the cron service is not running"
@@ -163,7 +159,10 @@ class CronTimer:
 
     async def _run_command(self, job: CronJob, payload: Command) -> PendingFire | None:
         """Run the command and commit its fire; ``None`` if the job was removed meanwhile (nothing fires)."""
-        fire, error = await run_command(self.service.supervisor, self.service.state_dir, job, payload)
+        service = self.service
+        fire, error = await run_command(
+            service.supervisor, service.state_dir, job, payload, log_cap_bytes=service.log_cap_bytes
+        )
 
         async def persist() -> None:  # retried on a store failure; the command never runs again for it
             change = functools.partial(finish, now=self._wall(), error=error)
