@@ -13,9 +13,11 @@ quietly.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import difflib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,8 +28,11 @@ from pathlib import Path
 
 import pytest
 
+from engine._cli import build_parser
+
 from .children import SESSION, kill_pids, pgrep
 from .docs_runner import (
+    DOC_HOME,
     RUN_KINDS,
     SHOWN_KINDS,
     Block,
@@ -144,6 +149,41 @@ def test_docs_block_labels(page: str) -> None:
         assert block.kind in RUN_KINDS | SHOWN_KINDS, f"{block.where}: label the block ({block.kind!r})"
         problem = hidden_command(block)
         assert problem is None, problem
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_docs_python_blocks_name_no_example_home(page: str) -> None:
+    """A Python block runs for a reader as written: this test puts its own home for ``/home/me``, but a
+    reader has no such folder (``project directory '/home/me/app' does not exist``)."""
+    for block in read_blocks(ROOT / page, ROOT):
+        if block.kind == "python":
+            assert DOC_HOME not in block.text, f"{block.where}: use os.getcwd() or a folder the block makes"
+
+
+def test_docs_cli_engine_usage_shows_every_option() -> None:
+    """The usage of ``start``, ``stop``, ``status`` and ``serve`` in guide-cli.md names the options of their
+    ``--help``, in its order (``--state-dir``, ``--json`` and ``-h`` are the common ones)."""
+    usage = next(
+        b.text
+        for b in read_blocks(ROOT / "docs/guide-cli.md", ROOT)
+        if b.kind == "usage" and " start " in b.text
+    )
+    shown: dict[str, list[str]] = {}
+    for line in usage.splitlines():
+        if line.startswith("gadget-engine [--state-dir DIR] "):
+            name = line.split()[3]
+            shown[name] = []
+        shown[name] += re.findall(r"\[(--[a-z-]+)", line)
+    common = ("--help", "--state-dir", "--json")
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("start", "stop", "status", "serve"):
+        options = [
+            option
+            for action in subcommands.choices[name]._actions
+            for option in action.option_strings
+            if option.startswith("--") and option not in common
+        ]
+        assert [o for o in shown.get(name, []) if o not in common] == options, name
 
 
 @pytest.fixture
