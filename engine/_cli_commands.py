@@ -400,11 +400,18 @@ def cron_get(client: EngineClient, args: argparse.Namespace) -> int:
 
 
 def cron_run(client: EngineClient, args: argparse.Namespace) -> int:
-    """``cron run JOB``: run the job now, wait until its fire is delivered, print its event."""
+    """``cron run JOB``: run the job now, wait until its fire is delivered, print that run's event.
+
+    A run of the job under way (another caller's ``cron run``, the timer's) is waited for first, and its
+    event comes after ``since`` too: only this run's is printed. It is the one of the ``fire_id`` the
+    engine answers with; without one, the newest event of the job, since the runs of a job take turns.
+    """
     last = client.call("status").get("last_event")
     since = last["cursor"] if last else 0
-    client.call("cron.run_now", job_id=args.job_id)
+    ran = client.call("cron.run_now", job_id=args.job_id)
     fired = [e for e in client.call("events", since=since) if e["job_id"] == args.job_id]
+    fire_id = ran.get("fire_id") if isinstance(ran, dict) else None
+    fired = [e for e in fired if e["fire_id"] == fire_id] if fire_id is not None else fired[-1:]
     if fired:
         print_events(fired, args.json)
     elif args.json:
@@ -416,23 +423,37 @@ def cron_run(client: EngineClient, args: argparse.Namespace) -> int:
 
 def cron_change(method: str, verb: str) -> Callable[[EngineClient, argparse.Namespace], int]:
     def run(client: EngineClient, args: argparse.Namespace) -> int:
+        enabling = method == "cron.enable" and not args.json
+        before = client.call("cron.get", job_id=args.job_id) if enabling else None
         result = client.call(method, job_id=args.job_id)
         if args.json:
             emit_json([result])
-        else:
-            print(f"{verb} {args.job_id}")
-            schedule = result.get("schedule") if isinstance(result, dict) else None
-            if method == "cron.enable" and isinstance(schedule, dict) and schedule.get("kind") == "on_exit":
-                again = (
-                    f", again (it last ran at {result['last_run_at']})" if result.get("last_run_at") else ""
-                )
-                print(
-                    f"its command starts now{again}; the job fires once when it exits "
-                    "(cron get shows a start that fails)"
-                )
+            return EXIT_OK
+        print(f"{verb} {args.job_id}")
+        schedule = result.get("schedule") if isinstance(result, dict) else None
+        if before is not None and isinstance(schedule, dict) and schedule.get("kind") == "on_exit":
+            print(_on_exit_enabled(before, result))
         return EXIT_OK
 
     return run
+
+
+def _on_exit_enabled(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What ``cron enable`` did to an on-exit job: armed it afresh, or nothing (it was armed already).
+
+    An enabled on-exit job's command has started (or is starting) and the job fires once when it exits:
+    enabling it again starts nothing. A fire between the look and the enable (``last_run_at`` moved) left
+    it disabled, so the enable armed it afresh.
+    """
+    if before["enabled"] and before["last_run_at"] == after["last_run_at"]:
+        return (
+            "already enabled: nothing new starts (its command started when the job was armed); the job "
+            "fires once when that command exits (cron get shows a start that fails)"
+        )
+    again = f", again (it last ran at {after['last_run_at']})" if after.get("last_run_at") else ""
+    return (
+        f"its command starts now{again}; the job fires once when it exits (cron get shows a start that fails)"
+    )
 
 
 def tool(client: EngineClient, args: argparse.Namespace) -> int:

@@ -386,6 +386,46 @@ def test_cli_cron_add_every_kind_then_list_disable_enable_rm(served: Served, tmp
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1
 
 
+def test_cli_cron_enable_of_an_armed_on_exit_job_starts_nothing_and_says_so(
+    served: Served, tmp_path: Path
+) -> None:
+    """A tester's finding: ``enable`` on an on-exit job whose command runs said "its command starts now"."""
+    marker = mark("8830.1")
+    added = served.cli("cron", "add", "--on-exit", f"sleep {marker}", "--cwd", str(tmp_path), "--text", "x")
+    job_id = added.stdout.strip()
+    assert wait_until(lambda: len(pgrep(rf"^sleep {marker}$")) == 1)
+    running = pgrep(rf"^sleep {marker}$")
+    enabled = served.cli("cron", "enable", job_id)
+    assert enabled.stdout == (
+        f"enabled {job_id}\nalready enabled: nothing new starts (its command started when the job was "
+        "armed); the job fires once when that command exits (cron get shows a start that fails)\n"
+    ), enabled.stderr
+    assert pgrep(rf"^sleep {marker}$") == running  # one run, one fire
+    assert served.cli("cron", "rm", job_id).returncode == 0
+    assert wait_until(lambda: not pgrep(rf"^sleep {marker}$"))
+
+
+def test_cli_cron_run_at_once_each_prints_the_event_of_its_own_run(tmp_path: Path) -> None:
+    """A tester's finding: of two ``cron run`` of one job at once, the second printed both events. (An
+    engine of its own: the module's keeps no events for ``test_cli_events_since_json_and_follow``.)"""
+    engine = start_serve(tmp_path / "state")
+    try:
+        added = engine.cli("cron", "add", "--every", "1h", "--command", "bash", "-c", "echo run-$$; sleep 1")
+        job_id = added.stdout.strip()
+        argv = [sys.executable, "-m", "engine", "cron", "run", job_id, "--state-dir", str(engine.state_dir)]
+        first = subprocess.Popen([*argv, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.3)  # the first run is under way: the second waits for it, then runs its own
+        second = engine.cli("cron", "run", job_id, "--json")
+        out, err = first.communicate(timeout=30)
+        assert first.returncode == 0 and second.returncode == 0, (err, second.stderr)
+        events = [_json_lines(out), _json_lines(second.stdout)]
+        assert [len(printed) for printed in events] == [1, 1], events
+        assert events[0][0]["fire_id"] != events[1][0]["fire_id"]
+        assert events[0][0]["stdout_tail"] != events[1][0]["stdout_tail"]  # two runs, each its own pid
+    finally:
+        assert engine.stop() == 0
+
+
 def test_cli_cron_add_rejects_bad_schedules_on_one_line(served: Served) -> None:
     out, past = served.cli_parallel(
         ("cron", "add", "--cron", "not a cron", "--text", "x"),
