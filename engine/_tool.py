@@ -30,7 +30,13 @@ from ._input import check_strings, check_text, read_fields, read_stream, read_wh
 from ._logs import LogSlice
 from ._project import Project
 from ._subprocesses import SubProcess, SubProcessService
-from ._tool_extensions import EXTENDED_COMMANDS, EXTENDED_USES, EXTENSION_PARAMETERS, ToolExtensions
+from ._tool_extensions import (
+    EXTENDED_COMMANDS,
+    EXTENDED_USES,
+    EXTENSION_PARAMETERS,
+    LogRequest,
+    ToolExtensions,
+)
 
 __all__ = ["SubprocessTool"]
 
@@ -203,18 +209,23 @@ class SubprocessTool:
         if cmd == "killAll":
             await self.service.kill_project(project.id)
             return _KILLALL_TEXT
-        sp = self._find(project, read_whole(self._required(params, "pid"), "pid", 1))
+        pid = read_whole(self._required(params, "pid"), "pid", 1)
+        # Every argument is read before the pid is looked up: a call that lacks one is told so, whatever pid.
+        if cmd == "log":
+            request = self._read_log(params)
+            return await self._log(self._find(project, pid), request)
         if cmd == "input":
-            return await self._extensions.input(params, sp)
+            text, eof = self._extensions.read_input(params)
+            return await self._extensions.input(self._find(project, pid), text, eof=eof)
         if cmd == "wait":
-            return await self._extensions.wait(params, sp)
+            seconds = self._extensions.read_wait(params)
+            return await self._extensions.wait(self._find(project, pid), seconds)
+        sp = self._find(project, pid)
         if cmd == "kill":
             await self.service.kill_subprocess(sp)
             return f"SUBPROCESS KILLED\npid: {sp.pid}"
-        if cmd == "halt":
-            await self.service.halt_subprocess(sp)
-            return f"SUBPROCESS HALTED\npid: {sp.pid}\n{_HALTED_TEXT}"
-        return await self._log(params, sp)
+        await self.service.halt_subprocess(sp)
+        return f"SUBPROCESS HALTED\npid: {sp.pid}\n{_HALTED_TEXT}"
 
     @staticmethod
     def _required(params: Mapping[str, object], name: str) -> object:
@@ -256,25 +267,39 @@ class SubprocessTool:
             lines.append("No subprocesses in this project.")
         return "\n".join(lines)
 
-    async def _log(self, params: Mapping[str, object], sp: SubProcess) -> str:
+    def _read_log(self, params: Mapping[str, object]) -> LogRequest:
         which = read_stream(self._required(params, "which"), "which")
         if "new" in params or "grep" in params:
-            return await self._extensions.log(params, sp, which)
+            return self._extensions.read_log(params, which)
         offset, limit, tail = (params.get(name) for name in ("offset", "limit", "tail"))
         if tail is not None and (offset is not None or limit is not None):
             raise InvalidArgumentError("give tail alone, or offset (and limit); not both")
-        got: LogSlice
         if offset is None and limit is None:
-            lines = LOG_DEFAULT_LINES if tail is None else read_whole(tail, "tail", 1)
+            return LogRequest(which, tail=LOG_DEFAULT_LINES if tail is None else read_whole(tail, "tail", 1))
+        return LogRequest(
+            which,
+            offset=None if offset is None else read_whole(offset, "offset", 0),
+            limit=LOG_DEFAULT_LINES if limit is None else read_whole(limit, "limit", 1),
+        )
+
+    async def _log(self, sp: SubProcess, request: LogRequest) -> str:
+        if request.extended:
+            return await self._extensions.log(sp, request)
+        which = request.which
+        got: LogSlice
+        if request.tail is not None:
             got = await self.service.read_log(
-                sp.pid, which, tail=lines, max_bytes=LOG_MAX_BYTES, project_id=sp.project.id
+                sp.pid, which, tail=request.tail, max_bytes=LOG_MAX_BYTES, project_id=sp.project.id
             )
             note = _tail_note(got)
         else:
-            start = None if offset is None else read_whole(offset, "offset", 0)
-            count = LOG_DEFAULT_LINES if limit is None else read_whole(limit, "limit", 1)
             got = await self.service.read_log(
-                sp.pid, which, offset=start, limit=count, max_bytes=LOG_MAX_BYTES, project_id=sp.project.id
+                sp.pid,
+                which,
+                offset=request.offset,
+                limit=request.limit,
+                max_bytes=LOG_MAX_BYTES,
+                project_id=sp.project.id,
             )
             note = _forward_note(got)
         if got.dropped_bytes:

@@ -34,7 +34,7 @@ from ._restart import RESTART_MODES
 from ._stdin import write_within
 from ._subprocesses import SubProcess, SubProcessService, SubProcessSummary
 
-__all__ = ["EXTENDED_COMMANDS", "EXTENDED_USES", "EXTENSION_PARAMETERS", "ToolExtensions"]
+__all__ = ["EXTENDED_COMMANDS", "EXTENDED_USES", "EXTENSION_PARAMETERS", "LogRequest", "ToolExtensions"]
 
 EXTENDED_COMMANDS: Final = ("create", "list", "kill", "killAll", "halt", "log", "input", "wait")
 EXTENSION_PARAMETERS: Final = (
@@ -138,6 +138,29 @@ _PROPERTIES: Final[dict[str, Any]] = {
 }
 
 
+@attrs.frozen
+class LogRequest:
+    """The arguments of one ``log`` call, read before its pid is looked up.
+
+    Attributes:
+        which: the log, ``"stdout"`` or ``"stderr"``.
+        offset: read forward from this byte offset (``None``: not given).
+        limit: at most this many lines forward.
+        tail: the last this many lines.
+        new: only what was written since the caller's last read with ``new``.
+        grep: only the lines matching this regular expression.
+        extended: ``new`` or ``grep`` was given: the extension's reading (:meth:`ToolExtensions.log`).
+    """
+
+    which: Stream
+    offset: int | None = None
+    limit: int | None = None
+    tail: int | None = None
+    new: bool = False
+    grep: str | None = None
+    extended: bool = False
+
+
 def _ready_line(summary: SubProcessSummary, timeout: float) -> str:
     if summary.ready == "ready":
         return "ready: ready"
@@ -213,8 +236,8 @@ class ToolExtensions:
 
     # ---- log -------------------------------------------------------------------------------------------
 
-    async def log(self, params: Mapping[str, object], sp: SubProcess, which: Stream) -> str:
-        """``log`` with ``new`` and/or ``grep``."""
+    def read_log(self, params: Mapping[str, object], which: Stream) -> LogRequest:
+        """The arguments of a ``log`` with ``new`` and/or ``grep``, read before its pid is looked up."""
         new = check_flag(params.get("new", False), "new")
         grep = params.get("grep")
         pattern = None if grep is None else check_string(grep, "grep")
@@ -223,36 +246,54 @@ class ToolExtensions:
             raise InvalidArgumentError("new=true reads on from your last read; leave out offset and tail")
         if tail is not None and (offset is not None or limit is not None):
             raise InvalidArgumentError("give tail alone, or offset (and limit); not both")
-        got = await self.service.read_log(
-            sp.pid,
+        return LogRequest(
             which,
             offset=None if offset is None else read_whole(offset, "offset", 0),
             limit=None if limit is None else read_whole(limit, "limit", 1),
             tail=None if tail is None else read_whole(tail, "tail", 1),
+            new=new,
+            grep=pattern,
+            extended=True,
+        )
+
+    async def log(self, sp: SubProcess, request: LogRequest) -> str:
+        """``log`` with ``new`` and/or ``grep`` (``request`` from :meth:`read_log`)."""
+        pattern, new = request.grep, request.new
+        got = await self.service.read_log(
+            sp.pid,
+            request.which,
+            offset=request.offset,
+            limit=request.limit,
+            tail=request.tail,
             max_bytes=LOG_MAX_BYTES,
             new_only=new,
             grep=pattern,
             reader=sp.project.id,
             project_id=sp.project.id,
         )
-        notes = _grep_notes(got, pattern, tail is not None) if pattern is not None else []
+        notes = _grep_notes(got, pattern, request.tail is not None) if pattern is not None else []
         if new:
             notes += _new_notes(got, grep=pattern is not None)
         if got.dropped_bytes and not new:
             notes.append(
                 f"[the log cap dropped the oldest {got.dropped_bytes} bytes of this log; they cannot be read]"
             )
-        text = f"SUBPROCESS LOG ({which})\npid: {sp.pid}\n---\n{got.text}"
+        text = f"SUBPROCESS LOG ({request.which})\npid: {sp.pid}\n---\n{got.text}"
         return "\n".join([text, *notes])
 
     # ---- input and wait ---------------------------------------------------------------------------------
 
-    async def input(self, params: Mapping[str, object], sp: SubProcess) -> str:
-        """``input``: write ``text`` to the process's stdin (``eof``: then close it)."""
+    @staticmethod
+    def read_input(params: Mapping[str, object]) -> tuple[str, bool]:
+        """The ``text`` and ``eof`` of an ``input``, read before its pid is looked up."""
         text = check_string(params.get("text", ""), "text")
         eof = check_flag(params.get("eof", False), "eof")
         if not text and not eof:
             raise InvalidArgumentError('cmd=input needs text (e.g. "y\\n"), or eof=true to end the input')
+        return text, eof
+
+    async def input(self, sp: SubProcess, text: str, *, eof: bool) -> str:
+        """``input``: write ``text`` to the process's stdin (``eof``: then close it)."""
         sent = len(text.encode())
         await write_within(functools.partial(self.service.write_stdin, sp.pid, text, eof=eof), sp.pid)
         lines = ["SUBPROCESS INPUT", f"pid: {sp.pid}", f"sent: {sent} bytes"]
@@ -260,15 +301,20 @@ class ToolExtensions:
             lines.append("stdin: closed (end of input)")
         return "\n".join(lines)
 
-    async def wait(self, params: Mapping[str, object], sp: SubProcess) -> str:
-        """``wait``: until the process exited for good and its leftovers are gone (its logs complete),
-        at most ``timeout`` seconds."""
+    @staticmethod
+    def read_wait(params: Mapping[str, object]) -> float:
+        """The ``timeout`` of a ``wait``, in seconds, read before its pid is looked up."""
         seconds = read_seconds(params.get("timeout", WAIT_DEFAULT_SECONDS), "timeout")
         if seconds > MAX_WAIT_SECONDS:
             raise InvalidArgumentError(
                 f"timeout must be at most {MAX_WAIT_SECONDS:g} seconds, got {show(seconds)}; "
                 "call wait again to wait longer"
             )
+        return seconds
+
+    async def wait(self, sp: SubProcess, seconds: float) -> str:
+        """``wait``: until the process exited for good and its leftovers are gone (its logs complete),
+        at most ``seconds``."""
         with trio.move_on_after(seconds):
             await sp.wait_drained()
         summary = self.service.summarize(sp)

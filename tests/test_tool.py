@@ -224,6 +224,14 @@ async def test_tool_rejects_bad_parameters_and_changes_nothing(tmp_path: Path) -
             {"cmd": "x"}, project
         )
         assert "needs which" in await tool.execute({"cmd": "log", "pid": sp.pid}, project)
+        # a missing or bad argument is said before the pid is looked up (a tester's finding)
+        unknown = {"cmd": "log", "pid": 1}
+        assert await tool.execute(unknown, project) == "SUBPROCESS ERROR: cmd=log needs which"
+        assert "which must be" in await tool.execute({**unknown, "which": "stdin"}, project)
+        assert "give tail alone" in await tool.execute(
+            {**unknown, "which": "stdout", "tail": 2, "offset": 0}, project
+        )
+        assert "no subprocess with pid 1" in await tool.execute({**unknown, "which": "stdout"}, project)
 
 
 async def test_tool_reports_service_errors_as_text(tmp_path: Path) -> None:

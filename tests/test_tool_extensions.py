@@ -218,8 +218,12 @@ async def test_extension_values_are_refused_with_what_to_send(tmp_path: Path) ->
             ({"cmd": "create", "command": "true", "ready": {"log": "(x"}}, "not a valid regular expression"),
             ({"cmd": "create", "command": "true", "ready": {"url": "x"}}, "unknown member"),
             ({"cmd": "create", "command": "true", "restart": {"mode": "sometimes"}}, "restart.mode must be"),
-            ({"cmd": "wait", "pid": 1, "timeout": 301}, "no subprocess with pid 1"),
-            ({"cmd": "input", "pid": 1}, "no subprocess with pid 1"),
+            # the arguments are read before the pid is looked up (a tester's finding)
+            ({"cmd": "wait", "pid": 1, "timeout": 301}, "timeout must be at most 300 seconds"),
+            ({"cmd": "input", "pid": 1}, "cmd=input needs text"),
+            ({"cmd": "log", "pid": 1, "which": "stdout", "new": "yes"}, "new must be true or false"),
+            ({"cmd": "wait", "pid": 1}, "no subprocess with pid 1"),
+            ({"cmd": "input", "pid": 1, "text": "y\n"}, "no subprocess with pid 1"),
             ({"cmd": "list", "timeout": 3}, "cmd=list does not take timeout"),
             ({"cmd": "log", "pid": 1, "which": "stdout", "text": "x"}, "cmd=log does not take text"),
         ]
