@@ -761,3 +761,18 @@ async def test_exit_watcher_uses_the_engine_wall_clock(tmp_path: Path) -> None:
         done = await engine.cron.get(failing.id)
         await engine.cron.remove(job.id)
     assert done.last_run_at == wall and done.updated_at == wall and not done.enabled
+
+
+async def test_an_exit_watchers_duration_is_the_commands_not_its_leftovers(tmp_path: Path) -> None:
+    """A command that leaves a daemon behind and exits at once fired "after 10.0 s": the time the run
+    took to end the daemon too (a fresh tester). The duration is now the command's own (the shim's
+    ``ended_at``); the fire still comes once the daemon is ended."""
+    daemon = f"trap '' INT; sleep {mark('338.5')}"
+    async with engine_with(tmp_path / "s", grace_seconds=1.5) as engine:
+        t0 = trio.current_time()
+        await engine.cron.add(OnExit(command=f'setsid bash -c "{daemon}" & exit 0'), SystemEvent("x"))
+        (event,) = await wait_events(engine, 1)
+        waited = trio.current_time() - t0
+    assert not pgrep(rf"^sleep 338\.5{SESSION}")
+    assert waited >= 1.5  # the daemon ignored SIGINT: ended after the grace period
+    assert event.exit_code == 0 and event.duration_seconds is not None and event.duration_seconds < 1.0

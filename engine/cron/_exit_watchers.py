@@ -447,7 +447,11 @@ class CronExitWatchers:
             record = {"exit_code": result.exit_code, "signal": result.signal}
         if watch.ending and result.reason is TerminationReason.CANCELLED:
             record = {**record, "reason": "cancelled"}
-        return {**record, "duration_seconds": result.duration_seconds}
+        # The command's own time (the shim's ``ended_at``), not the run's: the run also waits for what the
+        # command left behind (a daemon ended by escalation) before it is over.
+        ended = record.get("ended_at")
+        own = ended - run.started_at.timestamp() if isinstance(ended, float) else -1.0
+        return {**record, "duration_seconds": own if own >= 0 else result.duration_seconds}
 
     async def _note_slow_start(self, job_id: str, paths: _Paths, pid: int) -> None:
         """Once :attr:`start_hint_seconds` have passed without the start mark, say so in the job's
