@@ -928,3 +928,26 @@ async def test_service_change_during_on_fire_is_seen_after_it(
         with pytest.raises(JobNotFoundError):
             await cron.get(kept.id)  # its handler changed it too
         assert len(await cron.events()) == 2
+
+
+async def test_service_run_now_at_once_each_call_gets_its_own_runs_fire_id(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
+    """Two ``run_now`` of one job at the same time: the second waits for the first run, then runs; each
+    answers the fire id of its own run's event (the CLI printed the other caller's event too)."""
+    async with cron_service(tmp_path, supervisor, lambda: datetime.now(UTC)) as cron:
+        job = await cron.add(Every(3600), Command(("sh", "-c", "echo run-$$; sleep 0.3")), name="t")
+        text_job = await cron.add(Every(3600), SystemEvent("said"), name="s")
+        ids: list[str | None] = []
+
+        async def run(job_id: str) -> None:
+            ids.append(await cron.run_now(job_id))
+
+        with trio.fail_after(15):
+            async with trio.open_nursery() as nursery:
+                for job_id in (job.id, job.id, text_job.id):
+                    nursery.start_soon(run, job_id)
+        events = {e.fire_id: e for e in await cron.events()}
+    assert len(events) == 3 and None not in ids and sorted(ids) == sorted(events)  # type: ignore[type-var]
+    outputs = {events[i].stdout_tail for i in ids if i is not None and events[i].job_id == job.id}
+    assert len(outputs) == 2  # two runs one after the other, two pids (they had shared one log file)

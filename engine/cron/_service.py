@@ -44,6 +44,7 @@ import trio
 
 from .._errors import InvalidArgumentError, InvalidScheduleError, JobNotFoundError
 from .._input import check_flag, check_int, check_optional_text, check_text
+from .._keyed_locks import KeyedLocks
 from .._retry import RetryPolicy
 from .._supervisor import Supervisor
 from ._claims import JobOwnedElsewhereError, floats
@@ -137,6 +138,7 @@ class CronService:
     _notify_lock: trio.Lock = attrs.field(init=False, factory=trio.Lock)
     timer: CronTimer = attrs.field(init=False, default=attrs.Factory(CronTimer, takes_self=True))
     _timer_scope: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
+    _run_now_locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
 
     def __repr__(self) -> str:
         state = "running" if self._nursery is not None else "not started"
@@ -355,8 +357,12 @@ class CronService:
         self._appended.set()
         self._appended = trio.Event()
 
-    async def run_now(self, job_id: str) -> None:
+    async def run_now(self, job_id: str) -> str | None:
         """Run a job now, whatever its schedule or enabled flag, and wait until its fire is delivered.
+
+        Returns:
+            The fire id of this run's event (``FiredEvent.fire_id``): with two calls at once, each tells
+            its own run's event from the other's. ``None`` only for a run that fired nothing.
 
         A run of the same job under way is waited for first. An ``At`` job counts as run (disabled). An
         ``OnExit`` job is refused: it fires once, when its command exits, and a run now would fire it
@@ -384,13 +390,16 @@ class CronService:
             raise JobOwnedElsewhereError(
                 f"job_id {job_id!r} runs only on engine {job.owner!r}, which added it; run it there"
             )
-        while (busy := self.timer.running.get(job_id)) is not None:
-            await busy.ended.wait()
-        run = await self.timer.claim_and_start(job_id, self._wall(), forced=True)
-        if run is not None:
-            await run.ended.wait()
-            if run.removed:
-                raise JobNotFoundError(f"job_id {job_id!r} was removed during its run; nothing fired")
+        async with self._run_now_locks.hold(job_id):  # two calls at once: one claim at a time
+            while (busy := self.timer.running.get(job_id)) is not None:
+                await busy.ended.wait()
+            run = await self.timer.claim_and_start(job_id, self._wall(), forced=True)
+        if run is None:
+            return None
+        await run.ended.wait()
+        if run.removed:
+            raise JobNotFoundError(f"job_id {job_id!r} was removed during its run; nothing fired")
+        return run.fire_id
 
     # -- change notifications ----------------------------------------------------------------------
 

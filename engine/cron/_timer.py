@@ -46,10 +46,13 @@ class Run:
     Attributes:
         ended: set once it ended, whatever happened.
         removed: whether the job was removed while its command ran (nothing fired).
+        fire_id: the id of its fire, once made (at the claim of a text job, at the end of a command):
+            the event it appends to the event log carries it.
     """
 
     ended: trio.Event = attrs.field(factory=trio.Event)
     removed: bool = False
+    fire_id: str | None = None
 
 
 @final
@@ -123,7 +126,7 @@ class CronTimer:
                 if not forced:
                     return None
                 continue
-            done = self.running[job_id] = Run()
+            done = self.running[job_id] = Run(fire_id=None if fire is None else fire.fire_id)
             scope = self.run_scopes[job_id] = trio.CancelScope()
             self.nursery.start_soon(self._run_job, job, fire, done, scope, name=f"cron job {job_id}")
             return done
@@ -141,6 +144,7 @@ class CronTimer:
                     logger.info("cron job %s was removed during its run; nothing fires", job.id)
                     done.removed = True
                     return
+                done.fire_id = fire.fire_id
             await self.service.fire_pending(job.id, fire)
         except Exception:
             logger.exception("cron job %s: the run failed", job.id)

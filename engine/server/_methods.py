@@ -561,8 +561,8 @@ class Methods:
     @_method("cron.run_now", job_id=_need(check_text), project=_may(read_project))
     async def _cron_run_now(self, job_id: str, project: Project | None = None) -> object:
         await self._scoped(job_id, project)
-        await self.engine.cron.run_now(job_id)
-        return {"job_id": job_id}
+        fire_id = await self.engine.cron.run_now(job_id)
+        return {"job_id": job_id, "fire_id": fire_id}
 
     @_method(
         "events.wait",
