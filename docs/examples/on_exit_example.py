@@ -13,12 +13,14 @@ from engine import EngineConfig, FiredEvent, OnExit, SystemEvent, open_engine
 
 
 async def main(state_dir: str) -> None:
+    mine: set[str] = set()  # the ids of the jobs this run added
     fired = trio.Event()
     received: list[FiredEvent] = []
 
     async def on_fire(event: FiredEvent) -> None:  # the embedded host wakes its agent here
-        received.append(event)
-        fired.set()
+        if event.job_id in mine:  # an earlier run's job may fire here too (same state_dir): skip it
+            received.append(event)
+            fired.set()
 
     project = tempfile.mkdtemp()
     config = EngineConfig(state_dir=state_dir, grace_seconds=0.5)
@@ -30,6 +32,7 @@ async def main(state_dir: str) -> None:
             SystemEvent("The test run you started has finished."),
             name="test run",
         )
+        mine.add(job.id)
         print("armed:", job.name, "watched pid", engine.watchers.watched_pid(job.id))
         with trio.fail_after(30):
             await fired.wait()
