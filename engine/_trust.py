@@ -61,8 +61,10 @@ STATE_ENTRIES: Final[Mapping[str, Kind]] = {
     "watch-logs": "directory",
     "cron-logs": "directory",
 }
-#: Folders of the state directory whose every entry must be a regular file of ours.
-_FOLDERS_OF_FILES: Final = ("groups", "watch-logs")
+#: Folders of the state directory whose every entry must be a regular file of ours. Not ``watch-logs``:
+#: what a watched command puts there (a FIFO, a link, a folder at a log's or its exit record's name) is
+#: never followed nor waited on (``cron._log_files``, ``cron._exit_record``), and must not stop a start.
+_FOLDERS_OF_FILES: Final = ("groups",)
 #: The longest pointer file a client reads, in bytes (a socket path is at most 107).
 _POINTER_BYTES: Final = 4096
 

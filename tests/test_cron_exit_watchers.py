@@ -167,8 +167,10 @@ async def test_a_login_profile_that_holds_the_command_back_is_noted_until_it_sta
         note = engine.watchers.last_error(job.id)
         assert note is not None and note.startswith("the watched command has not started yet: after 0.3 s")
         assert "a login profile waiting on something?" in note
+        assert ".stdout.log and " in note  # a profile's echo goes to stdout (it named stderr alone)
         stored = await engine.cron.get(job.id)
         assert (stored.enabled, stored.last_status, stored.last_error) == (True, None, note)
+        await trio.sleep(1.0)  # the profile holds the command back a while longer
         profile_gate.touch()
         await wait_until(lambda: engine.watchers.last_error(job.id) is None)
         with trio.fail_after(10):
@@ -180,6 +182,8 @@ async def test_a_login_profile_that_holds_the_command_back_is_noted_until_it_sta
         done = await engine.cron.get(job.id)
     assert (event.exit_code, event.reason, event.stdout_tail) == (0, "exit", "started\n")
     assert done.last_error is None and done.last_status is not None and done.last_status.value == "ok"
+    # The command's own time, from its start mark: the profile's wait (1.3 s and more) is not in it.
+    assert event.duration_seconds is not None and event.duration_seconds < 1.0
 
 
 async def test_exit_watcher_last_command_replaces_the_shell(tmp_path: Path) -> None:

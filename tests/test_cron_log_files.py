@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -175,9 +176,12 @@ async def test_a_watched_commands_logs_are_capped_while_it_runs_and_go_with_its_
         assert [p.name for p in logs.iterdir() if p.name.startswith(f"{job.id}.")] == []
 
 
-async def test_a_command_jobs_logs_are_capped_while_it_runs(tmp_path: Path) -> None:
+async def test_a_command_jobs_logs_are_capped_after_it_ran_too(tmp_path: Path) -> None:
+    """Written faster than the cap looks (here: before its first look), a log is trimmed once more when
+    its command has ended (a tester's `timeout 10 yes` left 476 MB)."""
     async with engine_with(tmp_path / "s", log_cap_bytes=CAP) as engine:
-        job = await engine.cron.add(Every(3600), Command(("sh", "-c", CHATTY)), name="chatty")
+        quick = CHATTY.removesuffix("; sleep 1.6")
+        job = await engine.cron.add(Every(3600), Command(("sh", "-c", quick)), name="chatty")
         with trio.fail_after(20):
             await engine.cron.run_now(job.id)
         (event,) = await wait_events(engine, 1)
@@ -186,3 +190,29 @@ async def test_a_command_jobs_logs_are_capped_while_it_runs(tmp_path: Path) -> N
         assert event.stdout_tail == "LAST-LINE\n"  # the 2 MB line before it is cut
         await engine.cron.remove(job.id)
         assert not stdout.exists()
+
+
+async def test_what_a_command_puts_in_watch_logs_neither_stops_a_start_nor_outlives_its_job(
+    tmp_path: Path,
+) -> None:
+    """A FIFO or a link at a log's name, a folder at its exit record's name: the start-up check refused
+    the next start over them (each read is safe without it), and ``cron rm`` left the folder."""
+    state = tmp_path / "s"
+    logs = state / "watch-logs"
+    plant = (
+        "exit_file=$(tr '\\0' '\\n' < /proc/$PPID/cmdline | sed -n 2p); base=${exit_file%.exit.json}; "
+        'rm -f "$base.stdout.log" "$base.stderr.log"; mkfifo "$base.stdout.log"; '
+        'ln -s /etc/hostname "$base.stderr.log"; mkdir -p "$exit_file/inside"; exit 7'
+    )
+    async with engine_with(state) as engine:
+        job = await engine.cron.add(OnExit(command=plant), SystemEvent("planted"))
+        (event,) = await wait_events(engine, 1)
+        assert event.exit_code == 7  # the record is a folder: what the supervisor saw
+        assert "not read: the log " in event.text
+        # The folder at the record's name went with the record; the FIFO and the link stay with the logs.
+        assert sorted(stat.S_IFMT(p.lstat().st_mode) for p in logs.iterdir()) == sorted(
+            [stat.S_IFLNK, stat.S_IFIFO]
+        )
+    async with engine_with(state) as engine:  # refused before: "... is a FIFO, not a regular file"
+        await engine.cron.remove(job.id)
+        assert [p.name for p in logs.iterdir() if p.name.startswith(f"{job.id}.")] == []

@@ -14,7 +14,7 @@ from .._spawn import describe_exec_failure, resolve_executable, shebang_interpre
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
-from ._log_files import COMMAND_LOGS, keep_within_cap, log_files, open_logs
+from ._log_files import COMMAND_LOGS, keep_within_cap, log_files, open_logs, trim_logs
 
 __all__ = ["check_command_can_start", "command_log_paths", "run_command"]
 
@@ -109,6 +109,7 @@ async def run_command(
             raise
         finally:
             nursery.cancel_scope.cancel()
+    await trim_logs(files, log_cap_bytes)
     read_logs = functools.partial(
         exit_fire,
         job.name,

@@ -45,7 +45,7 @@ from ._arming import ArmTable, watchable
 from ._events import PendingFire, describe_outcome, exit_fire
 from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved
 from ._job import CronJob, JobStatus, SystemEvent
-from ._log_files import WATCH_LOGS, keep_within_cap, log_files, open_logs
+from ._log_files import WATCH_LOGS, keep_within_cap, log_files, open_logs, remove_entry, trim_logs
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
@@ -120,6 +120,15 @@ def _reap_if_ours(pid: int, start_time: int) -> None:
     if info is not None and info.zombie and info.ppid == os.getpid() and info.start_time == start_time:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def _started_at(paths: _Paths, spawned: float) -> float:
+    """When the command itself started: its start mark's time where the shell made one (a login profile
+    ran before it), else ``spawned`` (the wall time of the spawn)."""
+    try:
+        return max(spawned, os.stat(paths.started, follow_symlinks=False).st_mtime)
+    except OSError:
+        return spawned
 
 
 def _because(read: ExitRecordRead) -> str:
@@ -426,6 +435,7 @@ class CronExitWatchers:
                 nursery.start_soon(self._note_slow_start, job.id, paths, run.pid)
             result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
             nursery.cancel_scope.cancel()
+        await trim_logs(watch.logs, self.log_cap_bytes)
         read = await trio.to_thread.run_sync(read_exit_record, paths.exit_file)
         record = read.record
         if record is None:  # the shim was killed, or could not write (a full disk): what the supervisor saw
@@ -447,10 +457,12 @@ class CronExitWatchers:
             record = {"exit_code": result.exit_code, "signal": result.signal}
         if watch.ending and result.reason is TerminationReason.CANCELLED:
             record = {**record, "reason": "cancelled"}
-        # The command's own time (the shim's ``ended_at``), not the run's: the run also waits for what the
-        # command left behind (a daemon ended by escalation) before it is over.
+        # The command's own time: from its start (the mark, where a profile ran first) to the shim's
+        # ``ended_at``, not the run's, which also waits for what the command left behind (a daemon ended by
+        # escalation) and, under a login shell, includes the profile.
         ended = record.get("ended_at")
-        own = ended - run.started_at.timestamp() if isinstance(ended, float) else -1.0
+        started = await trio.to_thread.run_sync(_started_at, paths, run.started_at.timestamp())
+        own = ended - started if isinstance(ended, float) else -1.0
         return {**record, "duration_seconds": own if own >= 0 else result.duration_seconds}
 
     async def _note_slow_start(self, job_id: str, paths: _Paths, pid: int) -> None:
@@ -466,7 +478,8 @@ class CronExitWatchers:
         message = (
             f"{_NOT_STARTED_YET}: after {self.start_hint_seconds:g} s the shell (in the shim, pid {pid}) is "
             f"still running what comes before the command (a login profile waiting on something?); what it "
-            f"printed is in {paths.stderr}; `exit_watch_shell` ('bash', '-c', '--') runs no profile"
+            f"printed is in {paths.stdout} and {paths.stderr}; `exit_watch_shell` ('bash', '-c', '--') runs "
+            "no profile"
         )
         logger.warning("on-exit job %s: %s", job_id, message)
         self._errors[job_id] = message
@@ -520,8 +533,7 @@ class CronExitWatchers:
             return
         for name in names:
             if name.startswith(ours) and not name.startswith(this_arm):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(folder, name))
+                remove_entry(os.path.join(folder, name))
 
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
@@ -536,6 +548,7 @@ class CronExitWatchers:
                 functools.partial(self._end_group, state),
             )
             nursery.cancel_scope.cancel()
+        await trim_logs(logs, self.log_cap_bytes)
         watch.adopted = None
         watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)
@@ -746,8 +759,7 @@ class CronExitWatchers:
                 with contextlib.suppress(OSError, JobNotFoundError):
                     await self.store.set_watch_state(watch.job_id, None)
         for path in (paths.exit_file, paths.started) if keep_logs else attrs.astuple(paths):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            remove_entry(path)
 
     # -- start-up ----------------------------------------------------------------------------------
 

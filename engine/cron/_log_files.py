@@ -18,9 +18,9 @@ directory's disk. The fire reads only the end. A job's logs stay after its fire,
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import shutil
 from collections.abc import Sequence
 from typing import Final, NoReturn
 
@@ -30,7 +30,16 @@ from .._errors import SpawnError, UntrustedPathError
 from .._logs import LogFile
 from .._trust import open_own_file, open_own_folder
 
-__all__ = ["COMMAND_LOGS", "WATCH_LOGS", "keep_within_cap", "log_files", "open_logs", "remove_job_logs"]
+__all__ = [
+    "COMMAND_LOGS",
+    "WATCH_LOGS",
+    "keep_within_cap",
+    "log_files",
+    "open_logs",
+    "remove_entry",
+    "remove_job_logs",
+    "trim_logs",
+]
 
 #: The folder of ``Command`` jobs' logs in the state directory.
 COMMAND_LOGS: Final = "cron-logs"
@@ -39,6 +48,7 @@ WATCH_LOGS: Final = "watch-logs"
 #: The cap's first look after the start, and its longest wait while no log grows (seconds).
 _FIRST_LOOK_SECONDS: Final = 1.0
 _QUIET_LOOK_SECONDS: Final = 30.0
+_FAST_LOOK_SECONDS: Final = 0.1
 
 _FLAGS = os.O_WRONLY | os.O_APPEND
 _WHY = "bad log file"
@@ -108,8 +118,10 @@ async def keep_within_cap(files: Sequence[LogFile], cap_bytes: int) -> NoReturn:
         files: the logs (:func:`log_files`; a ``LogFile`` by path alone takes its inode at the first look).
         cap_bytes: the size each keeps on disk (``EngineConfig.log_cap_bytes``), in bytes.
 
-    A look comes 1 s after the start, then every second while a log grows, and at an interval that
-    doubles up to 30 s while none does: a quiet command costs a look every half minute.
+    A look comes 1 s after the start, then every second while a log grows (every 0.1 s while one grows
+    by more than a quarter of the cap between two looks: ``yes`` writes a gigabyte a second), and at an
+    interval that doubles up to 30 s while none does: a quiet command costs a look every half minute.
+    Call :func:`trim_logs` once the command has ended, for what it wrote after the last look.
 
     Cancellation: the only way it ends; a look under way in its worker thread finishes first.
     """
@@ -118,8 +130,19 @@ async def keep_within_cap(files: Sequence[LogFile], cap_bytes: int) -> NoReturn:
     while True:
         await trio.sleep(wait)
         seen = await trio.to_thread.run_sync(_enforce, files, cap_bytes)
-        wait = _FIRST_LOOK_SECONDS if seen != sizes else min(2 * wait, _QUIET_LOOK_SECONDS)
+        if sizes is not None and any(
+            new is not None and old is not None and new - old > cap_bytes // 4
+            for new, old in zip(seen, sizes, strict=True)
+        ):
+            wait = _FAST_LOOK_SECONDS
+        else:
+            wait = _FIRST_LOOK_SECONDS if seen != sizes else min(2 * wait, _QUIET_LOOK_SECONDS)
         sizes = seen
+
+
+async def trim_logs(files: Sequence[LogFile], cap_bytes: int) -> None:
+    """One last look of the cap at ``files``, once their command has ended (a worker thread)."""
+    await trio.to_thread.run_sync(_enforce, files, cap_bytes)
 
 
 def _enforce(files: Sequence[LogFile], cap_bytes: int) -> list[int | None]:
@@ -131,10 +154,22 @@ def _enforce(files: Sequence[LogFile], cap_bytes: int) -> list[int | None]:
     return sizes
 
 
+def remove_entry(path: str) -> None:
+    """Remove whatever is at ``path`` in a log folder: a file, a link (never followed), a FIFO, or a folder
+    a command made at the name, with what is in it (``shutil.rmtree``, which follows no link either). A
+    missing entry, or one that cannot be removed, is left (housekeeping; blocking)."""
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
 def remove_job_logs(state_dir: str, job_id: str) -> None:
-    """Remove what is left of ``job_id``'s logs: a ``Command`` job's pair and every file of its watched
-    commands (logs, exit records, marks). Names only: a link there is removed, never followed; a file
-    that cannot be removed is left (blocking: a worker thread, or a job's last clean-up)."""
+    """Remove what is left of ``job_id``'s logs: a ``Command`` job's pair and every entry of its watched
+    commands (logs, exit records, marks, and whatever a command put at their names: :func:`remove_entry`)
+    (blocking: a worker thread, or a job's last clean-up)."""
     folder = os.path.join(state_dir, WATCH_LOGS)
     try:
         names = [name for name in os.listdir(folder) if name.startswith(f"{job_id}.")]
@@ -142,5 +177,4 @@ def remove_job_logs(state_dir: str, job_id: str) -> None:
         names = []
     paths = [os.path.join(state_dir, COMMAND_LOGS, f"{job_id}.{end}.log") for end in ("stdout", "stderr")]
     for path in [*paths, *(os.path.join(folder, name) for name in names)]:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        remove_entry(path)
