@@ -33,7 +33,7 @@ from mcp.shared.message import SessionMessage
 __all__ = ["ANSWER_SECONDS", "FLUSH_SECONDS", "HURRY_SECONDS", "ToolCalls", "Unanswered", "serve_stdio"]
 
 #: After stdin closed: how long the calls in flight get to finish on their own, in seconds.
-ANSWER_SECONDS: Final = 1.0
+ANSWER_SECONDS: Final = 0.5
 #: Then, once hurried: how long they get before they are cut short, in seconds.
 HURRY_SECONDS: Final = 0.3
 #: Then: how long the last answers get to be written before the server's input ends, in seconds.
