@@ -205,6 +205,11 @@ class LogFile:
         finally:
             os.close(fd)
 
+    @property
+    def seen_bytes(self) -> int:
+        """The file's physical size at the last look (the cap's, a read's), in bytes; 0 before the first."""
+        return self._seen
+
     def stat(self) -> os.stat_result | None:
         """``lstat`` of the file when it is still the one the engine made, else ``None``."""
         try:

@@ -14,9 +14,9 @@ from .._spawn import describe_exec_failure, resolve_executable, shebang_interpre
 from .._supervisor import SpawnSpec, Supervisor
 from ._events import PendingFire, exit_fire
 from ._job import Command, CronJob
-from ._log_files import COMMAND_LOGS, keep_within_cap, log_files, open_logs, trim_logs
+from ._log_files import command_log_paths, keep_within_cap, log_files, open_logs, trim_logs
 
-__all__ = ["check_command_can_start", "command_log_paths", "run_command"]
+__all__ = ["check_command_can_start", "run_command"]
 
 
 def check_command_can_start(payload: object) -> None:
@@ -53,12 +53,6 @@ def _interpreter_missing(path: str) -> bool:
     """Whether the file's ``#!`` line names an interpreter by a path that does not exist."""
     interpreter = shebang_interpreter(path)
     return interpreter is not None and os.path.isabs(interpreter) and not os.path.exists(interpreter)
-
-
-def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
-    """The stdout and stderr logs of a ``Command`` job: ``<state_dir>/cron-logs/<job_id>.std*.log``."""
-    folder = os.path.join(state_dir, COMMAND_LOGS)
-    return (os.path.join(folder, f"{job_id}.stdout.log"), os.path.join(folder, f"{job_id}.stderr.log"))
 
 
 async def run_command(

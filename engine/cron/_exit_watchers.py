@@ -45,7 +45,15 @@ from ._arming import ArmTable, watchable
 from ._events import PendingFire, describe_outcome, exit_fire
 from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved
 from ._job import CronJob, JobStatus, SystemEvent
-from ._log_files import WATCH_LOGS, keep_within_cap, log_files, open_logs, remove_entry, trim_logs
+from ._log_files import (
+    WATCH_LOGS,
+    keep_within_cap,
+    log_files,
+    open_logs,
+    remove_entry,
+    remove_watch_entries,
+    trim_logs,
+)
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
@@ -426,7 +434,10 @@ class CronExitWatchers:
             return None
         if self._errors.pop(job.id, None) is not None:
             await self._clear_start_error(job.id)
-        await trio.to_thread.run_sync(self._remove_older_arms, job.id, watch.arm_id, paths)
+        # The older arms' files (the supervisor has ended their runs of the scope by now).
+        await trio.to_thread.run_sync(
+            functools.partial(remove_watch_entries, self.state_dir, job.id, but_arm=watch.arm_id)
+        )
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
         async with trio.open_nursery() as nursery:
@@ -517,23 +528,6 @@ class CronExitWatchers:
             result = await wait()
             nursery.cancel_scope.cancel()
         return result
-
-    @staticmethod
-    def _remove_older_arms(job_id: str, arm_id: str, paths: _Paths) -> None:
-        """Remove the files of this job's older arms (their logs, exit and start files) from the folder.
-
-        Run once this arm's command is started: the supervisor has ended the older arms' runs of the
-        scope by then. Housekeeping only: a file that cannot be removed is left for the next arm.
-        """
-        folder = os.path.dirname(paths.stdout)
-        ours, this_arm = f"{job_id}.", f"{job_id}.{arm_id}."
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            return
-        for name in names:
-            if name.startswith(ours) and not name.startswith(this_arm):
-                remove_entry(os.path.join(folder, name))
 
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""

@@ -33,11 +33,13 @@ from .._trust import open_own_file, open_own_folder
 __all__ = [
     "COMMAND_LOGS",
     "WATCH_LOGS",
+    "command_log_paths",
     "keep_within_cap",
     "log_files",
     "open_logs",
     "remove_entry",
     "remove_job_logs",
+    "remove_watch_entries",
     "trim_logs",
 ]
 
@@ -126,14 +128,12 @@ async def keep_within_cap(files: Sequence[LogFile], cap_bytes: int) -> NoReturn:
     Cancellation: the only way it ends; a look under way in its worker thread finishes first.
     """
     wait: float = _FIRST_LOOK_SECONDS
-    sizes: list[int | None] | None = None
+    sizes: list[int] | None = None
     while True:
         await trio.sleep(wait)
         seen = await trio.to_thread.run_sync(_enforce, files, cap_bytes)
-        if sizes is not None and any(
-            new is not None and old is not None and new - old > cap_bytes // 4
-            for new, old in zip(seen, sizes, strict=True)
-        ):
+        growth = max((new - old for new, old in zip(seen, sizes or seen, strict=True)), default=0)
+        if growth > cap_bytes // 4:
             wait = _FAST_LOOK_SECONDS
         else:
             wait = _FIRST_LOOK_SECONDS if seen != sizes else min(2 * wait, _QUIET_LOOK_SECONDS)
@@ -145,13 +145,11 @@ async def trim_logs(files: Sequence[LogFile], cap_bytes: int) -> None:
     await trio.to_thread.run_sync(_enforce, files, cap_bytes)
 
 
-def _enforce(files: Sequence[LogFile], cap_bytes: int) -> list[int | None]:
-    sizes: list[int | None] = []
+def _enforce(files: Sequence[LogFile], cap_bytes: int) -> list[int]:
+    """One look of the cap at each of ``files``; the size each had then (bytes)."""
     for log in files:
         log.enforce_cap(cap_bytes)
-        info = log.stat()
-        sizes.append(None if info is None else info.st_size)
-    return sizes
+    return [log.seen_bytes for log in files]
 
 
 def remove_entry(path: str) -> None:
@@ -166,15 +164,30 @@ def remove_entry(path: str) -> None:
         pass
 
 
+def command_log_paths(state_dir: str, job_id: str) -> tuple[str, str]:
+    """The stdout and stderr logs of a ``Command`` job: ``<state_dir>/cron-logs/<job_id>.std*.log``."""
+    folder = os.path.join(state_dir, COMMAND_LOGS)
+    return (os.path.join(folder, f"{job_id}.stdout.log"), os.path.join(folder, f"{job_id}.stderr.log"))
+
+
+def remove_watch_entries(state_dir: str, job_id: str, *, but_arm: str | None = None) -> None:
+    """Remove every entry of ``job_id``'s watched commands in ``watch-logs/`` (logs, exit records, marks,
+    and whatever a command put at their names: :func:`remove_entry`), but those of the arm ``but_arm``.
+    Housekeeping (blocking): an entry that cannot be removed is left for the next time."""
+    folder = os.path.join(state_dir, WATCH_LOGS)
+    ours, kept = f"{job_id}.", None if but_arm is None else f"{job_id}.{but_arm}."
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(ours) and (kept is None or not name.startswith(kept)):
+            remove_entry(os.path.join(folder, name))
+
+
 def remove_job_logs(state_dir: str, job_id: str) -> None:
     """Remove what is left of ``job_id``'s logs: a ``Command`` job's pair and every entry of its watched
-    commands (logs, exit records, marks, and whatever a command put at their names: :func:`remove_entry`)
-    (blocking: a worker thread, or a job's last clean-up)."""
-    folder = os.path.join(state_dir, WATCH_LOGS)
-    try:
-        names = [name for name in os.listdir(folder) if name.startswith(f"{job_id}.")]
-    except OSError:
-        names = []
-    paths = [os.path.join(state_dir, COMMAND_LOGS, f"{job_id}.{end}.log") for end in ("stdout", "stderr")]
-    for path in [*paths, *(os.path.join(folder, name) for name in names)]:
+    commands (blocking: a worker thread, or a job's last clean-up)."""
+    for path in command_log_paths(state_dir, job_id):
         remove_entry(path)
+    remove_watch_entries(state_dir, job_id)
