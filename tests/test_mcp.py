@@ -13,8 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -798,38 +798,53 @@ def test_mcp_embedded_engine_binds_its_socket_again_when_the_file_is_removed(
     assert not pgrep(rf"^sleep {marker}$")
 
 
+@contextmanager
+def _mcp_beside_a_sweeping_serve(
+    tmp_path: Path, project: Path, child_base: str, grace_seconds: float
+) -> Iterator[tuple[Path, str, subprocess.Popen[bytes], RawMcp]]:
+    """An engine crashed leaving a child that ignores SIGINT; a ``serve`` is sweeping it (its grace
+    period ``grace_seconds``), not answering yet; an ``mcp`` starts on the same state directory.
+
+    Yields:
+        The state directory, the child's marker, the sweeping ``serve`` and the ``mcp``.
+    """
+    from .test_cli_start import _crash_leaving_a_child, _serve_sweeping, _start
+
+    state, child = tmp_path / "state", mark(child_base)
+    try:
+        _crash_leaving_a_child(state, _start(state), project, child)
+        with _serve_sweeping(state, grace_seconds=grace_seconds) as serve:
+            mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
+            try:
+                yield state, child, serve, mcp
+            finally:
+                mcp.kill()
+    finally:
+        kill_pids(pgrep(str(state)))
+
+
 def test_mcp_waits_for_an_engine_in_its_start_up_sweep_then_forwards_to_it(
     tmp_path: Path, project: Path
 ) -> None:
     # Found in review: a second mcp started while a serve ended what a crashed engine had left (its
     # start-up sweep, before it listens) waited 5 s for a socket, then exited 1 saying the socket was
     # missing; `start` waits for such an engine to answer.
-    from .test_cli_start import _crash_leaving_a_child, _serve_sweeping, _start
-
-    state, child = tmp_path / "state", mark("8812.31")
-    try:
-        _crash_leaving_a_child(state, _start(state), project, child)
-        with _serve_sweeping(state, grace_seconds=8.0) as serve:  # the child ignores SIGINT: the whole 8 s
-            mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
-            try:
-                mcp.send(*_initialize())
-                assert "result" in mcp.receive()  # once serve answers
-                assert not pgrep(child)  # serve's sweep ended it first
-                mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
-                assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
-                mcp.close_stdin()
-                mcp.finish()
-            finally:
-                mcp.kill()
-            assert mcp.proc.returncode == 0
-            assert serve.poll() is None  # the engine is serve's: it runs on
-            assert cli("--state-dir", str(state), "stop").returncode == 0
-            assert serve.wait(timeout=20) == 0
-        log = mcp.errlog.read_text()
-        assert f"the engine on {state} (pid {serve.pid}) is starting" in log and "until it answers" in log
-        assert "mode=forward" in log and "mode=embedded" not in log
-    finally:
-        kill_pids(pgrep(str(state)))
+    # The child ignores SIGINT: the sweep takes the whole 8 s.
+    with _mcp_beside_a_sweeping_serve(tmp_path, project, "8812.31", 8.0) as (state, child, serve, mcp):
+        mcp.send(*_initialize())
+        assert "result" in mcp.receive()  # once serve answers
+        assert not pgrep(child)  # serve's sweep ended it first
+        mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
+        assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+        mcp.close_stdin()
+        mcp.finish()
+        assert mcp.proc.returncode == 0
+        assert serve.poll() is None  # the engine is serve's: it runs on
+        assert cli("--state-dir", str(state), "stop").returncode == 0
+        assert serve.wait(timeout=20) == 0
+    log = mcp.errlog.read_text()
+    assert f"the engine on {state} (pid {serve.pid}) is starting" in log and "until it answers" in log
+    assert "mode=forward" in log and "mode=embedded" not in log
 
 
 def _lock_phase(state_dir: Path) -> str | None:
@@ -842,32 +857,21 @@ def test_mcp_embeds_the_engine_when_the_one_starting_stops_before_answering(
 ) -> None:
     # As "nobody answers" at start-up: the engine it waited for closed without answering (a stop during
     # its start-up sweep), so this server embeds the engine.
-    from .test_cli_start import _crash_leaving_a_child, _serve_sweeping, _start
-
-    state, child = tmp_path / "state", mark("8812.32")
-    try:
-        _crash_leaving_a_child(state, _start(state), project, child)
-        # A grace period no start-up of mcp outlasts, even on a loaded machine (with 4 s, the sweep was
-        # sometimes over, and serve answering, before mcp looked); the second signal ends it at once.
-        with _serve_sweeping(state, grace_seconds=60.0) as serve:
-            mcp = RawMcp.start(state, project, tmp_path / "mcp.log")
-            try:
-                assert wait_until_sync(lambda: "until it answers" in mcp.errlog.read_text(), 30.0)
-                serve.send_signal(signal.SIGTERM)  # it closes after its sweep, never answering
-                assert wait_until_sync(lambda: _lock_phase(state) == STOPPING, 10.0)
-                serve.send_signal(signal.SIGTERM)  # and the sweep's grace ends now: SIGKILL
-                mcp.send(*_initialize())
-                assert "result" in mcp.receive()
-                assert serve.wait(timeout=20) == 0
-                assert (state / "lock").read_text() == f"{mcp.proc.pid} serving mcp\n"
-                mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
-                assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
-                mcp.close_stdin()
-                mcp.finish()
-            finally:
-                mcp.kill()
+    # A grace period no start-up of mcp outlasts, even on a loaded machine (with 4 s, the sweep was
+    # sometimes over, and serve answering, before mcp looked); the second signal ends it at once.
+    with _mcp_beside_a_sweeping_serve(tmp_path, project, "8812.32", 60.0) as (state, child, serve, mcp):
+        assert wait_until_sync(lambda: "until it answers" in mcp.errlog.read_text(), 30.0)
+        serve.send_signal(signal.SIGTERM)  # it closes after its sweep, never answering
+        assert wait_until_sync(lambda: _lock_phase(state) == STOPPING, 10.0)
+        serve.send_signal(signal.SIGTERM)  # and the sweep's grace ends now: SIGKILL
+        mcp.send(*_initialize())
+        assert "result" in mcp.receive()
+        assert serve.wait(timeout=20) == 0
+        assert (state / "lock").read_text() == f"{mcp.proc.pid} serving mcp\n"
+        mcp.send(_tool_call(2, "subprocess", {"cmd": "list"}))
+        assert _text(mcp.receive()) == ("SUBPROCESS LIST\nNo subprocesses in this project.", False)
+        mcp.close_stdin()
+        mcp.finish()
         assert mcp.proc.returncode == 0
-        assert "mode=embedded" in mcp.errlog.read_text()
-        assert not pgrep(child)
-    finally:
-        kill_pids(pgrep(str(state)))
+        assert not pgrep(child)  # before the clean-up ends what is left
+    assert "mode=embedded" in mcp.errlog.read_text()

@@ -57,8 +57,7 @@ from ._location import find_socket_path, lock_holder
 from ._mcp_stdio import serve_stdio
 from ._mcp_tools import EmbeddedBackend, McpTools, RpcBackend, SocketBackend
 from ._methods import Methods
-from ._server import RpcServer, _answers, _remove_socket, bind_socket, bind_socket_again
-from ._socket_watch import serve_socket
+from ._server import RpcServer, _answers, _remove_socket, bind_socket, start_listening
 
 __all__ = ["SHUTDOWN_GRACE_SECONDS", "START_WAIT_SECONDS", "STOP_BY_SECONDS", "serve_mcp"]
 
@@ -159,14 +158,7 @@ async def _serve_embedded(config: EngineConfig, project_dir: str) -> None:
                 async with trio.open_nursery() as nursery:
                     server = RpcServer.from_config(Methods(engine, path, __version__), config)
                     # As serve does: the socket is bound again if its file is removed (NB-06).
-                    await nursery.start(
-                        serve_socket,
-                        server.handle_connection,
-                        listener,
-                        path,
-                        functools.partial(bind_socket_again, state_dir),
-                        nursery,
-                    )
+                    await start_listening(nursery, server, listener, path, state_dir, nursery)
                     log_event("ready", pid=os.getpid(), mode="embedded", state_dir=state_dir, socket=path)
                     backend = EmbeddedBackend(Methods(engine, path, __version__))
                     stop_by = await _serve_stdio(backend, project_dir, "embedded") + STOP_BY_SECONDS

@@ -409,7 +409,7 @@ def _lock_holder(state_dir: str) -> str:
     return f"pid {pid}, embedded in another program" if embedded else f"pid {pid}"
 
 
-async def bind_socket_again(state_dir: str) -> trio.SocketListener:
+async def _bind_socket_again(state_dir: str) -> trio.SocketListener:
     """:func:`bind_socket` once more, for :func:`~._socket_watch.serve_socket` when the socket file went
     away: the same path (it depends on the state directory alone); the new listener.
 
@@ -421,6 +421,30 @@ async def bind_socket_again(state_dir: str) -> trio.SocketListener:
     """
     listener, _ = await bind_socket(state_dir)
     return listener
+
+
+async def start_listening(
+    nursery: trio.Nursery,
+    server: RpcServer,
+    listener: trio.SocketListener,
+    path: str,
+    state_dir: str,
+    connections: trio.Nursery,
+) -> None:
+    """Start answering on ``listener`` (bound at ``path`` by :func:`bind_socket`) in ``nursery``: each
+    connection is ``server``'s, in ``connections``; the socket is bound again if its file is removed
+    (:func:`~._socket_watch.serve_socket`, NB-06). ``serve`` and ``mcp``'s embedded engine listen so.
+
+    Cancellation: cancel ``nursery`` to stop listening; the connections are ``connections``'.
+    """
+    await nursery.start(
+        serve_socket,
+        server.handle_connection,
+        listener,
+        path,
+        functools.partial(_bind_socket_again, state_dir),
+        connections,
+    )
 
 
 async def _serve_until_stopped(
@@ -454,14 +478,7 @@ async def _serve_until_stopped(
     server = RpcServer.from_config(Methods(engine, path, __version__, stop=stop.by_method), config)
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as listening:
-            await listening.start(
-                serve_socket,
-                server.handle_connection,
-                listener,
-                path,
-                functools.partial(bind_socket_again, state_dir),
-                connections,
-            )
+            await start_listening(listening, server, listener, path, state_dir, connections)
             with contextlib.suppress(OSError):  # what clients are told (``_lockfile``), not the service
                 mark_phase(state_dir, SERVING)
             log_event("ready", pid=os.getpid(), state_dir=state_dir, socket=path, version=__version__)
