@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import pytest
 import trio
 
 from engine import FiredEvent
+from engine.cron._exit_watchers import CronExitWatchers
 
 from .children import SESSION, mark, pgrep
 from .watch_support import engine_with, wait_events, wait_until
@@ -104,6 +106,64 @@ async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path) -> No
         assert not pgrep(rf"sleep 30\.5{SESSION}")
     # Found by a fresh helper: the lost watch's leaf (and so the engine's cgroup) outlived the engine.
     assert not [leaf for leaf in leaves if os.path.exists(leaf)]
+
+
+async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command adopted after a crash while a file of the user's (here ``BASH_ENV``) still holds it back
+    gets the note a fresh one gets ("has not started yet"), counted from its own start: held back longer
+    than ``start_hint_seconds`` already, it has the note at once; the note goes when it starts. (The
+    adopting engine said nothing: the job looked armed and well while its command never ran.)"""
+    hint = 2.0
+    profile_gate, command_gate = tmp_path / "profile-gate", tmp_path / "command-gate"
+    env_file = tmp_path / "bash_env"
+    env_file.write_text(f"while [ ! -e {profile_gate} ]; do sleep 0.05; done\n")
+    monkeypatch.setenv("BASH_ENV", str(env_file))  # the crash engine's bash reads it, and marks the start
+    monkeypatch.setattr(
+        "engine._engine.CronExitWatchers", functools.partial(CronExitWatchers, start_hint_seconds=hint)
+    )
+    state = tmp_path / "s"
+    command = f"echo started; while [ ! -e {command_gate} ]; do sleep 0.05; done"
+    try:
+        with trio.fail_after(60):
+            await trio.to_thread.run_sync(crash_engine, state, "after_spawn", command)
+            spawned = trio.current_time()
+            (shim,) = shim_pids(state)
+            await trio.sleep(hint + 0.5 - (trio.current_time() - spawned))  # held back past the hint
+            async with engine_with(state) as adopting:
+                adopted = trio.current_time()
+                (job_id,) = adopting.watchers.active_job_ids()
+                assert adopting.watchers.watched_pid(job_id) == shim
+                await wait_until(lambda: adopting.watchers.last_error(job_id) is not None)
+                assert trio.current_time() - adopted < hint  # at once, not start_hint_seconds later
+                note = adopting.watchers.last_error(job_id)
+                assert note is not None and note.startswith(
+                    f"the watched command has not started yet: after {hint:g} s the shell (in the shim, "
+                    f"pid {shim})"
+                )
+                stored = await adopting.cron.get(job_id)
+                assert (stored.enabled, stored.last_status, stored.last_error) == (True, None, note)
+                profile_gate.touch()
+                await wait_until(lambda: adopting.watchers.last_error(job_id) is None)
+
+                async def cleared() -> bool:
+                    return (await adopting.cron.get(job_id)).last_error is None
+
+                await wait_until(cleared)
+                assert adopting.watchers.active_job_ids() == [job_id]  # running, without the note
+                command_gate.touch()
+                (event,) = await wait_events(adopting, 1)
+    finally:  # both gates open: whatever was started ends by itself
+        profile_gate.touch()
+        command_gate.touch()
+    assert (event.job_id, event.exit_code, event.reason, event.stdout_tail) == (
+        job_id,
+        0,
+        "exit",
+        "started\n",
+    )
+    assert not shim_pids(state)
 
 
 def _watch_leaves(state: Path) -> list[str]:

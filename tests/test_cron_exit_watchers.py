@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -13,8 +14,17 @@ import attrs
 import pytest
 import trio
 
-from engine import CronJob, FiredEvent, InvalidArgumentError, InvalidScheduleError, OnExit, SystemEvent
+from engine import (
+    CronJob,
+    FiredEvent,
+    InvalidArgumentError,
+    InvalidScheduleError,
+    OnExit,
+    SqliteJobStore,
+    SystemEvent,
+)
 from engine._procfs import children_of
+from engine.cron._exit_watchers import CronExitWatchers
 from engine.cron._shell import COMMAND_VAR, MAX_COMMAND_BYTES, resolve_exit_watch_shell, runs_user_files_first
 
 from .children import SESSION, kill_leftovers, kill_pids, mark, pgrep, pgrep_env
@@ -277,6 +287,53 @@ async def test_exit_watcher_profile_replacing_shell_is_diagnosed_across_a_restar
         (event,) = await wait_events(engine, 1)
     assert (event.job_id, event.reason) == (job.id, "not_started")
     assert "did not run" in event.text
+
+
+async def test_an_adopted_command_held_back_is_noted_until_it_starts_and_a_stale_note_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next engine adopts a command that a file of the user's (here ``BASH_ENV``) still holds back:
+    it notes so at once (held back since its spawn, past ``start_hint_seconds``), as the engine that
+    started it did, and the note goes once the command starts. A note in the store from before (what
+    an engine killed while noting leaves) is not put back then."""
+    profile_gate, command_gate = tmp_path / "profile-gate", tmp_path / "command-gate"
+    env_file = tmp_path / "bash_env"
+    env_file.write_text(f"while [ ! -e {profile_gate} ]; do sleep 0.05; done\n")
+    monkeypatch.setenv("BASH_ENV", str(env_file))
+    monkeypatch.setattr(
+        "engine._engine.CronExitWatchers", functools.partial(CronExitWatchers, start_hint_seconds=1.0)
+    )
+    command = f"echo started; while [ ! -e {command_gate} ]; do sleep 0.05; done"
+    try:
+        async with engine_with(tmp_path / "s") as first:
+            job = await first.cron.add(OnExit(command=command), SystemEvent("held"))
+            await wait_until(lambda: first.watchers.last_error(job.id) is not None)
+            note = first.watchers.last_error(job.id)
+            assert note is not None and note.startswith("the watched command has not started yet")
+        # Stopped gracefully (the note was taken back); put it back as a SIGKILLed engine leaves it.
+        store = SqliteJobStore.in_state_dir(str(tmp_path / "s"))
+        await store.open()
+        try:
+            await store.update_job(job.id, lambda stale: attrs.evolve(stale, last_error=note))
+        finally:
+            await store.aclose()
+        async with engine_with(tmp_path / "s") as adopting:
+            assert adopting.watchers.active_job_ids() == [job.id]
+            await wait_until(lambda: adopting.watchers.last_error(job.id) == note, seconds=0.8)  # at once
+            profile_gate.touch()
+            await wait_until(lambda: adopting.watchers.last_error(job.id) is None)
+
+            async def cleared() -> bool:
+                return (await adopting.cron.get(job.id)).last_error is None
+
+            await wait_until(cleared)
+            assert adopting.watchers.active_job_ids() == [job.id]  # running, without the note
+            command_gate.touch()
+            (event,) = await wait_events(adopting, 1)
+    finally:  # both gates open: whatever was started ends by itself
+        profile_gate.touch()
+        command_gate.touch()
+    assert (event.exit_code, event.reason, event.stdout_tail) == (0, "exit", "started\n")
 
 
 @pytest.mark.parametrize(

@@ -139,6 +139,11 @@ def _started_at(paths: _Paths, spawned: float) -> float:
         return spawned
 
 
+def _is_start_note(error: str | None) -> bool:
+    """Whether ``error`` is a watcher's note on the start of its command (failed, or not yet)."""
+    return error is not None and error.startswith((_START_FAILED, _NOT_STARTED_YET))
+
+
 def _because(read: ExitRecordRead) -> str:
     return f" ({read.problem})" if read.problem else ""
 
@@ -165,7 +170,8 @@ class CronExitWatchers:
         hooks: named test hooks, see :data:`HOOK_POINTS`.
         start_hint_seconds: how long a command whose shell runs a file of the user's first (a login
             profile) may take to start before the job's ``last_error`` says it has not started yet, and
-            why that may be; the note goes once the command starts (seconds).
+            why that may be; the note goes once the command starts (seconds, from the spawn: an adopted
+            command held back longer already gets the note at once).
         log_cap_bytes: the size each log of a running command keeps on disk (``EngineConfig.log_cap_bytes``).
     """
 
@@ -476,14 +482,16 @@ class CronExitWatchers:
         own = ended - started if isinstance(ended, float) else -1.0
         return {**record, "duration_seconds": own if own >= 0 else result.duration_seconds}
 
-    async def _note_slow_start(self, job_id: str, paths: _Paths, pid: int) -> None:
+    async def _note_slow_start(self, job_id: str, paths: _Paths, pid: int, held_seconds: float = 0.0) -> None:
         """Once :attr:`start_hint_seconds` have passed without the start mark, say so in the job's
         ``last_error`` (and :meth:`last_error`) until the mark appears; cancelled when the command ends.
 
         A login profile that waits (a lock, a prompt on a closed stdin, a slow network mount) holds the
         command back with nothing to show for it: the job stays enabled, its pid is the shim's.
+        ``held_seconds``: how long the command has been held back already (an adopted one: since the
+        previous engine spawned it), counted in the hint's time.
         """
-        await trio.sleep(self.start_hint_seconds)
+        await trio.sleep(max(0.0, self.start_hint_seconds - held_seconds))
         if not await self._never_started(paths):
             return
         message = (
@@ -536,6 +544,9 @@ class CronExitWatchers:
         async with trio.open_nursery() as nursery:
             logs = [LogFile(paths.stdout), LogFile(paths.stderr)]  # their inodes: taken at the first look
             nursery.start_soon(keep_within_cap, logs, self.log_cap_bytes)
+            if state.marks_start:  # its profile may still hold it back, as it may a fresh command's
+                held = (self.now() - state.started_at).total_seconds()
+                nursery.start_soon(self._note_slow_start, watch.job_id, paths, state.pid, held)
             await self._wait_or_end(
                 watch,
                 functools.partial(wait_exited, state.pid, start_time=state.start_time),
@@ -643,7 +654,8 @@ class CronExitWatchers:
         before: list[tuple[JobStatus | None, str | None]] = []
 
         def change(job: CronJob) -> CronJob:
-            before.append((job.last_status, job.last_error))
+            # Such a note there already is stale (left by an engine that crashed): never put back.
+            before.append((job.last_status, None if _is_start_note(job.last_error) else job.last_error))
             last_status = status or job.last_status
             return attrs.evolve(job, last_status=last_status, last_error=message, updated_at=now)
 
@@ -660,7 +672,7 @@ class CronExitWatchers:
         now = self.now()
 
         def change(job: CronJob) -> CronJob:
-            if job.last_error is None or not job.last_error.startswith((_START_FAILED, _NOT_STARTED_YET)):
+            if not _is_start_note(job.last_error):
                 return job  # changed meanwhile (an exit, another error): that stands
             return attrs.evolve(job, last_status=status, last_error=error, updated_at=now)
 
