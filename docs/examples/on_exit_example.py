@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 
@@ -13,14 +14,10 @@ from engine import EngineConfig, FiredEvent, OnExit, SystemEvent, open_engine
 
 
 async def main(state_dir: str) -> None:
-    mine: set[str] = set()  # the ids of the jobs this run added
-    fired = trio.Event()
-    received: list[FiredEvent] = []
+    send_fire, fires = trio.open_memory_channel[FiredEvent](math.inf)  # every fire, kept until read
 
     async def on_fire(event: FiredEvent) -> None:  # the embedded host wakes its agent here
-        if event.job_id in mine:  # an earlier run's job may fire here too (same state_dir): skip it
-            received.append(event)
-            fired.set()
+        send_fire.send_nowait(event)
 
     project = tempfile.mkdtemp()
     config = EngineConfig(state_dir=state_dir, grace_seconds=0.5)
@@ -32,11 +29,11 @@ async def main(state_dir: str) -> None:
             SystemEvent("The test run you started has finished."),
             name="test run",
         )
-        mine.add(job.id)
         print("armed:", job.name, "watched pid", engine.watchers.watched_pid(job.id))
-        with trio.fail_after(30):
-            await fired.wait()
-        event = received[0]
+        with trio.fail_after(30):  # its fire waits in the channel even if it came before `add` returned
+            event = await fires.receive()
+            while event.job_id != job.id:  # an earlier run's job may fire here too (same state_dir): skip it
+                event = await fires.receive()
         print(event.text)
         stored = await engine.cron.get(job.id)
         print("exit code:", event.exit_code, "| job enabled after firing:", stored.enabled)
