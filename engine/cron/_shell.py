@@ -49,7 +49,10 @@ STARTED_VAR = "GADGET_WATCH_STARTED"
 # round: bash forks the last command of an `eval`, one more bash per watched command, and a command killed
 # by a signal showed as bash's `exit 128+N`.)
 # A redirection alone (no command to look up) makes the mark, and `builtin` keeps a profile's `cd`
-# function out of it.
+# function out of it. The line costs one in bash's count (`$LINENO`, `line N` of a syntax error is one more
+# than under `bash -c`): ended by `;` instead, it would be parsed with the command's first line, so a
+# syntax error there would stop the mark too (read as `not_started`) and bash's message would quote the
+# wrapper; and bash before 5.1 execs only a lone last command, so a one-line command would be forked.
 _MARK_STARTED = '> "$GADGET_WATCH_STARTED" || exit 125; '
 _BACK_TO_CWD = 'builtin cd -- "$GADGET_WATCH_CWD" || exit 125\n'
 #: The longest on-exit command string, in bytes: one argument of a program (``MAX_ARG_STRLEN``) less the
