@@ -9,9 +9,11 @@ module, without running the package's ``__init__``, with the recipe of ``docs/rp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,10 +22,18 @@ from pathlib import Path
 import pytest
 
 import engine
-from engine import AsyncEngineClient, EngineClient, EngineSuspendedError
+from engine import (
+    AsyncEngineClient,
+    EngineClient,
+    EngineNotRunningError,
+    EngineSocketMissingError,
+    EngineStoppingError,
+    EngineSuspendedError,
+)
+from engine.server._location import find_socket_path
 
 from .children import kill_leftovers
-from .serve_support import start_serve
+from .serve_support import cli, start_serve, wait_until
 
 #: What the script refuses to import: Trio and every third-party package the engine itself uses.
 BLOCKED = ("trio", "trio_util", "outcome", "sniffio", "attrs", "platformdirs", "cronsim")
@@ -203,3 +213,126 @@ def test_both_clients_name_an_engine_whose_process_is_stopped(tmp_path: Path) ->
     with EngineClient(str(served.state_dir)) as client:  # continued, it answers as before
         assert client.call("status")["pid"] == pid
     assert served.stop() == 0
+
+
+def _plant(path: Path, kind: str, elsewhere: Path) -> None:
+    """Put something that is not a socket at ``path``: a ``kind`` of file, or a link to one."""
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "regular file":
+        path.write_text("not a socket\n")
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "symbolic link to a directory":
+        elsewhere.mkdir()
+        path.symlink_to(elsewhere)
+    else:
+        assert kind == "symbolic link that leads to nothing"
+        path.symlink_to(elsewhere)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "directory",
+        "regular file",
+        "FIFO",
+        "symbolic link to a directory",
+        "symbolic link that leads to nothing",
+    ],
+)
+def test_client_names_what_is_at_the_socket_path_when_no_engine_runs(tmp_path: Path, kind: str) -> None:
+    # Found by a reviewer: a directory, file or FIFO at engine.sock was "nothing answers ... start one
+    # with: gadget-engine start" (and start then refused it); with an engine running, "is stopping".
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = Path(find_socket_path(str(state)))
+    _plant(path, kind, tmp_path / "elsewhere")
+    try:
+        for command in ("list", "status"):
+            done = cli(command, "--state-dir", str(state))
+            assert done.returncode == 3, done  # no engine runs: the CLI's "no engine" code
+            assert done.stderr.splitlines() == [
+                f"gadget-engine: {path} is a {kind}, not an engine's socket, and no engine is running on "
+                f"{state}: remove it (serve refuses to start beside it); start one with: gadget-engine "
+                f"--state-dir {state} start"
+            ]
+        with pytest.raises(EngineNotRunningError, match=f"is a {kind}, not an engine's socket"):
+            EngineClient(str(state)).call("status")
+
+        async def call() -> None:
+            async with AsyncEngineClient(str(state)) as client:
+                await client.call("status")
+
+        with pytest.raises(EngineNotRunningError, match=f"is a {kind}, not an engine's socket"):
+            asyncio.run(asyncio.wait_for(call(), 10))
+    finally:
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink()
+
+
+def test_client_names_a_directory_at_a_running_engines_socket_path(tmp_path: Path) -> None:
+    # Found by a reviewer: every command said the engine "is stopping and no longer answers" (and stop
+    # waited 30 s for a stop that never came). The engine cannot bind its socket over a directory.
+    served = start_serve(tmp_path / "state")
+    pid = served.proc.pid
+    path = Path(served.socket_path)
+    try:
+        # The engine binds its socket again as soon as its file goes: plant until the directory stays.
+        assert wait_until(lambda: _replace_with_directory(path))
+        for command in ("list", "status"):
+            done = served.cli(command)
+            assert done.returncode == 1, done  # an engine runs: 3 would say none does
+            assert done.stderr.splitlines() == [
+                f"gadget-engine: {path} is a directory, not an engine's socket: the engine on "
+                f"{served.state_dir} (pid {pid}) cannot be reached through it; remove it, and the engine "
+                "binds its socket there again within 5 s"
+            ]
+        with pytest.raises(EngineSocketMissingError, match="is a directory, not an engine's socket") as info:
+            EngineClient(str(served.state_dir)).call("status")
+        assert info.value.pid == pid and not isinstance(info.value, EngineStoppingError)
+        path.rmdir()  # what the message says to do
+        assert wait_until(lambda: served.cli("status").returncode == 0, 15)
+    finally:
+        if path.is_dir():
+            path.rmdir()
+        assert served.stop() == 0
+
+
+def _replace_with_directory(path: Path) -> bool:
+    """Replace the socket at ``path`` with a directory; whether a directory is there now."""
+    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+        path.unlink()
+    with contextlib.suppress(FileExistsError):
+        path.mkdir()
+    return path.is_dir()
+
+
+def test_client_follows_a_link_to_a_socket_as_before(tmp_path: Path) -> None:
+    """A symbolic link to a socket is connected through as it was: to a socket nobody listens on, "no
+    engine is running"; to a live engine's that is not the state directory's, refused by its peer."""
+    refusing = tmp_path / "refusing"
+    refusing.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as unlistened:
+        unlistened.bind(str(refusing / "engine.sock"))  # closed unlistened: a connect is refused
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    link = Path(find_socket_path(str(state)))
+    link.symlink_to(refusing / "engine.sock")
+    done = cli("list", "--state-dir", str(state))
+    assert (done.returncode, done.stderr) == (
+        3,
+        f"gadget-engine: no engine is running on {state} (nothing answers on {link}); start one with: "
+        f"gadget-engine --state-dir {state} start\n",
+    )
+    served = start_serve(tmp_path / "served")
+    try:
+        link.unlink()
+        link.symlink_to(served.socket_path)
+        done = cli("list", "--state-dir", str(state))
+        assert done.returncode == 1, done
+        assert f"not by the engine of {state} (no engine runs there)" in done.stderr, done.stderr
+    finally:
+        assert served.stop() == 0

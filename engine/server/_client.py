@@ -23,6 +23,7 @@ import contextlib
 import os
 import select
 import socket
+import stat
 import struct
 import time
 from types import TracebackType
@@ -30,6 +31,7 @@ from typing import Any
 
 from .._errors import EngineError, UntrustedPathError
 from .._lockfile import EMBEDDED, OPEN, STARTING, STOPPING
+from .._trust import what_it_is
 from ._location import (
     SOCKET_NAME,
     SOCKET_POINTER_NAME,
@@ -139,7 +141,8 @@ def _stale(sock: Any) -> bool:
 
 class EngineSocketMissingError(EngineError, ConnectionError):
     """Raised by :meth:`EngineClient.connect` when an engine holds the state directory but nothing answers
-    on its socket (its socket file was removed: the engine binds it again within seconds).
+    on its socket (its socket file was removed, or something that is not a socket took its place: the
+    engine binds it again within seconds of the path being free).
 
     Attributes:
         pid: the engine's pid.
@@ -185,6 +188,28 @@ def _socket_made(path: str) -> int | None:
         return None
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What is at ``path`` when it is not a socket, for a message (``"is a directory"``, ``"is a symbolic
+    link to a FIFO"``), or ``None``: a socket, a symbolic link to one, or nothing at all.
+
+    One ``lstat``: a symbolic link is named as one, with what it leads to. A link to a socket is left to
+    the connect and :func:`check_peer`, as before (they follow it and judge who answers there).
+    """
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISSOCK(info.st_mode):
+        return None
+    if not stat.S_ISLNK(info.st_mode):
+        return f"is {what_it_is(info.st_mode)}"
+    try:
+        target = os.stat(path)
+    except OSError:
+        return "is a symbolic link that leads to nothing"
+    return None if stat.S_ISSOCK(target.st_mode) else f"is a symbolic link to {what_it_is(target.st_mode)}"
+
+
 def _phase(lock: LockState, *, refused: bool) -> str:
     """The lock holder's phase (``_lockfile``). Before it has written its pid: ``starting`` when a socket
     file refused (an engine that has just taken the lock, the crashed one's socket still there), else
@@ -210,6 +235,11 @@ def _not_running(
     ``serve`` that is open but not listening yet (``open``, or an earlier version's pid alone) is starting
     when the file that refused is older than the lock file's last write: a leftover of an engine that
     ended without removing it (``serve`` binds its own after that write).
+
+    Something other than a socket at ``path`` (a directory, a file, a FIFO: each refuses a connect as a
+    stopping engine's socket does) is named, unless the engine says it stops: with an engine holding the
+    state directory, :class:`EngineSocketMissingError` (it runs, but no client reaches it until the path
+    is free: exit 1, as for its socket missing), else :class:`EngineNotRunningError` (exit 3).
     """
     lock = lock_state(state_dir)
     pid = None if lock is None else lock.holder
@@ -222,6 +252,18 @@ def _not_running(
             f"an engine embedded in another program runs on {state_dir} as pid {pid} and listens on no "
             "socket: this client cannot reach it (stop that program, or use another --state-dir)",
             pid,
+        )
+    there = _not_a_socket(path)
+    if there is not None and phase != STOPPING:
+        if pid is not None:
+            return EngineSocketMissingError(
+                f"{path} {there}, not an engine's socket: the engine on {state_dir} (pid {pid}) cannot be "
+                "reached through it; remove it, and the engine binds its socket there again within 5 s",
+                pid,
+            )
+        return EngineNotRunningError(
+            f"{path} {there}, not an engine's socket, and no engine is running on {state_dir}: remove it "
+            f"(serve refuses to start beside it); start one with: gadget-engine --state-dir {state_dir} start"
         )
     if pid is not None and (phase == STARTING or (phase in (OPEN, "") and leftover)):
         return EngineStartingError(
