@@ -1,12 +1,14 @@
 """``gadget-engine log`` and ``events``: what is there, then (``-f``) what comes, until the end.
 
-A follower asks for more at a fixed pace (:data:`LOG_FOLLOW_SECONDS`, :data:`EVENTS_FOLLOW_SECONDS`). It
-ends with exit 0 on Ctrl-C, when the followed process has exited and its log is drained, and when the
-engine stops gracefully ("engine stopped" on stderr): a graceful stop removes the engine's socket before
-the process ends, a crash leaves it, so a broken connection is told apart by looking at the socket file
-while the engine's process is still there (:func:`engine_went_away`). It ends with exit 141 when the
-reader of its output went away (``| head``): it watches standard output while it waits (:func:`idle`),
-so it notices at once, not at its next write.
+``log -f`` asks for more at a fixed pace (:data:`LOG_FOLLOW_SECONDS`); ``events -f`` waits in the engine
+for the next event (``events.wait``, up to :data:`EVENTS_WAIT_SECONDS` a call; an older engine is asked
+at a fixed pace, :data:`EVENTS_FOLLOW_SECONDS`). A follower ends with exit 0 on Ctrl-C, when the
+followed process has exited and its log is drained, and when the engine stops gracefully ("engine
+stopped" on stderr): a graceful stop removes the engine's socket before the process ends, a crash leaves
+it, so a broken connection is told apart by looking at the socket file while the engine's process is
+still there (:func:`engine_went_away`). It ends with exit 141 when the reader of its output went away
+(``| head``): it watches standard output while it waits (:func:`idle`, and
+``EngineClient.call_watching`` during an ``events.wait``), so it notices at once, not at its next write.
 
 Standard library only, like every client command.
 """
@@ -26,6 +28,7 @@ from ._cli_start import engine_alive
 from ._errors import SubProcessNotFoundError
 from ._termtext import escape_controls, printable
 from .server._client import (
+    OUTPUT_GONE_EVENTS,
     EngineClient,
     EngineConnectionError,
     EngineNotRunningError,
@@ -50,9 +53,11 @@ LOG_FOLLOW_SECONDS: Final = 0.25
 #: How often ``events --follow`` asks for new events of an engine without ``events.wait``, in seconds.
 EVENTS_FOLLOW_SECONDS: Final = 0.5
 #: How long one ``events.wait`` call of ``events --follow`` waits for an event, in seconds: the engine
-#: answers as soon as one is logged (woken by LISTEN/NOTIFY on a fleet store), so an event is never
-#: late; between two calls the follower looks whether its output's reader is still there (:func:`idle`).
-EVENTS_WAIT_SECONDS: Final = 1.0
+#: answers as soon as one is logged (woken by the event's arrival, and by LISTEN/NOTIFY on a fleet store),
+#: so an event is never late, and an idle follower costs the engine one call (one store query) each time.
+#: Under the engine's cap (``EVENTS_WAIT_MAX_SECONDS``, 50). Standard output is watched during the call
+#: (``EngineClient.call_watching``): a reader that went away ends it at once all the same.
+EVENTS_WAIT_SECONDS: Final = 30.0
 #: How long a follower whose connection broke watches for the socket to go (graceful) or the engine's
 #: process to end with it still there (a crash), in seconds.
 GONE_SECONDS: Final = 5.0
@@ -87,9 +92,12 @@ def engine_went_away(client: EngineClient, socket_path: str, engine_pid: int, er
     raise error
 
 
-#: What ``poll`` reports on standard output once its reader went away: ``POLLERR`` on the write end of a
-#: pipe whose reader closed (Linux), ``POLLHUP`` on a socket or terminal that hung up.
-_READER_GONE: Final = select.POLLERR | select.POLLHUP
+def _output_fd() -> int | None:
+    """Standard output's descriptor, or ``None`` when it was replaced by an object with none, or closed."""
+    try:
+        return sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def idle(seconds: float) -> None:
@@ -105,15 +113,14 @@ def idle(seconds: float) -> None:
     Raises:
         BrokenPipeError: standard output's reader went away (the CLI exits 141, as for a failed write).
     """
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced by an object with no descriptor, or closed
+    fd = _output_fd()
+    if fd is None:
         time.sleep(seconds)
         return
     poller = select.poll()
     poller.register(fd, 0)  # no event asked for: POLLERR, POLLHUP and POLLNVAL are reported all the same
     for _fd, events in poller.poll(seconds * 1000):
-        if events & _READER_GONE:
+        if events & OUTPUT_GONE_EVENTS:
             raise BrokenPipeError(errno.EPIPE, "standard output's reader went away")
         if events & select.POLLNVAL:  # not an open descriptor: the next write says so
             time.sleep(seconds)
@@ -252,12 +259,26 @@ def print_events(events: list[dict[str, Any]], as_json: bool) -> None:
     sys.stdout.flush()
 
 
+def _wait_events(client: EngineClient, output: int | None, since: int) -> list[dict[str, Any]]:
+    """One ``events.wait`` for the events after ``since``, ended at once when ``output``'s reader goes.
+
+    Raises:
+        BrokenPipeError: ``output``'s reader went away during the wait.
+    """
+    if output is None:
+        found: list[dict[str, Any]] = client.call("events.wait", since=since, seconds=EVENTS_WAIT_SECONDS)
+    else:
+        found = client.call_watching(output, "events.wait", since=since, seconds=EVENTS_WAIT_SECONDS)
+    return found
+
+
 def events(client: EngineClient, args: argparse.Namespace) -> int:
     """``gadget-engine events [--since CURSOR] [-f]``."""
     since = args.since
     engine_pid = int(client.call("status")["pid"]) if args.follow else 0
     socket_path = client.socket_path
     waits = True  # the engine has ``events.wait`` (an older one is asked every EVENTS_FOLLOW_SECONDS)
+    output = _output_fd()
     try:
         found = client.call("events", since=since)
         while True:
@@ -269,7 +290,7 @@ def events(client: EngineClient, args: argparse.Namespace) -> int:
             if waits:
                 try:
                     idle(0)
-                    found = client.call("events.wait", since=since, seconds=EVENTS_WAIT_SECONDS)
+                    found = _wait_events(client, output, since)
                     continue
                 except RpcError as exc:
                     if exc.code != METHOD_NOT_FOUND:

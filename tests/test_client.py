@@ -336,3 +336,30 @@ def test_client_follows_a_link_to_a_socket_as_before(tmp_path: Path) -> None:
         assert f"not by the engine of {state} (no engine runs there)" in done.stderr, done.stderr
     finally:
         assert served.stop() == 0
+
+
+def test_client_call_watching_ends_when_the_output_reader_goes(tmp_path: Path) -> None:
+    served = start_serve(tmp_path / "state")
+    read_end, write_end = os.pipe()
+    try:
+        client = EngineClient(str(served.state_dir), timeout_seconds=30)
+        with client, open(os.devnull, "wb") as null:
+            # A reader that stays, or a descriptor with none (a file): the call waits out its seconds.
+            began = time.monotonic()
+            assert client.call_watching(write_end, "events.wait", since=10**9, seconds=0.5) == []
+            assert client.call_watching(null.fileno(), "events.wait", since=10**9, seconds=0.5) == []
+            assert time.monotonic() - began >= 1.0
+            os.close(read_end)
+            read_end = -1
+            began = time.monotonic()
+            with pytest.raises(BrokenPipeError):
+                client.call_watching(write_end, "events.wait", since=10**9, seconds=30)
+            took = time.monotonic() - began
+            assert took < 5, took  # at once; loose, to catch a wait of the call's 30 s
+            assert repr(client).endswith(": not connected>")  # its answer would come out of turn
+            assert client.call("status")["pid"] == served.proc.pid  # the next call reconnects
+    finally:
+        os.close(write_end)
+        if read_end >= 0:
+            os.close(read_end)
+        assert served.stop() == 0

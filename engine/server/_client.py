@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import select
 import socket
@@ -44,6 +45,7 @@ from ._location import (
 from ._protocol import RpcError, decode_line, encode_request, exception_from_error
 
 __all__ = [
+    "OUTPUT_GONE_EVENTS",
     "SUSPENDED_LOOK_SECONDS",
     "AsyncEngineClient",
     "EngineClient",
@@ -63,6 +65,10 @@ _SIGNAL_LOOK_SECONDS = 0.25
 #: How long a call waits for its answer before it looks whether the engine's process is stopped, in
 #: seconds (:class:`EngineSuspendedError`).
 SUSPENDED_LOOK_SECONDS = 1.0
+#: What ``poll`` reports on an output descriptor once its reader went away: ``POLLERR`` on the write end of
+#: a pipe whose reader closed (Linux), ``POLLHUP`` on a socket or terminal that hung up
+#: (:meth:`EngineClient.call_watching`).
+OUTPUT_GONE_EVENTS = select.POLLERR | select.POLLHUP
 
 
 class EngineNotRunningError(EngineError, ConnectionError):
@@ -352,6 +358,10 @@ def _broken(state_dir: str, method: str) -> EngineConnectionError:
     )
 
 
+class _OutputGoneError(BrokenPipeError):
+    """The reader of the descriptor a call watched went away (:meth:`EngineClient.call_watching`)."""
+
+
 class _UnusableResponseError(EngineConnectionError):
     """A response that is not JSON or answers another request: the connection must be dropped."""
 
@@ -478,13 +488,41 @@ class EngineClient:
             EngineError: the engine's error, as its own class (``SpawnError``, ``JobNotFoundError``, ...)
                 or :class:`RpcError` for the standard JSON-RPC errors.
         """
+        return self._call(method, params, None)
+
+    def call_watching(self, output_fd: int, method: str, /, **params: Any) -> Any:
+        """:meth:`call`, ended as soon as the reader of ``output_fd`` goes away while the answer is awaited.
+
+        For a follower that waits long for each answer (``events --follow``: ``events.wait`` for up to
+        30 s) and must still notice at once that ``| head`` has ended, as GNU ``tail -f`` watches its
+        output: ``output_fd`` is polled with the connection for ``POLLERR`` (the write end of a pipe whose
+        reader closed, on Linux) and ``POLLHUP`` (a socket or terminal that hung up). A descriptor that
+        reports neither (a regular file, ``/dev/null``) never ends a call; one that is not open is not
+        watched.
+
+        Args:
+            output_fd: the descriptor whose reader is watched (standard output's).
+            method: as for :meth:`call`.
+            **params: as for :meth:`call`.
+
+        Raises:
+            BrokenPipeError: ``output_fd``'s reader went away; the connection is closed (the request was
+                sent: it completes in the engine, its answer unread).
+            EngineError: as :meth:`call`.
+        """
+        return self._call(method, params, output_fd)
+
+    def _call(self, method: str, params: dict[str, Any], watched: int | None) -> Any:
         self.connect()
         assert self._sock is not None
         request_id = self._next_id
         self._next_id += 1
         try:
             self._sock.sendall(encode_request(method, params, request_id))
-            line = self._read_line()
+            line = self._read_line(watched)
+        except _OutputGoneError:
+            self.close()  # the answer would come out of turn for the next call
+            raise
         except (BrokenPipeError, ConnectionResetError, EngineConnectionError) as exc:
             said = self._last_word()
             self.close()
@@ -513,7 +551,7 @@ class EngineClient:
         newline = self._buffer.find(b"\n")
         return bytes(self._buffer[:newline]) if newline >= 0 else None
 
-    def _read_line(self) -> bytes:
+    def _read_line(self, watched: int | None = None) -> bytes:
         assert self._sock is not None
         while True:
             newline = self._buffer.find(b"\n")
@@ -523,26 +561,42 @@ class EngineClient:
                 return line
             if len(self._buffer) > MAX_RESPONSE_BYTES:
                 raise EngineConnectionError(f"a response is longer than {MAX_RESPONSE_BYTES} bytes")
-            self._wait_readable()
+            self._wait_readable(watched)
             chunk = self._sock.recv(1024 * 1024)
             if not chunk:
                 raise EngineConnectionError("end of stream")
             self._buffer += chunk
 
-    def _wait_readable(self) -> None:
+    def _wait_readable(self, watched: int | None = None) -> None:
         """Wait until the socket has something to read, looking again every 0.25 s.
 
         CPython runs a signal's Python handler between bytecodes: a Ctrl-C that came just before a
         blocking ``recv`` began would wait there for the answer (a ``create --ready-log`` waits up to
         300 s). Looking again in a loop raises its ``KeyboardInterrupt`` within 0.25 s.
 
+        Args:
+            watched: a descriptor polled with the socket (:meth:`call_watching`), or ``None``.
+
         Raises:
             TimeoutError: nothing came within ``timeout_seconds``.
+            _OutputGoneError: ``watched`` reported its reader gone.
         """
         assert self._sock is not None
+        sock_fd = self._sock.fileno()
+        poller = select.poll()
+        poller.register(sock_fd, select.POLLIN)
+        if watched is not None:
+            poller.register(watched, 0)  # no event asked for: POLLERR, POLLHUP, POLLNVAL come all the same
         began = time.monotonic()
         deadline = None if self.timeout_seconds is None else began + self.timeout_seconds
-        while not select.select([self._sock], [], [], _SIGNAL_LOOK_SECONDS)[0]:
+        while True:
+            ready = poller.poll(_SIGNAL_LOOK_SECONDS * 1000)
+            if any(fd == sock_fd for fd, _events in ready):
+                return
+            for fd, events in ready:  # ``watched`` alone
+                if events & OUTPUT_GONE_EVENTS:
+                    raise _OutputGoneError(errno.EPIPE, "the output's reader went away")
+                poller.unregister(fd)  # POLLNVAL: not an open descriptor, nobody's reader to watch
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise TimeoutError(
