@@ -100,7 +100,12 @@ def _running(state_dir: str) -> dict[str, Any] | None:
     is stopping (it refuses connections), ``{"pid": ..., "stopping": True}``; for one that does not listen
     yet (its start-up sweep), ``{"pid": ..., "starting": True}``; for one whose socket file is missing (it
     binds it again), ``{"pid": ..., "starting": True, "rebinding": True}``; for an engine embedded in
-    another program (``open_engine``: it never listens), ``{"pid": ..., "embedded": True}``."""
+    another program (``open_engine``: it never listens), ``{"pid": ..., "embedded": True}``.
+
+    Raises:
+        CommandFailedError: a directory is at the socket path of a running engine: it cannot bind its
+            socket there, so no wait would end with an answer (the client's one line says what to do).
+    """
     try:
         with EngineClient(state_dir, timeout_seconds=_CALL_SECONDS) as client:
             result: dict[str, Any] = client.call("status")
@@ -110,6 +115,8 @@ def _running(state_dir: str) -> dict[str, Any] | None:
     except EngineStartingError as exc:
         return {"pid": exc.pid, "starting": True}
     except EngineSocketMissingError as exc:
+        if exc.blocked:  # a directory at the socket path: no wait would end with an answer
+            raise CommandFailedError(str(exc)) from None
         lock = lock_state(state_dir)
         if lock is not None and lock.holder == exc.pid and lock.own_line and lock.kind == EMBEDDED:
             return {"pid": exc.pid, "embedded": True}

@@ -282,7 +282,8 @@ def test_client_names_a_directory_at_a_running_engines_socket_path(tmp_path: Pat
     try:
         # The engine binds its socket again as soon as its file goes: plant until the directory stays.
         assert wait_until(lambda: _replace_with_directory(path))
-        for command in ("list", "status"):
+        # start too: it waited --wait-seconds for an answer that cannot come, then timed out
+        for command in ("list", "status", "start"):
             done = served.cli(command)
             assert done.returncode == 1, done  # an engine runs: 3 would say none does
             assert done.stderr.splitlines() == [

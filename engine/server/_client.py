@@ -152,11 +152,15 @@ class EngineSocketMissingError(EngineError, ConnectionError):
 
     Attributes:
         pid: the engine's pid.
+        blocked: a directory is at the socket path: the engine cannot bind its socket over it (it
+            replaces a file, a FIFO or a link at once), so waiting for it to answer is in vain until the
+            directory is removed.
     """
 
-    def __init__(self, message: str, pid: int) -> None:
+    def __init__(self, message: str, pid: int, *, blocked: bool = False) -> None:
         super().__init__(message)
         self.pid = pid
+        self.blocked = blocked
 
 
 class EngineStoppingError(EngineSocketMissingError, EngineConnectionError):
@@ -216,6 +220,14 @@ def _not_a_socket(path: str) -> str | None:
     return None if stat.S_ISSOCK(target.st_mode) else f"is a symbolic link to {what_it_is(target.st_mode)}"
 
 
+def _is_directory(path: str) -> bool:
+    """Whether a directory itself (not a link to one) is at ``path``."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _phase(lock: LockState, *, refused: bool) -> str:
     """The lock holder's phase (``_lockfile``). Before it has written its pid: ``starting`` when a socket
     file refused (an engine that has just taken the lock, the crashed one's socket still there), else
@@ -266,6 +278,7 @@ def _not_running(
                 f"{path} {there}, not an engine's socket: the engine on {state_dir} (pid {pid}) cannot be "
                 "reached through it; remove it, and the engine binds its socket there again within 5 s",
                 pid,
+                blocked=_is_directory(path),
             )
         return EngineNotRunningError(
             f"{path} {there}, not an engine's socket, and no engine is running on {state_dir}: remove it "
