@@ -69,6 +69,13 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
             "waited for <= 50 us first): "
             + "; ".join(f"{name} {f[0]} -> {f[1]} ({f[2]} s)" for name, f in files.items())
         )
+    cpus = meta.get("workload_cpu_probe")
+    if isinstance(cpus, dict) and cpus:
+        lines.append(
+            "- the CPU probe per workload (a fixed sum in pure Python, median of five, in ms; start -> end: "
+            "the same code takes longer when the host runs this VM slower): "
+            + "; ".join(f"{name} {c[0]} -> {c[1]}" for name, c in cpus.items())
+        )
     lines += [
         "",
         "## Results",

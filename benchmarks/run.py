@@ -35,6 +35,7 @@ from ._common import (
     MiB,
     Row,
     containment_modes,
+    cpu_probe_ms,
     file_allocation_us,
     loadavg,
     machine,
@@ -112,7 +113,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _main(
-    ctx: Context, names: list[str], loads: dict[str, list[str]], files: dict[str, list[str]]
+    ctx: Context,
+    names: list[str],
+    loads: dict[str, list[str]],
+    files: dict[str, list[str]],
+    cpus: dict[str, list[str]],
 ) -> list[Row]:
     rows: list[Row] = []
     for name in names:
@@ -125,12 +130,15 @@ async def _main(
         allocation, waited = await trio.to_thread.run_sync(wait_files_quiet, probe, ctx.quiet_wait_seconds)
         t0 = time.perf_counter()
         start = loadavg()
+        cpu_start = cpu_probe_ms()
         print(
-            f"[{name}] running (load {start}; a file allocation {allocation:.0f} us, after {waited:.0f} s)",
+            f"[{name}] running (load {start}; a file allocation {allocation:.0f} us, after {waited:.0f} s; "
+            f"the CPU probe {cpu_start:.1f} ms)",
             flush=True,
         )
         rows += await WORKLOADS[name](ctx)
         loads[name] = [start.split()[0], loadavg().split()[0]]
+        cpus[name] = [f"{cpu_start:.1f}", f"{cpu_probe_ms():.1f}"]
         files[name] = [f"{allocation:.0f}", f"{file_allocation_us(probe):.0f}", f"{waited:.0f}"]
         print(f"[{name}] done in {time.perf_counter() - t0:.1f} s", flush=True)
     return rows
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     sd: Supervisord | None = None
     loads: dict[str, list[str]] = {}
     files: dict[str, list[str]] = {}
+    cpus: dict[str, list[str]] = {}
     try:
         if "logs" in names:
             logs.check_disk(tmp, log_bytes)
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             modes=modes,
             quiet_wait_seconds=min(quiet_wait, 120.0),  # per workload
         )
-        rows = trio.run(_main, ctx, names, loads, files)
+        rows = trio.run(_main, ctx, names, loads, files, cpus)
         meta: dict[str, object] = {
             "command": " ".join(["python -m benchmarks.run", *(argv if argv is not None else sys.argv[1:])]),
             "mode": "quick" if args.quick else "full",
@@ -223,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_end": loadavg(),
             "workload_loads": loads,
             "workload_files": files,
+            "workload_cpu_probe": cpus,
             "waited_for_quiet": f"{waited:.0f} s",
             "modes": list(modes),
             "notes": notes,

@@ -37,7 +37,11 @@ def test_benchmarks_quick_run_writes_results(tmp_path: Path) -> None:
     table = (out / "results.md").read_text()
     assert "| spawn-to-exit of `true` | SubProcessService.create + wait |" in table
     assert "cron timer decision" in table
+    # how fast the host ran this VM at each workload's start and end, beside the load average
+    (probe,) = [line for line in table.splitlines() if line.startswith("- the CPU probe per workload")]
+    assert "spawn " in probe and "cron " in probe
     data = json.loads((out / "results.json").read_text())
+    assert set(data["meta"]["workload_cpu_probe"]) == {"spawn", "cron"}
     ratios = [row["ratios"] for row in data["rows"] if row["baseline"]]
     assert ratios and all(r and all(x > 0 for x in r) for r in ratios)
 
