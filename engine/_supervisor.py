@@ -350,8 +350,8 @@ class RunObserver(Protocol):
         """Called right after the spawn, before ``spawn`` returns."""
 
     def run_ended(self, run: ManagedRun) -> None:
-        """Called once the run's tree is reaped and the tasks its end woke have run (two checkpoints
-        later: see ``Supervisor._housekeep``), so that the housekeeping does not delay them."""
+        """Called once the run's tree is reaped, after the tasks its end woke (a lone end's waiter runs
+        first: see ``Supervisor._housekeep``), so that the housekeeping does not delay them."""
 
 
 class RunsObserver(RunObserver, Protocol):
@@ -772,15 +772,18 @@ class Supervisor:
         same scheduler pass (a ``kill_all``) share it (:meth:`_note_ended`): their leaves are removed
         together (``Containment.release_many``).
 
-        Two checkpoints, not one: Trio runs the tasks of one pass in either order (it reverses a pass's
-        batch half of the time), so after one checkpoint the leaf's removal (some 50-100 us) came before
-        the woken waiter in half the ends; after two, every waiter woken by the end has run first.
+        A lone end (a spawn's run, waited for) takes a second checkpoint: Trio runs the tasks of one pass
+        in either order (it reverses a pass's batch half of the time), so after one checkpoint the leaf's
+        removal (some 50-100 us) came before the woken waiter in half the ends; after two, the waiter has
+        run first. Many ends together (a ``kill_all``) go on after one, as before: their caller waits for
+        the housekeeping itself (:meth:`_housekeeping_done`).
 
         Cancellation: callers shield it.
         """
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()  # the runs ending in this pass join
-            await trio.lowlevel.cancel_shielded_checkpoint()  # the waiters woken in it run first
+            if len(self._ended) == 1:
+                await trio.lowlevel.cancel_shielded_checkpoint()  # its waiter, woken in that pass, first
         finally:
             batch, self._ended = self._ended, []
             try:
