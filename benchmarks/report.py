@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 
 from ._common import Row, spread
 
@@ -33,6 +34,17 @@ def _cell(samples: list[float]) -> tuple[str, str]:
     return _num(med), f"{_num(p10)}-{_num(p90)}"
 
 
+def _per_workload(
+    meta: dict[str, object], key: str, heading: str, show: Callable[[list[str]], str]
+) -> list[str]:
+    """One line of the machine's section: ``meta[key]`` (a figure per workload) as ``heading: name
+    figure; ...``, or none when the run did not record it."""
+    values = meta.get(key)
+    if not isinstance(values, dict) or not values:
+        return []
+    return [f"- {heading}: " + "; ".join(f"{name} {show(value)}" for name, value in values.items())]
+
+
 def markdown(rows: list[Row], meta: dict[str, object]) -> str:
     """The results page: machine, table, notes."""
     machine = meta["machine"]
@@ -56,26 +68,26 @@ def markdown(rows: list[Row], meta: dict[str, object]) -> str:
     lines += [
         f"- load average (1, 5, 15 min) at start: {meta['load_start']}; at end: {meta['load_end']}",
     ]
-    loads = meta.get("workload_loads")
-    if isinstance(loads, dict) and loads:
-        lines.append(
-            "- load average per workload (start -> end): "
-            + "; ".join(f"{name} {pair[0]} -> {pair[1]}" for name, pair in loads.items())
-        )
-    files = meta.get("workload_files")
-    if isinstance(files, dict) and files:
-        lines.append(
-            "- a file allocation in the scratch directory per workload, in us (start -> end; seconds "
-            "waited for <= 50 us first): "
-            + "; ".join(f"{name} {f[0]} -> {f[1]} ({f[2]} s)" for name, f in files.items())
-        )
-    cpus = meta.get("workload_cpu_probe")
-    if isinstance(cpus, dict) and cpus:
-        lines.append(
-            "- the CPU probe per workload (a fixed sum in pure Python, median of five, in ms; start -> end: "
-            "the same code takes longer when the host runs this VM slower): "
-            + "; ".join(f"{name} {c[0]} -> {c[1]}" for name, c in cpus.items())
-        )
+    lines += _per_workload(
+        meta,
+        "workload_loads",
+        "load average per workload (start -> end)",
+        lambda pair: f"{pair[0]} -> {pair[1]}",
+    )
+    lines += _per_workload(
+        meta,
+        "workload_files",
+        "a file allocation in the scratch directory per workload, in us (start -> end; seconds waited for "
+        "<= 50 us first)",
+        lambda f: f"{f[0]} -> {f[1]} ({f[2]} s)",
+    )
+    lines += _per_workload(
+        meta,
+        "workload_cpu_probe",
+        "the CPU probe per workload (a fixed sum in pure Python, median of five, in ms; start -> end: the "
+        "same code takes longer when the host runs this VM slower)",
+        lambda c: f"{c[0]} -> {c[1]}",
+    )
     lines += [
         "",
         "## Results",
