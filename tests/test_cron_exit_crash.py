@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,7 @@ async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_st
                 stored = await adopting.cron.get(job_id)
                 assert (stored.enabled, stored.last_status, stored.last_error) == (True, None, note)
                 profile_gate.touch()
+                released = time.monotonic()
                 await wait_until(lambda: adopting.watchers.last_error(job_id) is None)
 
                 async def cleared() -> bool:
@@ -153,6 +155,7 @@ async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_st
                 await wait_until(cleared)
                 assert adopting.watchers.active_job_ids() == [job_id]  # running, without the note
                 command_gate.touch()
+                ran = time.monotonic() - released
                 (event,) = await wait_events(adopting, 1)
     finally:  # both gates open: whatever was started ends by itself
         profile_gate.touch()
@@ -163,6 +166,10 @@ async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_st
         "exit",
         "started\n",
     )
+    # The command's own time, from its start mark, as for a fresh command: not from the spawn, which
+    # would add the hint's 2.5 s and more that the profile held it back (found by a tester: 32 s for a
+    # command of 2 s held back 30 s).
+    assert event.duration_seconds is not None and event.duration_seconds < ran + 1.0  # held back >= 2.5 s
     assert not shim_pids(state)
 
 

@@ -590,7 +590,10 @@ class CronExitWatchers:
         if not isinstance(duration, float) and started_at is not None:
             ended = record.get("ended_at")
             if isinstance(ended, float):
-                duration = ended - started_at.timestamp()
+                # As for a command of this engine's own: from its start mark where a profile ran first
+                # (it may have held the command back across the restart), else from the spawn.
+                started = await trio.to_thread.run_sync(_started_at, paths, started_at.timestamp())
+                duration = ended - started
         reason = str(record.get("reason") or ("signal" if signal is not None else "exit"))
         assert isinstance(job.schedule, OnExit)
         intro = job.payload.text if isinstance(job.payload, SystemEvent) else None
