@@ -143,6 +143,10 @@ async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_st
                     f"the watched command has not started yet: after {hint:g} s the shell (in the shim, "
                     f"pid {shim})"
                 )
+                # what holds it back is named, with what runs none (a tester was told to use the
+                # `bash -c --` shell it already had)
+                assert f"(the file BASH_ENV names, {str(env_file)!r} waiting on something?)" in note
+                assert note.endswith("; unset BASH_ENV in the engine's environment to run none")
                 stored = await adopting.cron.get(job_id)
                 assert (stored.enabled, stored.last_status, stored.last_error) == (True, None, note)
                 profile_gate.touch()

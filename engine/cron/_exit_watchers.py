@@ -57,7 +57,7 @@ from ._log_files import (
 from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
-from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv
+from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv, what_runs_first
 from ._watch_state import WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
@@ -494,11 +494,11 @@ class CronExitWatchers:
         await trio.sleep(max(0.0, self.start_hint_seconds - held_seconds))
         if not await self._never_started(paths):
             return
+        what, remedy = what_runs_first()
         message = (
             f"{_NOT_STARTED_YET}: after {self.start_hint_seconds:g} s the shell (in the shim, pid {pid}) is "
-            f"still running what comes before the command (a login profile waiting on something?); what it "
-            f"printed is in {paths.stdout} and {paths.stderr}; `exit_watch_shell` ('bash', '-c', '--') runs "
-            "no profile"
+            f"still running what comes before the command ({what} waiting on something?); what it printed "
+            f"is in {paths.stdout} and {paths.stderr}; {remedy}"
         )
         logger.warning("on-exit job %s: %s", job_id, message)
         self._errors[job_id] = message

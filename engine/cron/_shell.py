@@ -21,6 +21,7 @@ __all__ = [
     "shell_installed",
     "shim_argv",
     "watch_argv",
+    "what_runs_first",
 ]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,6 +113,19 @@ def runs_user_files_first(shell: tuple[str, ...]) -> bool:
         for _ in range(letters.count("o") + letters.count("O")):
             next(args, None)  # its value (``-o pipefail``, ``-euo pipefail``, ``+O extglob``)
     return False
+
+
+def what_runs_first() -> tuple[str, str]:
+    """For a message on a watched command held back: what its bash runs before the command string, and
+    how to run none, as ``(what, remedy)``. ``BASH_ENV`` (in the engine's environment, which the command
+    inherits) is named first: every non-interactive bash reads it, ``('bash', '-c', '--')`` too."""
+    bash_env = os.environ.get("BASH_ENV")
+    if bash_env is not None:
+        return (
+            f"the file BASH_ENV names, {bash_env!r}",
+            "unset BASH_ENV in the engine's environment to run none",
+        )
+    return "a login profile", "`exit_watch_shell` ('bash', '-c', '--') runs no profile"
 
 
 def watch_argv(
