@@ -446,13 +446,15 @@ class CronExitWatchers:
         )
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(keep_within_cap, watch.logs, self.log_cap_bytes)
-            if watch.state is not None and watch.state.marks_start:
-                nursery.start_soon(self._note_slow_start, job.id, paths, run.pid)
-            result = await self._wait_or_end(watch, run.wait, functools.partial(self.supervisor.cancel, run))
-            nursery.cancel_scope.cancel()
-        await trim_logs(watch.logs, self.log_cap_bytes)
+        result = await self._while_running(
+            watch,
+            paths,
+            watch.logs,
+            run.wait,
+            functools.partial(self.supervisor.cancel, run),
+            marks_start=watch.state is not None and watch.state.marks_start,
+            pid=run.pid,
+        )
         read = await trio.to_thread.run_sync(read_exit_record, paths.exit_file)
         record = read.record
         if record is None:  # the shim was killed, or could not write (a full disk): what the supervisor saw
@@ -537,23 +539,45 @@ class CronExitWatchers:
             nursery.cancel_scope.cancel()
         return result
 
+    async def _while_running(
+        self,
+        watch: _Watch,
+        paths: _Paths,
+        logs: list[LogFile],
+        wait: Callable[[], Awaitable[_T]],
+        end: Callable[[], Awaitable[object]],
+        *,
+        marks_start: bool,
+        pid: int,
+        held_seconds: float = 0.0,
+    ) -> _T:
+        """:meth:`_wait_or_end` of a running command (its shim ``pid``, this engine's or adopted), with
+        its ``logs`` kept within the cap meanwhile and looked at once more at the end; where its shell
+        ``marks_start``, a start held back past :attr:`start_hint_seconds` is noted
+        (:meth:`_note_slow_start`, ``held_seconds`` counted in)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_within_cap, logs, self.log_cap_bytes)
+            if marks_start:
+                nursery.start_soon(self._note_slow_start, watch.job_id, paths, pid, held_seconds)
+            result = await self._wait_or_end(watch, wait, end)
+            nursery.cancel_scope.cancel()
+        await trim_logs(logs, self.log_cap_bytes)
+        return result
+
     async def _wait_adopted(self, watch: _Watch, state: WatchState) -> ExitRecord | None:
         """Wait (through a pidfd) for a command the previous engine started, then read its record."""
         watch.adopted = state
         paths = _Paths.of(self.state_dir, watch.job_id, state.arm_id)
-        async with trio.open_nursery() as nursery:
-            logs = [LogFile(paths.stdout), LogFile(paths.stderr)]  # their inodes: taken at the first look
-            nursery.start_soon(keep_within_cap, logs, self.log_cap_bytes)
-            if state.marks_start:  # its profile may still hold it back, as it may a fresh command's
-                held = (self.now() - state.started_at).total_seconds()
-                nursery.start_soon(self._note_slow_start, watch.job_id, paths, state.pid, held)
-            await self._wait_or_end(
-                watch,
-                functools.partial(wait_exited, state.pid, start_time=state.start_time),
-                functools.partial(self._end_group, state),
-            )
-            nursery.cancel_scope.cancel()
-        await trim_logs(logs, self.log_cap_bytes)
+        await self._while_running(
+            watch,
+            paths,
+            [LogFile(paths.stdout), LogFile(paths.stderr)],  # their inodes: taken at the first look
+            functools.partial(wait_exited, state.pid, start_time=state.start_time),
+            functools.partial(self._end_group, state),
+            marks_start=state.marks_start,  # its profile may still hold it back, as a fresh command's may
+            pid=state.pid,
+            held_seconds=(self.now() - state.started_at).total_seconds(),
+        )
         watch.adopted = None
         watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
         _reap_if_ours(state.pid, state.start_time)
