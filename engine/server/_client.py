@@ -198,9 +198,10 @@ def _socket_made(path: str) -> int | None:
         return None
 
 
-def _not_a_socket(path: str) -> str | None:
+def _not_a_socket(path: str) -> tuple[str, bool] | None:
     """What is at ``path`` when it is not a socket, for a message (``"is a directory"``, ``"is a symbolic
-    link to a FIFO"``), or ``None``: a socket, a symbolic link to one, or nothing at all.
+    link to a FIFO"``), and whether it is a directory itself (an engine cannot bind its socket over one;
+    it replaces anything else at once); ``None``: a socket, a symbolic link to one, or nothing at all.
 
     One ``lstat``: a symbolic link is named as one, with what it leads to. A link to a socket is left to
     the connect and :func:`check_peer`, as before (they follow it and judge who answers there).
@@ -212,20 +213,14 @@ def _not_a_socket(path: str) -> str | None:
     if stat.S_ISSOCK(info.st_mode):
         return None
     if not stat.S_ISLNK(info.st_mode):
-        return f"is {what_it_is(info.st_mode)}"
+        return f"is {what_it_is(info.st_mode)}", stat.S_ISDIR(info.st_mode)
     try:
         target = os.stat(path)
     except OSError:
-        return "is a symbolic link that leads to nothing"
-    return None if stat.S_ISSOCK(target.st_mode) else f"is a symbolic link to {what_it_is(target.st_mode)}"
-
-
-def _is_directory(path: str) -> bool:
-    """Whether a directory itself (not a link to one) is at ``path``."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
+        return "is a symbolic link that leads to nothing", False
+    if stat.S_ISSOCK(target.st_mode):
+        return None
+    return f"is a symbolic link to {what_it_is(target.st_mode)}", False
 
 
 def _phase(lock: LockState, *, refused: bool) -> str:
@@ -271,14 +266,15 @@ def _not_running(
             "socket: this client cannot reach it (stop that program, or use another --state-dir)",
             pid,
         )
-    there = _not_a_socket(path)
-    if there is not None and phase != STOPPING:
+    found = _not_a_socket(path)
+    if found is not None and phase != STOPPING:
+        there, blocked = found
         if pid is not None:
             return EngineSocketMissingError(
                 f"{path} {there}, not an engine's socket: the engine on {state_dir} (pid {pid}) cannot be "
                 "reached through it; remove it, and the engine binds its socket there again within 5 s",
                 pid,
-                blocked=_is_directory(path),
+                blocked=blocked,
             )
         return EngineNotRunningError(
             f"{path} {there}, not an engine's socket, and no engine is running on {state_dir}: remove it "
