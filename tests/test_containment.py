@@ -167,7 +167,11 @@ def test_nb01_serve_ends_the_daemon_by_kill_all_and_by_its_exit(
     project = tmp_path / "p"
     project.mkdir()
     first, second = mark("7772.1"), mark("7772.2")
-    served = start_serve(tmp_path / "state", "--containment", containment_mode)
+    # A grace long enough for both daemons to live at once: in cgroup mode a daemon stays in its run's
+    # leaf, and the run's end ends it a grace period after its leader exited (SP-03). With serve's 0.5 s,
+    # the first daemon was gone before the second create's CLI had started on a loaded machine. The
+    # daemons are sleeps, which SIGINT ends at once: no step below waits out the grace.
+    served = start_serve(tmp_path / "state", "--containment", containment_mode, "--grace-seconds", "10")
     try:
         for marker in (first, second):
             created = served.cli("create", "--project", str(project), "--", sys.executable, *nb01(marker))
