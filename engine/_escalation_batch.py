@@ -23,9 +23,11 @@ Three things cut what a batch of 1000 costs beyond its ``killpg`` (or ``cgroup.k
   list serves all of their final looks (see ``_escalation_driver.children_read_since``).
 
 The SIGKILLs a pass aims are sent in the pass itself (a ``killpg`` or a ``pidfd_send_signal`` costs the
-loop a few microseconds); only work that blocks in the kernel without the GIL, a cgroup leaf's
-``rmdir``, goes to a worker thread (``LeaderTarget.hand_off``, ``_escalation_handoff``). Detached members
-(``_escalation_detached``) are ended by the driver in its pass.
+loop a few microseconds). An empty leaf is not removed in the pass: its ``rmdir`` (and the kernel's work
+of freeing the cgroup that follows) would take the cores from the killed processes' exits and from the
+driver; the supervisor's housekeeping removes the leaves once the runs' waiters have gone on
+(``Supervisor._housekeep``). Detached members (``_escalation_detached``) are ended by the driver in its
+pass.
 
 A member whose leader is reaped while the rest of its tree lives (a straggler outside the group, a leaf
 not yet empty) has no pidfd left to wait on: it is handed back to its own task, which waits on it alone
@@ -41,7 +43,6 @@ from __future__ import annotations
 import heapq
 import os
 import resource
-from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Final
 
@@ -50,7 +51,6 @@ import trio
 
 from ._escalation import Escalation, Phase, Steps, WaitGone, advance
 from ._escalation_detached import Detached, reraise
-from ._escalation_handoff import HandOff
 from ._pidfd_set import PidfdSet
 from ._procfs import engine_children, sharing_children_reads
 
@@ -130,10 +130,6 @@ class _Batch:
     _due: list[_Member] = attrs.field(factory=list)
     _wake: trio.CancelScope | None = None
     _started: bool = False
-    #: the worker threads that take the work the members hand over (``_escalation_handoff``)
-    _handoff: HandOff[_Member] = attrs.field(
-        default=attrs.Factory(lambda self: HandOff(self._hand_failed), takes_self=True)
-    )
 
     # ---- the wait set ------------------------------------------------------------------------------
 
@@ -153,22 +149,6 @@ class _Batch:
         self._due.append(member)
         if self._wake is not None:
             self._wake.cancel()
-
-    # ---- work handed to a worker thread -------------------------------------------------------------
-
-    def _hand(self, member: _Member, work: Callable[[], object]) -> None:
-        """Have ``work`` (``member``'s target's: the ``rmdir`` of an empty leaf) done by this pass's worker
-        thread (``_escalation_handoff``)."""
-        self._handoff.hand(member, work)
-
-    def _hand_failed(self, member: _Member, exc: BaseException) -> None:
-        """A work ``member`` handed over raised ``exc``: it ends the member, as in its own pass."""
-        if not member.over:
-            member.error = exc
-            self._unwatch(member)
-            self._settled(member)
-            if self._wake is not None:
-                self._wake.cancel()
 
     # ---- one pass ----------------------------------------------------------------------------------
 
@@ -220,7 +200,7 @@ class _Batch:
             member.turn.set()
             return
         member.target.notify_force(None)  # its own task (resume) or nobody looks at it from now on
-        member.target.hand_off(None)
+        member.target.set_batched(False)
         try:
             if member.error is not None:
                 detach.done(member.error)
@@ -287,6 +267,26 @@ class _Batch:
             if not (member.over or member.alone or id(member) in seen):
                 seen.add(id(member))
                 todo.append(member)
+        # One look at each leader for the whole pass (hold_leader_look), not one per check below.
+        for member in todo:
+            member.target.hold_leader_look()
+        try:
+            asked = self._answer_held(todo)
+        finally:
+            for member in todo:
+                member.target.drop_leader_look()
+        end = trio.current_time()
+        for member in asked:
+            member.deadline = end + member.request.seconds
+            if member.fd < 0:  # no leader to wait on (it exited before): the tree is waited on alone
+                member.alone = True
+                self._settled(member)
+                continue
+            self._schedule(member)
+
+    def _answer_held(self, todo: list[_Member]) -> list[_Member]:
+        """The looks and steps of :meth:`_answer`, each leader's look held: the members that asked for a
+        new wait."""
         # Settle together: mark those with nothing known alive, then one read of the engine's children
         # made after every mark serves their final looks.
         marked = [m for m in todo if m.target.mark_quiet()]
@@ -310,14 +310,7 @@ class _Batch:
                 continue
             if self._step(member, gone):
                 asked.append(member)
-        end = trio.current_time()
-        for member in asked:
-            member.deadline = end + member.request.seconds
-            if member.fd < 0:  # no leader to wait on (it exited before): the tree is waited on alone
-                member.alone = True
-                self._settled(member)
-                continue
-            self._schedule(member)
+        return asked
 
     async def _wait(self) -> None:
         """Until the earliest deadline (plus :data:`COALESCE_SECONDS`), a leader's exit, or a poke."""
@@ -342,10 +335,7 @@ class _Batch:
         try:
             while True:
                 with sharing_children_reads():
-                    try:
-                        self._pass()
-                    finally:
-                        self._handoff.end_pass()  # the pass's thread ends once it has done its work
+                    self._pass()
                 if (me.over or me.alone) and not any(m.detach is not None for m in self._waiting()):
                     return
                 await self._wait()
@@ -362,13 +352,12 @@ class _Batch:
                 heir.drives = True
                 heir.detach.spawn(partial(self.drive, heir))
             else:
-                await self._handoff.wait_idle()  # no work is left in flight once the batch is over
                 self._close()
 
     def _close(self) -> None:
         for member in self.members:
             member.target.notify_force(None)
-            member.target.hand_off(None)
+            member.target.set_batched(False)
         self._leaders.close()
 
 
@@ -397,7 +386,7 @@ async def drive_in_batch(
         me.drives = True
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
-        target.hand_off(lambda work: batch._hand(me, work))
+        target.set_batched(True)
         try:
             await trio.lowlevel.cancel_shielded_checkpoint()  # the escalations of this pass join
         finally:
@@ -405,14 +394,14 @@ async def drive_in_batch(
                 _FORMING.set(None)
         if len(batch.members) == 1:  # alone in its pass: the one-tree wait costs less than a batch's
             target.notify_force(None)
-            target.hand_off(None)
+            target.set_batched(False)
             return first.phase, me.deadline
         me.detach = detach
     else:
         me.detach = detach
         batch.members.append(me)
         target.notify_force(lambda: batch._poke(me))
-        target.hand_off(lambda work: batch._hand(me, work))
+        target.set_batched(True)
         if detach is not None:
             return None  # the driver ends it (Detached); it forgets the target's hooks then (_close)
     if me.detach is not None:  # the first member: it drives, and the driver ends it with the others
@@ -425,7 +414,7 @@ async def drive_in_batch(
             await me.turn.wait()
             me.turn = trio.Event()
     target.notify_force(None)
-    target.hand_off(None)
+    target.set_batched(False)
     if me.error is not None:
         raise me.error
     if me.result is not None:

@@ -80,12 +80,19 @@ class LeaderTarget(EscalationTarget, Protocol):
         """Reap the leader if it has exited (its pidfd is closed then); ``True`` once it is reaped."""
         ...
 
+    def hold_leader_look(self) -> None:
+        """Look at the leader once and, when it lives, answer every look with "alive" without looking
+        until :meth:`drop_leader_look` (one pass of a batch driver)."""
+
+    def drop_leader_look(self) -> None:
+        """End :meth:`hold_leader_look`."""
+
     def notify_force(self, wake: Callable[[], None] | None) -> None:
         """Have ``wake`` called when force is requested (``None``: no more); a batch driver waits for it."""
 
-    def hand_off(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
-        """Let the target give ``hand`` work that is safe on the batch driver's worker thread and blocks in
-        the kernel without the GIL (a leaf's ``rmdir``) instead of doing it (``None``: do it again)."""
+    def set_batched(self, batched: bool) -> None:
+        """Tell the target whether a batch driver escalates it now (a leaf then sends its first SIGKILL to
+        the leader alone: ``LeafTree.kill``)."""
 
     def mark_quiet(self) -> bool:
         """Whether nothing the target is known to hold is alive (its leader reaped on the way); if so, the

@@ -70,7 +70,6 @@ class LeafTree(ProcessTree):
     _leader_alone_at: float = attrs.field(init=False, default=-1.0)
     #: the leaf as a whole got its ``cgroup.kill`` (not only the leader its SIGKILL)
     _rest_killed: bool = attrs.field(init=False, default=False)
-    _removal_handed: bool = attrs.field(init=False, default=False)
     #: a descriptor on the leaf's ``cgroup.events`` (:meth:`prepare`), or -1
     _events_fd: int = attrs.field(init=False, default=-1)
 
@@ -133,14 +132,14 @@ class LeafTree(ProcessTree):
     def kill(self) -> None:
         """SIGKILL the whole leaf at once through ``cgroup.kill`` (forks in flight included).
 
-        In a batch (``hand_off`` given) the first kill goes to the leader alone, through its pidfd (a
+        In a batch (:meth:`set_batched`) the first kill goes to the leader alone, through its pidfd (a
         ``cgroup.kill`` write holds the cgroup mutex for some 40-70 us, and 1000 of them queue up with the
         leaves' removals behind the same mutex; reading ``cgroup.procs`` first costs as much again): a run
         is most often its leader alone. What else the leaf holds is killed by ``cgroup.kill`` as soon as
         the leader's exit is seen with the leaf still populated (:meth:`_kill_rest`), before the member
         waits for the leaf to empty.
         """
-        if self._hand is None or self._killed_once or self.pidfd < 0:
+        if not self._batched or self._killed_once or self.pidfd < 0:
             self._killed_once = True
             self._rest_killed = True
             self.leaf.kill()
@@ -204,11 +203,6 @@ class LeafTree(ProcessTree):
             if not self._empty():
                 return False
         self._reap_leaf_zombies()
-        if self._hand is not None and not self._removal_handed:
-            # In a batch, the empty leaf is removed now from the worker thread, overlapping the ends of the
-            # other runs; the release after the run's end then finds it gone (_containment).
-            self._removal_handed = True
-            self._hand(self.leaf.remove)
         return True
 
     def remaining(self) -> list[int]:

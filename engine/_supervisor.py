@@ -766,11 +766,15 @@ class Supervisor:
         return True
 
     async def _housekeep(self) -> None:
-        """The housekeeping after the runs' ends (remove their leaves, tell the guardian and the
-        records), done after the waiters of those runs have gone on, so that it overlaps what they do
+        """The housekeeping after the runs' ends (tell the guardian and the records, then remove their
+        leaves), done after the waiters of those runs have gone on, so that it overlaps what they do
         next (the next spawn's child runs meanwhile) instead of delaying them; the runs that end in the
         same scheduler pass (a ``kill_all``) share it (:meth:`_note_ended`): their leaves are removed
-        together (``Containment.release_many``).
+        together (``Containment.release_many``), after the callers waiting for the housekeeping
+        (:meth:`_housekeeping_done`) have gone on: a ``kill_all`` of 1000 returns once every leaf was
+        seen empty, not once the 1000 ``rmdir`` (and the kernel's freeing of the cgroups, some 40 ms of
+        the two cores here) are done. The supervisor's close waits for them (this task is in its
+        nursery), before the engine's parent cgroup is removed.
 
         A lone end (a spawn's run, waited for) takes a second checkpoint: Trio runs the tasks of one pass
         in either order (it reverses a pass's batch half of the time), so after one checkpoint the leaf's
@@ -787,8 +791,6 @@ class Supervisor:
         finally:
             batch, self._ended = self._ended, []
             try:
-                await self._containment.release_many([r._placement for r in batch])
-            finally:
                 for observer in self._observers:
                     # A plain attribute look, not isinstance of the runtime-checkable protocol: that walks
                     # the protocol's members at every call (some 30 us per run ended).
@@ -798,14 +800,18 @@ class Supervisor:
                     else:
                         for ended in batch:
                             observer.run_ended(ended)
+            finally:
                 self._housekeeping -= 1
                 if not self._housekeeping:
                     done, self._housekept = self._housekept, trio.Event()
                     done.set()
+                # Last, once the callers waiting for the housekeeping have gone on (a kill_all returns):
+                # the leaves' removal, in this task of the supervisor's nursery, which its close waits for.
+                await self._containment.release_many([r._placement for r in batch])
 
     async def _housekeeping_done(self) -> None:
-        """Wait until the housekeeping of every run ended so far is done (``kill_all`` returns only once
-        the leaves are removed and the guardian told)."""
+        """Wait until the housekeeping of every run ended so far is done but the leaves' removal
+        (``kill_all`` returns only once the guardian and the observers are told)."""
         while self._housekeeping or self._ended:
             await self._housekept.wait()
 
@@ -886,7 +892,7 @@ class Supervisor:
         """End every run of ``scope_key`` concurrently and return their exits (oldest first).
 
         It waits for a replacement spawn of the same key that is under way and ends that run too, and
-        returns once the runs' housekeeping is done (their leaves removed, the observers told).
+        returns once the runs' housekeeping is done (the observers told; their leaves are removed after).
 
         Cancellation: as :meth:`cancel`.
         """

@@ -78,7 +78,8 @@ class ProcessTree(TreeWalk):
     quiet_at: float | None = attrs.field(init=False, default=None)
     _wake: trio.CancelScope | None = attrs.field(init=False, default=None)
     _poke: Callable[[], None] | None = attrs.field(init=False, default=None)
-    _hand: Callable[[Callable[[], object]], None] | None = attrs.field(init=False, default=None)
+    #: escalated in a batch (:meth:`set_batched`)
+    _batched: bool = attrs.field(init=False, default=False)
     #: the group was seen empty after the leader's reaping: it stays so (nothing can join a group with
     #: no member), and its id, the leader's pid, may name a stranger's group from then on
     _group_empty: bool = attrs.field(init=False, default=False)
@@ -88,13 +89,19 @@ class ProcessTree(TreeWalk):
     _begun: tuple[Steps, WaitGone | Escalation, float] | None = attrs.field(init=False, default=None)
     #: descriptors on the leader's ``/proc`` task folder and children list (:meth:`prepare`), or ``None``
     _leader_fds: tuple[int, int] | None = attrs.field(init=False, default=None)
+    #: the leader was seen alive by :meth:`hold_leader_look` and is taken as alive until
+    #: :meth:`drop_leader_look` (one pass of the batch driver)
+    _alive_held: bool = attrs.field(init=False, default=False)
 
     # ---- the leader ------------------------------------------------------------------------------
 
     def poll_leader(self) -> bool:
-        """Reap the leader if it has exited; ``True`` once it is reaped."""
+        """Reap the leader if it has exited; ``True`` once it is reaped (``False`` with no look while a
+        look is held: :meth:`hold_leader_look`)."""
         if self.status is not None:
             return True
+        if self._alive_held:
+            return False
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:  # someone else reaped it (a host calling waitpid(-1)): exit unknown
@@ -104,6 +111,18 @@ class ProcessTree(TreeWalk):
         self.status = status
         self._close_leader()
         return True
+
+    def hold_leader_look(self) -> None:
+        """Look at the leader once (:meth:`poll_leader`) and, when it lives, take it as alive in every look
+        until :meth:`drop_leader_look`, with no ``waitpid`` each: the batch driver's pass looks at a member
+        up to three times (the quiet mark, the gone check, the escalation's own before SIGKILL), 3000
+        ``waitpid`` calls at the end of a ``kill_all``'s grace period. A leader that exits meanwhile is
+        seen by the next pass (its pidfd turns readable), as if it had exited just after the look."""
+        self._alive_held = not self.poll_leader()
+
+    def drop_leader_look(self) -> None:
+        """End :meth:`hold_leader_look`: the next look at the leader is a ``waitpid`` again."""
+        self._alive_held = False
 
     async def wait_leader(self) -> None:
         """Block until the leader has exited, then reap it (its pidfd turns readable on exit).
@@ -174,9 +193,9 @@ class ProcessTree(TreeWalk):
         """Have ``wake`` called at :meth:`request_force` (the batch driver's poke), or no more."""
         self._poke = wake
 
-    def hand_off(self, hand: Callable[[Callable[[], object]], None] | None) -> None:
-        """Let ``hand`` take work for a worker thread (``None``: no more); a process tree has none."""
-        self._hand = hand
+    def set_batched(self, batched: bool) -> None:
+        """Whether a batch driver escalates the tree now (a process tree does nothing else for it)."""
+        self._batched = batched
 
     async def _wait_leader_or_force(self) -> None:
         """Wait for the leader's exit (its pidfd) or :meth:`request_force`, with no time step: while the

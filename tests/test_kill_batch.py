@@ -548,3 +548,46 @@ async def test_a_kill_all_with_few_descriptors_to_spare_still_ends_everything(
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         kill_leftovers(marker)
+
+
+async def test_the_leaves_of_a_batch_are_removed_after_its_callers_go_on(
+    tmp_path: Path, needs_cgroup: None
+) -> None:
+    """The leaves of the runs a ``kill_all`` ended are not removed in the driver's passes, among the kills:
+    every leaf is seen empty before the call returns, the observers hear of the ends while the leaves are
+    still there, and the leaves are removed right after, by the housekeeping; the engine's close leaves
+    none."""
+    marker = mark("336.10")
+    project = make_project(tmp_path)
+    present_when_told: list[bool] = []
+
+    class Observer:
+        def run_started(self, run: object) -> None:
+            pass
+
+        def run_ended(self, run: object) -> None:
+            leaf = getattr(run, "cgroup", None)
+            present_when_told.append(leaf is not None and os.path.isdir(leaf))
+
+    try:
+        async with engine_at(tmp_path, grace_seconds=0.2, containment="cgroup") as engine:
+            engine.supervisor.add_observer(Observer())
+            records = [
+                await engine.service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
+                for _ in range(20)
+            ]
+            leaves = [sp._run.cgroup for sp in records]
+            assert all(leaf is not None and os.path.isdir(leaf) for leaf in leaves)
+            await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 20)
+            assert await engine.service.kill_all() is True  # every leaf seen empty
+            assert not pgrep(rf"^sleep {marker}")
+            assert present_when_told == [True] * 20
+
+            def left() -> list[str]:
+                return [leaf for leaf in leaves if leaf is not None and os.path.exists(leaf)]
+
+            with trio.fail_after(10):
+                await wait_until(lambda: not left())
+        assert not left()
+    finally:
+        kill_leftovers(marker)

@@ -25,6 +25,7 @@ from .children import (
     mark,
     pgrep,
     proc_exists,
+    proc_state,
     py,
     wait_for_state,
     wait_for_text,
@@ -224,3 +225,27 @@ async def test_leader_exit_reaps_adopted_zombies_of_double_fork(
         assert not pgrep(rf"339\.[12]{SESSION}")
     finally:
         kill_leftovers(rf"339\.[12]{SESSION}")
+
+
+async def test_a_held_look_answers_alive_without_a_waitpid_until_dropped(supervisor: Supervisor) -> None:
+    """``hold_leader_look`` (a batch driver's pass, synchronous: no task runs meanwhile): one look, then
+    the leader counts as alive, though it has exited since (it stays a zombie, unreaped); once the look is
+    dropped, the run's own look reaps it and the run ends as a kill."""
+    marker = mark("7777.1")
+    try:
+        run = await supervisor.spawn(SpawnSpec(argv=("sleep", marker)))
+        tree = run._tree
+        tree.hold_leader_look()
+        os.kill(run.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while proc_state(run.pid) != "Z":  # no checkpoint: the run's own task does not look meanwhile
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert tree.poll_leader() is False and tree.status is None
+        assert proc_state(run.pid) == "Z"  # not reaped by the held look
+        tree.drop_leader_look()  # the run's own task, waiting on the pidfd, reaps it now
+        with trio.fail_after(10):
+            exit = await run.wait()
+        assert exit.signal == signal.SIGKILL
+    finally:
+        kill_leftovers(rf"^sleep {marker}")
