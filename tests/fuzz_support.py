@@ -296,7 +296,3 @@ def process_rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
-
-
-def process_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))

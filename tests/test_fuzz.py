@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from .fuzz_support import mcp_message, process_fds, process_rss, rpc_messages
+from .children import process_fds
+from .fuzz_support import mcp_message, process_rss, rpc_messages
 from .serve_support import SHELL, Served, start_serve
 
 MESSAGES = int(os.environ.get("GADGET_FUZZ_MESSAGES", "1500"))

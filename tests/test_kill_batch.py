@@ -19,7 +19,7 @@ import trio
 from engine import RunState, SpawnSpec, SubProcessNotFoundError, open_supervisor
 from engine._procfs import children_of
 
-from .children import SESSION, kill_leftovers, mark, pgrep, proc_exists, py, wait_until
+from .children import SESSION, kill_leftovers, mark, open_fds, pgrep, proc_exists, py, wait_until
 from .service_support import engine_at, log_dir, log_paths, make_project
 
 GRACE = 0.4
@@ -491,10 +491,6 @@ async def test_a_scrubbed_setsid_child_forked_late_in_the_grace_is_killed_with_i
         kill_leftovers(marker)
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 async def test_a_kill_all_closes_every_descriptor_its_batch_opened(tmp_path: Path, containment: str) -> None:
     """The descriptors a batch opens on the leaders' ``/proc`` files or the leaves' ``cgroup.events``
     during the grace (to look at them for less after it) are closed by the time ``kill_all`` returns, with
@@ -506,17 +502,17 @@ async def test_a_kill_all_closes_every_descriptor_its_batch_opened(tmp_path: Pat
             service = engine.service
             await service.kill_all()  # the folder cache and the log cap as they are between kill_alls
             gc.collect()
-            before = _open_fds()
+            before = open_fds()
             records = [
                 await service.create(project, "bash", ["-c", f"trap '' INT; exec sleep {marker}"])
                 for _ in range(20)
             ]
             await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 20)
-            assert _open_fds() > before
+            assert open_fds() > before
             assert await service.kill_all() is True
             assert not [sp.pid for sp in records if proc_exists(sp.pid)]
             gc.collect()
-            await wait_until(lambda: _open_fds() <= before)
+            await wait_until(lambda: open_fds() <= before)
     finally:
         kill_leftovers(marker)
 
@@ -538,13 +534,13 @@ async def test_a_kill_all_with_few_descriptors_to_spare_still_ends_everything(
                 for _ in range(30)
             ]
             await wait_until(lambda: len(pgrep(rf"^sleep {marker}")) == 30)
-            before = _open_fds()
+            before = open_fds()
             resource.setrlimit(resource.RLIMIT_NOFILE, (before + 512 + 10, hard))  # 5 members' worth
             assert await service.kill_all() is True
             assert not pgrep(rf"^sleep {marker}")
             assert not [sp.pid for sp in records if proc_exists(sp.pid)]
             assert all(sp.exit is not None and sp.exit.escalated for sp in records)
-            assert _open_fds() < before
+            assert open_fds() < before
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         kill_leftovers(marker)

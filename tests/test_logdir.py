@@ -21,7 +21,7 @@ import trio
 from engine import SpawnError, SubProcessNotFoundError, UntrustedPathError
 from engine._logdir import LogFolder
 
-from .children import PY, mark, pgrep, py, wait_until
+from .children import PY, mark, open_fds, pgrep, py, wait_until
 from .serve_support import start_serve
 from .service_support import engine_at, log_dir, make_project
 
@@ -469,10 +469,6 @@ async def test_cap_and_reads_skip_a_log_replaced_by_another_regular_file(tmp_pat
 # ---- the folder cache: walked once, checked again at each create -------------------------------------
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 async def test_cached_log_folder_moved_and_replaced_by_a_symlink_is_not_followed(tmp_path: Path) -> None:
     """The service keeps each project's log folder open after the first walk (``FolderCache``); a folder
     moved away and replaced by a link to it is refused as a walk refuses it, and no file goes into it."""
@@ -526,7 +522,7 @@ def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Pat
 
     project, logs = _made_log_folder(tmp_path)
     cache = FolderCache()
-    before = _open_fds()
+    before = open_fds()
     folder, fd, spare = cache.open(str(logs), base=str(project))  # walked, kept
     os.close(fd)
     assert spare == [] and folder.identity == (logs.stat().st_dev, logs.stat().st_ino)
@@ -546,7 +542,7 @@ def test_folder_cache_checks_again_and_restores_mode_and_gitignore(tmp_path: Pat
     os.close(fd)
     assert spare == [] and folder.made == 1 and (logs / ".gitignore").exists()
     cache.close()
-    assert _open_fds() == before
+    assert open_fds() == before
 
 
 @pytest.mark.parametrize("slow", [True, False])
@@ -564,7 +560,7 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
     monkeypatch.setattr(_folder_cache, "SLOW_FILE_SECONDS", -1.0 if slow else 10.0)
 
     project, logs = _made_log_folder(tmp_path)
-    before = _open_fds()
+    before = open_fds()
     cache = FolderCache(background=True)
     folder, fd, spare = cache.open(str(logs), base=str(project))
     os.close(fd)
@@ -591,12 +587,12 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
     cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)  # queued or under way: closed
     cache.close()
     assert not _cache_threads()
-    assert _open_fds() == before
+    assert open_fds() == before
     folder, fd, spare = cache.open(str(logs), base=str(project))  # usable again after close
     os.close(fd)
     cache.prepare(str(logs), base=str(project), make=make_unnamed, count=2)
     cache.close()
-    assert _open_fds() == before
+    assert open_fds() == before
 
 
 def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
@@ -611,7 +607,7 @@ def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
 
     monkeypatch.setattr(_folder_cache, "SLOW_FILE_SECONDS", -1.0)
     project, logs = _made_log_folder(tmp_path)
-    before = _open_fds()
+    before = open_fds()
     cache = FolderCache(background=True)
 
     for _ in range(3):
@@ -622,10 +618,10 @@ def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
         assert _cache_threads()
         cache.close(wait=False)
         deadline = time.monotonic() + 10
-        while (_cache_threads() or _open_fds() != before) and time.monotonic() < deadline:
+        while (_cache_threads() or open_fds() != before) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not _cache_threads()
-        assert _open_fds() == before
+        assert open_fds() == before
     assert os.listdir(logs) == [".gitignore"]
 
 
@@ -660,7 +656,7 @@ def test_folder_cache_hands_out_only_the_files_asked_for_and_keeps_the_rest(tmp_
 
     project, logs = _made_log_folder(tmp_path)
     cache = FolderCache()
-    before = _open_fds()
+    before = open_fds()
     _, fd, _ = cache.open(str(logs), base=str(project))
     os.close(fd)
     cache.prepare(str(logs), base=str(project), make=make_unnamed, count=4)
@@ -677,4 +673,4 @@ def test_folder_cache_hands_out_only_the_files_asked_for_and_keeps_the_rest(tmp_
     for opened, _ in taken:
         os.close(opened)
     cache.close()
-    assert _open_fds() == before
+    assert open_fds() == before
