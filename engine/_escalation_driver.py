@@ -57,8 +57,10 @@ async def children_read_since(since: float) -> None:
         await trio.lowlevel.cancel_shielded_checkpoint()  # the other tasks of this pass join it
     finally:
         _DUE_READ.set(None)
-        engine_children()
-        done.set()
+        try:
+            engine_children()
+        finally:
+            done.set()  # a read that failed (its error goes up here) leaves no task waiting for it
 
 
 class LeaderTarget(EscalationTarget, Protocol):

@@ -1,15 +1,21 @@
 """The look at a process's children (``engine._procfs``): by path (``children_of``), and through
 descriptors opened ahead (``open_children_of`` / ``children_by_fds``), on real processes with one thread
-and with several, whose children a thread other than the main one started."""
+and with several, whose children a thread other than the main one started; and the engine's shared read
+of its own children (``engine._escalation_driver.children_read_since``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
+import trio
 
+from engine import _escalation_driver
+from engine._escalation_driver import children_read_since
 from engine._procfs import children_by_fds, children_of, open_children_of
 
 from .children import kill_leftovers, mark, py
@@ -101,3 +107,31 @@ def test_open_children_of_a_process_that_is_gone() -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
     assert open_children_of(proc.pid) is None
+
+
+async def test_a_shared_read_that_fails_leaves_no_task_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``children_read_since``: the tasks of one scheduler pass share one read; when that read fails
+    (a fake at the edge: the read raises), its error goes up in the task that made it, and the others
+    are woken, not left waiting for a read that never comes (they were shielded kill waits: a hang)."""
+
+    def failing_read() -> frozenset[int]:
+        raise OSError(errno.EMFILE, "no descriptor left")
+
+    monkeypatch.setattr(_escalation_driver, "engine_children", failing_read)
+    monkeypatch.setattr(_escalation_driver, "children_read_size", lambda: 1000)  # a list read once a pass
+    since = time.monotonic() + 3600  # no read kept is that recent
+    outcomes: list[str] = []
+
+    async def look() -> None:
+        try:
+            await children_read_since(since)
+        except OSError:
+            outcomes.append("the read's error")
+        else:
+            outcomes.append("woken")
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(look)
+            nursery.start_soon(look)
+    assert sorted(outcomes) == ["the read's error", "woken"]
