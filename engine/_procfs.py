@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from . import _libc
+from ._own_children import OwnChildren, read_list
 
 __all__ = [
     "GUARDIAN_VAR",
@@ -183,22 +184,10 @@ def children_of(pid: int) -> list[int] | None:
         except ProcessLookupError:
             continue
         try:
-            pids.extend(map(int, _read_list(fd).split()))
+            pids.extend(map(int, read_list(fd).split()))
         finally:
             os.close(fd)
     return pids
-
-
-def _read_list(fd: int) -> bytes:
-    """All of a ``/proc`` list file open on ``fd``, read from its start (the kernel makes it afresh at
-    each read from offset 0; a read shorter than asked is its end, so one read is the usual cost)."""
-    data = os.pread(fd, 65536, 0)
-    while data and len(data) % 65536 == 0:  # a very long list: the rest, from where it stopped
-        more = os.pread(fd, 65536, len(data))
-        if not more:
-            break
-        data += more
-    return data
 
 
 def open_children_of(pid: int) -> tuple[int, int] | None:
@@ -226,13 +215,15 @@ def children_by_fds(task_fd: int, children_fd: int) -> list[int] | None:
     try:
         if os.fstat(task_fd).st_nlink != _ONE_THREAD_LINKS:
             return None
-        data = _read_list(children_fd)
+        data = read_list(children_fd)
     except OSError:
         return None
     return [int(p) for p in data.split()]
 
 
 _recent_children: tuple[float, frozenset[int]] = (-1.0, frozenset())
+#: The descriptors :func:`engine_children` reads the engine's children through.
+_own_children = OwnChildren()
 #: While set (:func:`sharing_children_reads`), a look that accepts an old list accepts one read since then.
 _shared_since: float | None = None
 
@@ -254,7 +245,8 @@ def sharing_children_reads() -> Iterator[None]:
 def engine_children(*, max_age_seconds: float = 0.0, read_since: float | None = None) -> frozenset[int]:
     """The pids whose parent is this process (any of its threads), adopted orphans included.
 
-    Uses ``/proc/self/task/<tid>/children`` where the kernel has it, else one full scan. With 1000
+    Uses ``/proc/self/task/<tid>/children`` where the kernel has it, through descriptors kept on each
+    thread's file while the threads stay the same (``_own_children``), else one full scan. With 1000
     children one read costs about 0.5 ms (the kernel walks its list of children), so many escalations
     at once (``kill_all``) share reads where that is safe.
 
@@ -274,7 +266,7 @@ def engine_children(*, max_age_seconds: float = 0.0, read_since: float | None = 
     if read_since is not None and read_at >= read_since:
         return cached
     me = os.getpid()
-    pids = children_of(me)
+    pids = _own_children.read()
     found = frozenset(p.pid for p in scan_processes() if p.ppid == me) if pids is None else frozenset(pids)
     _recent_children = (now, found)
     return found

@@ -1,11 +1,12 @@
 """The look at a process's children (``engine._procfs``): by path (``children_of``), and through
 descriptors opened ahead (``open_children_of`` / ``children_by_fds``), on real processes with one thread
-and with several, whose children a thread other than the main one started; and the engine's shared read
-of its own children (``engine._escalation_driver.children_read_since``)."""
+and with several, whose children a thread other than the main one started; and the engine's look at its
+own children through descriptors kept on its threads (``engine._own_children``)."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import time
@@ -107,6 +108,174 @@ def test_open_children_of_a_process_that_is_gone() -> None:
     proc = subprocess.Popen(["true"])
     proc.wait()
     assert open_children_of(proc.pid) is None
+
+
+# ---- the engine's own children, through kept descriptors ------------------------------------------
+# Each in a Python of its own: pytest's faulthandler timeout runs a thread Python did not start, with which
+# nothing is ever kept.
+
+_THREADS_COME_AND_GO = """
+import json, subprocess, sys, threading
+own = OwnChildren()
+children = []
+def spawn_then_wait(until):
+    children.append(subprocess.Popen(['sleep', sys.argv[1]]))
+    until.wait()
+def started(until):
+    n = len(children)
+    t = threading.Thread(target=spawn_then_wait, args=(until,))
+    t.start()
+    while len(children) == n:
+        threading.Event().wait(0.005)
+    return t
+out = {}
+children.append(subprocess.Popen(['sleep', sys.argv[1]]))
+stop, ends = threading.Event(), threading.Event()
+started(stop)
+out['first'] = own.read(); out['kept_first'] = own.kept; out['again'] = own.read()
+out['listings_again'] = own.listings
+late = started(ends)
+out['after_start'] = own.read(); out['kept_after_start'] = own.kept
+ends.set(); late.join()
+out['after_end'] = own.read(); out['kept_after_end'] = own.kept
+out['threads'] = len(threading.enumerate()); out['children'] = [c.pid for c in children]
+own.close(); out['kept_closed'] = own.kept
+stop.set()
+for c in children:
+    c.kill(); c.wait()
+print(json.dumps(out))
+"""
+
+
+def _run_json(code: str, marker: str) -> dict[str, object]:
+    """Run ``code`` (with :class:`OwnChildren` imported) in a Python of its own; what it printed."""
+    code = "from engine._own_children import OwnChildren\n" + code
+    try:
+        out = subprocess.run([*py(code), marker], capture_output=True, text=True, timeout=30, check=True)
+    finally:
+        kill_leftovers(marker)
+    seen: dict[str, object] = json.loads(out.stdout)
+    return seen
+
+
+def _pids(value: object) -> set[int]:
+    assert isinstance(value, list)
+    return {int(pid) for pid in value}
+
+
+def test_own_children_of_every_thread_as_threads_come_and_go() -> None:
+    """The engine's look at its own children finds those of each thread, keeps one descriptor per
+    thread while the threads stay the same, and follows a thread that starts (and its child) and one that
+    ends (its child is then another thread's)."""
+    seen = _run_json(_THREADS_COME_AND_GO, mark("337.1"))
+    children = seen["children"]
+    assert isinstance(children, list) and len(children) == 3
+    assert _pids(children[:2]) <= _pids(seen["first"])
+    assert seen["kept_first"] == 2  # the main thread and the spawning one
+    assert seen["again"] == seen["first"]  # through the kept descriptors: the same list
+    assert seen["listings_again"] == 1  # ... with no listing of the threads
+    assert _pids(children) <= _pids(seen["after_start"])
+    assert seen["kept_after_start"] == 3
+    assert _pids(children) <= _pids(seen["after_end"])
+    assert seen["kept_after_end"] == seen["threads"] == 2
+    assert seen["kept_closed"] == 0
+
+
+_FOREIGN_THREAD = """
+import _thread, json, os, sys
+own = OwnChildren()
+started, release = _thread.allocate_lock(), _thread.allocate_lock()
+started.acquire(); release.acquire()
+pids = []
+def foreign():  # no threading call in it: never listed by threading.enumerate
+    pids.append(os.posix_spawn('/bin/sleep', ['sleep', sys.argv[1]], dict(os.environ)))
+    started.release()
+    release.acquire()
+_thread.start_new_thread(foreign, ())
+started.acquire()
+reads = [own.read() for _ in range(2)]
+out = {'child': pids[0], 'reads': reads, 'kept': own.kept, 'listings': own.listings}
+os.kill(pids[0], 9); os.waitpid(pids[0], 0)
+print(json.dumps(out))
+"""
+
+
+def test_own_children_with_a_thread_python_did_not_start_reads_by_path() -> None:
+    """A thread :func:`threading.enumerate` does not list (an embedding host's): nothing is kept, every
+    look lists the threads, and that thread's child is found each time."""
+    seen = _run_json(_FOREIGN_THREAD, mark("337.2"))
+    assert seen["reads"] == [[seen["child"]], [seen["child"]]]
+    assert seen["kept"] == 0
+    assert seen["listings"] == 2
+
+
+_FORKED = """
+import json, os, subprocess, sys
+own = OwnChildren()
+parent_child = subprocess.Popen(['sleep', sys.argv[1]])
+before = own.read()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    mine = subprocess.Popen(['sleep', sys.argv[1]])
+    os.write(w, json.dumps({'mine': mine.pid, 'read': own.read(), 'kept': own.kept}).encode())
+    mine.kill(); mine.wait()
+    os._exit(0)
+os.close(w)
+seen = json.loads(os.read(r, 65536))
+os.waitpid(pid, 0)
+parent_child.kill(); parent_child.wait()
+print(json.dumps({'parent_child': parent_child.pid, 'before': before, **seen}))
+"""
+
+
+def test_own_children_in_a_forked_child_are_its_own() -> None:
+    """Descriptors kept by a parent name the parent's threads: a forked child reads its own children."""
+    seen = _run_json(_FORKED, mark("337.3"))
+    assert seen["before"] == [seen["parent_child"]]
+    assert seen["read"] == [seen["mine"]]
+    assert seen["kept"] == 1
+
+
+_CONCURRENT = """
+import json, subprocess, sys, threading
+own = OwnChildren()
+kids = [subprocess.Popen(['sleep', sys.argv[1]]) for _ in range(2)]
+want = {k.pid for k in kids}
+stop = threading.Event()
+errors, wrong, looks = [], [], [0]
+def reader():
+    while not stop.is_set():
+        try:
+            got = own.read()
+        except Exception as exc:
+            errors.append(repr(exc))
+            continue
+        looks[0] += 1
+        if got is None or not want <= set(got):
+            wrong.append(got)
+def churn():  # threads that come and go: the kept descriptors are dropped and made again
+    while not stop.is_set():
+        t = threading.Thread(target=lambda: None)
+        t.start(); t.join()
+readers = [threading.Thread(target=reader) for _ in range(3)] + [threading.Thread(target=churn)]
+[t.start() for t in readers]
+threading.Event().wait(1.5)
+stop.set()
+[t.join() for t in readers]
+for k in kids:
+    k.kill(); k.wait()
+print(json.dumps({'errors': errors[:5], 'wrong': wrong[:5], 'looks': looks[0]}))
+"""
+
+
+def test_own_children_read_from_several_threads_at_once() -> None:
+    """The escalation driver also runs in worker threads (``Supervisor.end_processes``, the start-up
+    sweep): looks from several threads at once, while threads come and go, each find every child and
+    never read a descriptor another look closed."""
+    seen = _run_json(_CONCURRENT, mark("337.4"))
+    assert seen["errors"] == [] and seen["wrong"] == []
+    assert isinstance(seen["looks"], int) and seen["looks"] > 100
 
 
 async def test_a_shared_read_that_fails_leaves_no_task_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
