@@ -5,6 +5,7 @@ import fcntl
 import itertools
 import math
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -55,6 +56,11 @@ _markers = itertools.count(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # SIGINT and SIGQUIT back to their defaults, for this process and every child it starts: a shell
+    # script runs a command it puts in the background with both ignored, every child inherits that
+    # through exec, and the tests of Ctrl-C (130, "it runs on") and of SIGINT before SIGKILL then fail.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     config.addinivalue_line(
         "markers",
         "machine_wide: looks at the whole machine's process table (the docs demos' pgrep); "
