@@ -26,10 +26,10 @@ from typing import Final, final
 
 import attrs
 
-__all__ = ["OwnChildren", "read_list"]
+__all__ = ["LINKS_BESIDE_THREADS", "OwnChildren", "read_list"]
 
 #: ``/proc/<pid>/task`` links: ``.``, the entry in ``/proc/<pid>``, and one per thread.
-_LINKS_BESIDE_THREADS: Final = 2
+LINKS_BESIDE_THREADS: Final = 2
 #: Reads of a list the kernel makes afresh from offset 0; a read shorter than this is the whole list.
 _READ_SIZE: Final = 65536
 
@@ -120,7 +120,7 @@ class OwnChildren:
     def _serves(self, threads: list[threading.Thread], links: int) -> bool:
         """Whether the kept descriptors are one per thread of the process now: the kernel counts as
         many threads as ``threads``, and they are the very ones the descriptors were opened for."""
-        if links - _LINKS_BESIDE_THREADS != len(threads) or len(threads) != len(self._threads):
+        if links - LINKS_BESIDE_THREADS != len(threads) or len(threads) != len(self._threads):
             return False
         return all(a is b for a, b in zip(threads, self._threads, strict=True))
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from . import _libc
-from ._own_children import OwnChildren, read_list
+from ._own_children import LINKS_BESIDE_THREADS, OwnChildren, read_list
 
 __all__ = [
     "GUARDIAN_VAR",
@@ -153,7 +153,7 @@ def is_alive(pid: int, start_time: int) -> bool:
 
 
 #: The link count of ``/proc/<pid>/task`` for a process of one thread (see :func:`children_of`).
-_ONE_THREAD_LINKS = 3
+_ONE_THREAD_LINKS = LINKS_BESIDE_THREADS + 1
 
 
 def children_of(pid: int) -> list[int] | None:
