@@ -274,25 +274,38 @@ class FolderCache:
             oldest = next(iter(self._entries))
             self._close_entry(self._entries.pop(oldest))
 
-    def close(self, *, wait: bool = True) -> None:
-        """Close every cached folder's descriptors and the files made ahead; end the cache's thread
-        (after the job it is on: a few file creations). The cache can be used again afterwards.
+    def release(self) -> None:
+        """Close every cached folder's descriptors and the files made ahead, and drop the jobs queued, but
+        keep the cache's thread, idle until the next job (the service, when its last record goes: the
+        next create walks its folder again). The thread's job under way ends with its files closed,
+        never handed out (their entry is closed).
 
-        Args:
-            wait: wait for the thread to end. Without, it ends on its own once done with its job (the
-                files it made then are closed, never handed out: their entry is closed); ``kill_all``
-                does not wait for a thread's wake-up (a few ms on a loaded machine) it has no use for.
+        The thread is kept because starting one per create and ending it per kill costs more than the
+        thread's wait (nothing: it sleeps on a condition), and a process whose threads stay the same
+        reads its own children through kept descriptors (``_own_children``), which a thread ending at
+        each ``kill_pid`` of the last record defeated.
         """
         with self._lock:
-            jobs, self._jobs = self._jobs, []
-            thread, self._thread = self._thread, None
-            for entry, fd, _, count in jobs:
-                os.close(fd)
-                entry.pending -= count
-            self._lock.notify_all()
-        if thread is not None and wait:
-            thread.join()
-        with self._lock:
+            self._drop_jobs()
             entries, self._entries = list(self._entries.values()), {}
             for entry in entries:
                 entry.close()
+
+    def close(self) -> None:
+        """:meth:`release`, and end the cache's thread: wait for it (after the job it is on: a few file
+        creations). The cache can be used again afterwards (a new thread then)."""
+        with self._lock:
+            self._drop_jobs()
+            thread, self._thread = self._thread, None
+            self._lock.notify_all()
+        if thread is not None:
+            thread.join()
+        self.release()
+
+    def _drop_jobs(self) -> None:
+        """Drop the jobs queued (the cache's lock held): their descriptors closed, their count no longer
+        pending."""
+        jobs, self._jobs = self._jobs, []
+        for entry, fd, _, count in jobs:
+            os.close(fd)
+            entry.pending -= count

@@ -595,12 +595,12 @@ def test_folder_cache_in_the_background_makes_the_files_ahead_in_its_thread_whil
     assert open_fds() == before
 
 
-def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
+def test_folder_cache_released_keeps_its_thread_and_no_descriptor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``close(wait=False)`` (``kill_all`` removing the last record) returns without joining the cache's
-    thread: the thread ends on its own once done with its job, and closes the files it made then (their
-    entry is closed); a thread started after it serves the next ``prepare``."""
+    """``release`` (the service's last record removed) closes every folder and file made ahead at once,
+    also what the thread is making then (closed once made: their entry is closed), but keeps the thread,
+    idle, for the next ``prepare``: the same thread serves every round. ``close`` then ends it."""
     from engine import _folder_cache
     from engine._folder_cache import FolderCache
     from engine._logpair import make_unnamed
@@ -609,20 +609,23 @@ def test_folder_cache_closed_without_waiting_leaves_no_thread_nor_descriptor(
     project, logs = _made_log_folder(tmp_path)
     before = open_fds()
     cache = FolderCache(background=True)
-
+    threads: set[threading.Thread] = set()
     for _ in range(3):
         _, fd, _ = cache.open(str(logs), base=str(project))
         os.close(fd)
         cache.prepare(str(logs), base=str(project), make=make_unnamed, count=1)  # made here: found slow
-        cache.prepare(str(logs), base=str(project), make=make_unnamed, count=50)  # under way at the close
-        assert _cache_threads()
-        cache.close(wait=False)
+        cache.prepare(str(logs), base=str(project), make=make_unnamed, count=50)  # under way at release
+        threads.update(_cache_threads())
+        cache.release()
         deadline = time.monotonic() + 10
-        while (_cache_threads() or open_fds() != before) and time.monotonic() < deadline:
+        while open_fds() != before and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not _cache_threads()
         assert open_fds() == before
+        assert len(threads) == 1 and _cache_threads() == list(threads)
     assert os.listdir(logs) == [".gitignore"]
+    cache.close()
+    assert not _cache_threads()
+    assert open_fds() == before
 
 
 def test_a_crash_after_create_leaves_no_unnamed_log_on_disk(tmp_path: Path) -> None:
