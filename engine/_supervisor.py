@@ -667,18 +667,20 @@ class Supervisor:
         try:
             with run._cancel_scope:
                 await tree.wait_leader()
-                run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
-                run._leader_exited()
-                await tree.quiet_read()  # one read of the engine's children for the leaders that exited now
-                if tree.leftovers():
-                    # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
-                    # is gone or the grace period has passed, and is then ended by the escalation.
-                    run._state = RunState.EXITING
-                    tree.snapshot(fresh=True)
-                    with trio.move_on_after(run._grace_seconds):
-                        await wait_gone(tree)
-                    tree.snapshot(fresh=True)  # what forked or left the group meanwhile
-                    terminate = bool(tree.remaining())
+                # Begun: a cancel signalled the tree (_begin) before this task looked; the exit is its doing.
+                if not tree.begun:
+                    run._leader_exit = _exit_of(run, None, escalated=False, survivors=())
+                    run._leader_exited()
+                    await tree.quiet_read()  # one read of the engine's children for the leaders that exited
+                    if tree.leftovers():
+                        # SP-03: the leader is "exited" now; the rest of its tree may go on writing until it
+                        # is gone or the grace period has passed, and is then ended by the escalation.
+                        run._state = RunState.EXITING
+                        tree.snapshot(fresh=True)
+                        with trio.move_on_after(run._grace_seconds):
+                            await wait_gone(tree)
+                        tree.snapshot(fresh=True)  # what forked or left the group meanwhile
+                        terminate = bool(tree.remaining())
         except trio.Cancelled:  # the supervisor is closing: end the tree, then let Cancelled go on
             if run._detached or self._leaves_to_next_engine(run):
                 run._detached = True  # closing by cancellation or error detaches a watched command too
@@ -691,7 +693,7 @@ class Supervisor:
             self._forget(run, ended=False)
             return
         reason: TerminationReason | None = None
-        if run._cancel_scope.cancelled_caught:
+        if run._cancel_scope.cancelled_caught or run._leader_exit is None:
             terminate = True
             if run._leader_exit is None:  # the leader itself was ended: by a request, or its time ran out
                 reason = run._requested or TerminationReason.MAX_RUNTIME
@@ -838,14 +840,20 @@ class Supervisor:
 
         Ending many runs at once (``kill_all``), every tree is signalled before the runs' tasks wake up to
         end them, and their grace periods end together; what waking 1000 tasks costs overlaps the grace
-        period instead of delaying the signals. A run already ended, or detached, is left alone.
+        period instead of delaying the signals. A run already ended or detached is left alone, and so is
+        one whose leader exited: its task kills what the leader left at once (SP-03's drain was their grace
+        period).
         """
         with sharing_children_reads():  # one read of the engine's children for every tree's look
             for run in runs:
-                if run.state is not RunState.EXITED and not run._detached:
-                    run._tree.begin(
-                        grace_seconds=run._grace_seconds, kill_wait_seconds=self.kill_wait_seconds
-                    )
+                self._begin(run)
+
+    def _begin(self, run: ManagedRun) -> None:
+        """The first step of the escalation of ``run`` (the look, SIGINT and SIGCONT; SIGKILL when forced)
+        in the caller's task, while its leader lives; the run's own task goes on from there. A run whose
+        leader exited is left to its task (its leftovers get no SIGINT: :meth:`_request`)."""
+        if run.state is RunState.RUNNING and run._leader_exit is None and not run._detached:
+            run._tree.begin(grace_seconds=run._grace_seconds, kill_wait_seconds=self.kill_wait_seconds)
 
     async def cancel(self, run: ManagedRun, *, force: bool = False) -> RunExit:
         """End ``run`` by escalation (SIGINT -> grace -> SIGKILL -> wait) and return its exit.
@@ -862,6 +870,7 @@ class Supervisor:
             assert run.exit is not None
             return run.exit
         self._request(run, force=force)
+        self._begin(run)  # SIGINT leaves now, not once the run's task has woken
         return await _wait_shielded(run)
 
     async def cancel_many(self, runs: Iterable[ManagedRun]) -> None:

@@ -339,6 +339,11 @@ class ProcessTree(TreeWalk):
             return False
         return not self.remaining()
 
+    @property
+    def begun(self) -> bool:
+        """Whether :meth:`begin` took the escalation's first step (the tree was signalled)."""
+        return self._begun is not None
+
     def begin(self, *, grace_seconds: float, kill_wait_seconds: float) -> None:
         """Take the escalation's first step now (the look, SIGINT and SIGCONT; SIGKILL with force), in the
         caller's task; :meth:`terminate` goes on from there, its waits measured from now. Once only.

@@ -29,7 +29,18 @@ from engine._containment import open_containment
 from engine._errors import unwrap_single
 from engine._procfs import is_child_subreaper
 
-from .children import SESSION, cooperative, mark, open_fds, pgrep, proc_exists, py, wait_for_text, wait_until
+from .children import (
+    SESSION,
+    cooperative,
+    mark,
+    open_fds,
+    pgrep,
+    proc_exists,
+    proc_state,
+    py,
+    wait_for_text,
+    wait_until,
+)
 
 
 async def test_wait_reports_exit_code() -> None:
@@ -160,6 +171,29 @@ async def test_cancel_twice_concurrently_escalates_once(supervisor: Supervisor) 
             nursery.start_soon(stop)
     assert exits[0] is exits[1]
     assert not pgrep(rf"sleep 321\.7{SESSION}")
+
+
+@pytest.mark.parametrize("watched", [False, True])
+async def test_a_leader_dead_of_the_cancels_sigint_before_its_task_looked_ends_as_cancelled(
+    supervisor: Supervisor, watched: bool
+) -> None:
+    """The first step of a cancel (the look and SIGINT) is taken in the caller's task (``begin_cancel``, and
+    ``cancel`` itself): a leader that dies of that SIGINT before its run's task has looked, or even run
+    (``watched=False``: no checkpoint since the spawn), still ends as a cancel, never as an exit of its own
+    (``SIGNAL``)."""
+    run = await supervisor.spawn(SpawnSpec(argv=("sleep", mark("321.55"))))
+    if watched:
+        await wait_until(lambda: bool(pgrep(rf"^sleep 321\.55{SESSION}")))
+        await trio.sleep(0.05)  # its task waits on the leader
+    supervisor.begin_cancel([run])
+    deadline = time.monotonic() + 10
+    while proc_state(run.pid) not in ("Z", None) and time.monotonic() < deadline:
+        time.sleep(0.001)  # no checkpoint: the run's task cannot look meanwhile
+    assert proc_state(run.pid) == "Z"  # dead of SIGINT, not reaped yet
+    with trio.fail_after(10):
+        result = await supervisor.cancel(run)
+    assert result.reason is TerminationReason.CANCELLED
+    assert (result.signal, result.escalated) == (signal.SIGINT, False)
 
 
 async def test_cancel_by_caller_cancellation_still_reaps(supervisor: Supervisor) -> None:
