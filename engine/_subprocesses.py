@@ -616,9 +616,6 @@ class SubProcessService:
             self._capper.cancel()
             self._capper = None
 
-    def _remove(self, sp: SubProcess) -> None:
-        self._remove_many([sp])
-
     def _remove_many(self, records: list[SubProcess], *, deleted: AbstractSet[int] = frozenset()) -> None:
         """Forget ``records`` (killed): close their stdin, delete their logs (except those of ``deleted``,
         by ``id``: deleted already), drop them from the list in one pass (``kill_all`` of 1000 would
@@ -636,7 +633,7 @@ class SubProcessService:
         if removed:
             self._records[:] = [sp for sp in self._records if id(sp) not in removed]
         if not self._records:  # no record left: the folders kept open (and their spare files) go too
-            self._folders.close(wait=False)  # its thread ends on its own; nothing here waits for it
+            self._folders.release()  # its thread stays, idle, for the next create
 
     async def kill_subprocess(self, sp: SubProcess) -> bool:
         """End ``sp`` by escalation, delete both its log files and forget it.
@@ -657,11 +654,18 @@ class SubProcessService:
         """
         self._require(sp)
         sp._killing = True
+        self._supervisor.begin_cancel((sp._run,))  # SIGINT now
+        deleted: set[int] = set()
+        if not self._log_lock.locked():  # the cap's work holds it while it writes or reads logs
+            # While the tree handles SIGINT: the unlinks (0.1-0.2 ms) overlap its exit instead of following
+            # it. No checkpoint lies between here and the stop's start, so no restart comes in between.
+            sp._logs.delete()
+            deleted.add(id(sp))
         try:
             return await self._stop(sp)
         finally:
             if sp.exit is not None:
-                self._remove(sp)
+                self._remove_many([sp], deleted=deleted)
 
     async def kill_pid(self, pid: int) -> bool:
         """:meth:`kill_subprocess` for the record ``pid`` names (see :meth:`lookup`).

@@ -206,6 +206,29 @@ async def test_kill_pid_removes_logs_and_record(tmp_path: Path) -> None:
             await engine.service.kill_subprocess(sp)
 
 
+async def test_kill_pid_deletes_the_logs_while_the_tree_handles_sigint(tmp_path: Path) -> None:
+    """``kill_pid`` sends SIGINT, then deletes both logs while the tree handles it (the unlinks overlap
+    its exit instead of following it): the child's handler, run after SIGINT, finds its own stdout
+    already unlinked."""
+    project = make_project(tmp_path)
+    seen = tmp_path / "stdout-seen-by-the-handler"
+    own = ".gadget/subprocess-logs/subproc-$$.stdout.log"  # the cwd is the project's directory
+    script = (
+        f"trap 'sleep 0.3; test -e {own} && echo present > {seen} || echo gone > {seen}; exit 0' INT; "
+        f"echo ready; while :; do sleep {mark('312.15')}; done"
+    )
+    async with engine_at(tmp_path, grace_seconds=10.0) as engine:
+        sp = await engine.service.create(project, "bash", ["-c", script])
+        await wait_for_text(sp.stdout_path, "ready")
+        await wait_until(lambda: bool(pgrep(rf"^sleep 312\.15{SESSION}")))
+        assert all(os.path.exists(p) for p in log_paths(sp))
+        with trio.fail_after(9):  # within the grace: the handler ended the tree
+            assert await engine.service.kill_pid(sp.pid) is True
+        assert seen.read_text() == "gone\n"
+        assert not any(os.path.exists(p) for p in log_paths(sp))
+        assert engine.service.ps() == []
+
+
 async def test_kill_pid_after_natural_exit_returns_false_and_removes_logs(tmp_path: Path) -> None:
     project = make_project(tmp_path)
     async with engine_at(tmp_path) as engine:
