@@ -14,7 +14,7 @@ import trio
 from ._group_journal import GroupJournal
 from ._guardian import BOOTSTRAP
 from ._pidfd import wait_exited
-from ._procfs import GUARDIAN_VAR, RUN_MARKER_VAR, read_proc
+from ._procfs import GUARDIAN_VAR, RUN_MARKER_VAR, add_helper, drop_helper, read_proc
 from ._spawn import spawn_process
 from ._supervisor import ManagedRun
 from ._sweep import GroupRecord, records_dir, remove_token, write_token
@@ -81,6 +81,7 @@ class GuardianLink:
             env = {k: v for k, v in os.environ.items() if k != RUN_MARKER_VAR}
             env[GUARDIAN_VAR] = self.state_dir  # the engine's own child, never an orphan to end
             self.pid = spawn_process(argv, cwd="/", env=env, stdout_fd=log, stderr_fd=log, stdin_fd=read_end)
+            add_helper(self.pid)  # reaped only here: the runs' looks leave it out unread
             _batch_scheduling(self.pid)
         finally:
             os.close(read_end)
@@ -166,6 +167,7 @@ class GuardianLink:
             pid = self.pid
         if pid == 0:
             return False
+        drop_helper(self.pid)
         self.pid = None
         return True
 

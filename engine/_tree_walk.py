@@ -23,6 +23,7 @@ from ._procfs import (
     children_of,
     children_read_at,
     engine_children,
+    engine_helpers,
     read_marker,
     read_proc,
     scan_processes,
@@ -32,8 +33,10 @@ __all__ = ["TreeWalk"]
 
 #: How old a list of the engine's children the looks that only aim signals may use.
 _SHARED_CHILDREN_SECONDS = 0.002
-#: The last list of the engine's children less the run leaders: ``(list, leaders, difference)``.
-_not_leaders_memo: tuple[frozenset[int], AbstractSet[int], frozenset[int]] = (
+#: The last list of the engine's children less the run leaders and the engine's helpers:
+#: ``(list, leaders, helpers, difference)``.
+_not_leaders_memo: tuple[frozenset[int], AbstractSet[int], frozenset[int], frozenset[int]] = (
+    frozenset(),
     frozenset(),
     frozenset(),
     frozenset(),
@@ -112,14 +115,16 @@ class TreeWalk:
         return self._not_leaders(engine_children())
 
     def _not_leaders(self, children: frozenset[int]) -> frozenset[int]:
-        """``children`` less the run leaders, computed once per list read (``kill_all``: 1000 trees share
-        a list of 1000). A leader forgotten since the first computation stays left out: it was a leader,
-        not an orphan, when the list was read."""
+        """``children`` less the run leaders and the engine's own helpers (its guardians, which no run's
+        look needs to read: ``_procfs.add_helper``), computed once per list read (``kill_all``: 1000 trees
+        share a list of 1000). A leader forgotten since the first computation stays left out: it was a
+        leader, not an orphan, when the list was read."""
         global _not_leaders_memo
-        kept, known, result = _not_leaders_memo
-        if kept is not children or known is not self.known_leaders:
-            result = children - self.known_leaders
-            _not_leaders_memo = (children, self.known_leaders, result)
+        kept, known, helpers, result = _not_leaders_memo
+        now_helpers = engine_helpers()
+        if kept is not children or known is not self.known_leaders or helpers is not now_helpers:
+            result = children - self.known_leaders - now_helpers
+            _not_leaders_memo = (children, self.known_leaders, now_helpers, result)
         return result
 
     def _children(self, pid: int) -> list[int] | None:
@@ -170,7 +175,10 @@ class TreeWalk:
         roots.update(self.tracked)
         by_pid = {p.pid: p for p in procs}
         if self.subreaper:
-            candidates: Iterable[int] = (p for p in engine_children() if p not in self.known_leaders)
+            helpers = engine_helpers()
+            candidates: Iterable[int] = (
+                p for p in engine_children() if p not in self.known_leaders and p not in helpers
+            )
         else:  # orphans went to init: only the marker can find them
             candidates = (p.pid for p in procs if self._ours(p))
         for pid in candidates:

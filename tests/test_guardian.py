@@ -17,7 +17,16 @@ from engine import EngineConfig, SpawnSpec, open_engine
 from engine._procfs import read_proc
 from engine._sweep import GroupRecord, end_processes, load_records, records_dir
 
-from .children import SESSION, ignoring_sigint, kill_leftovers, mark, pgrep, wait_for_text, wait_until
+from .children import (
+    SESSION,
+    ignoring_sigint,
+    kill_leftovers,
+    mark,
+    pgrep,
+    proc_exists,
+    wait_for_text,
+    wait_until,
+)
 
 ROOT = Path(__file__).parent.parent
 STUBBORN = f"sleep {mark('331.1')} & setsid sleep {mark('331.2')} & trap '' INT; sleep {mark('331.3')}; wait"
@@ -95,6 +104,25 @@ async def test_guardian_ends_children_after_engine_sigkill(tmp_path: Path, conta
                     await trio.sleep(0.02)
     finally:
         kill_leftovers(SLEEPS_1_4)
+
+
+async def test_the_guardian_is_a_helper_the_runs_looks_leave_out_until_it_is_reaped(tmp_path: Path) -> None:
+    """The guardian is the engine's own child (``_procfs.add_helper``): the looks for a run's orphans among
+    the engine's children leave it out without reading it, and forget it once it is reaped."""
+    from engine._procfs import engine_children, engine_helpers
+
+    config = EngineConfig(state_dir=str(tmp_path), grace_seconds=0.3, containment="process-group")
+    async with open_engine(config) as engine:
+        with trio.fail_after(5):
+            while not guardian_pids(tmp_path):
+                await trio.sleep(0.02)
+        (guardian,) = guardian_pids(tmp_path)
+        assert guardian in engine_helpers() and guardian in engine_children()
+        run = await engine.supervisor.spawn(SpawnSpec(argv=("sleep", mark("332.15"))))
+        assert guardian not in run._tree._not_leaders(engine_children())
+        await engine.supervisor.cancel(run)
+    assert guardian not in engine_helpers()
+    assert not proc_exists(guardian)
 
 
 async def test_guardian_exits_with_engine_on_graceful_shutdown(tmp_path: Path, containment: str) -> None:
