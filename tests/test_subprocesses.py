@@ -5,6 +5,7 @@ Also the cases SP-01, SP-02, SP-11, SP-14 and SP-15 of ``cases.md``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -227,6 +228,35 @@ async def test_kill_pid_deletes_the_logs_while_the_tree_handles_sigint(tmp_path:
         assert seen.read_text() == "gone\n"
         assert not any(os.path.exists(p) for p in log_paths(sp))
         assert engine.service.ps() == []
+
+
+async def test_the_log_folders_stay_open_a_while_after_the_last_record_goes(tmp_path: Path) -> None:
+    """The kill of the last record leaves the project's log folders (and the files made ahead in them)
+    open, for the next create, until ``RELEASE_FOLDERS_AFTER_SECONDS`` have passed with no record; then
+    the engine holds nothing in the project's directory."""
+    from engine._subprocesses import RELEASE_FOLDERS_AFTER_SECONDS
+
+    project = make_project(tmp_path)
+
+    def held() -> list[str]:
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [t for t in targets if t.startswith(project.directory + os.sep)]
+
+    async with engine_at(tmp_path) as engine:
+        first = await engine.service.create(project, "sleep", [mark("312.18")])  # makes the folders
+        sp = await engine.service.create(project, "sleep", [mark("312.18")])  # keeps them open
+        assert await engine.service.kill_pid(first.pid) is True
+        assert await engine.service.kill_pid(sp.pid) is True
+        killed = time.monotonic()
+        assert held()  # kept for the next create
+        again = await engine.service.create(project, "sleep", [mark("312.18")])  # from the kept folders
+        assert await engine.service.kill_pid(again.pid) is True
+        await wait_until(lambda: not held())
+        assert time.monotonic() - killed >= RELEASE_FOLDERS_AFTER_SECONDS - 0.05
+        assert os.listdir(log_dir(project)) == [".gitignore"]
 
 
 async def test_kill_pid_after_natural_exit_returns_false_and_removes_logs(tmp_path: Path) -> None:
