@@ -277,8 +277,8 @@ class FolderCache:
     def release(self) -> None:
         """Close every cached folder's descriptors and the files made ahead, and drop the jobs queued, but
         keep the cache's thread, idle until the next job (the service, once no record has been left for a
-        second: the next create walks its folder again). The thread's job under way ends with its files closed,
-        never handed out (their entry is closed).
+        second: the next create walks its folder again). The thread's job under way ends with its files
+        closed, never handed out (their entry is closed).
 
         The thread is kept because starting one per create and ending it per kill costs more than the
         thread's wait (nothing: it sleeps on a condition), and a process whose threads stay the same

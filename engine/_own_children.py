@@ -26,12 +26,29 @@ from typing import Final, final
 
 import attrs
 
-__all__ = ["LINKS_BESIDE_THREADS", "OwnChildren", "read_list"]
+__all__ = ["LINKS_BESIDE_THREADS", "NO_CHILDREN_FILES", "OwnChildren", "open_thread_children", "read_list"]
 
 #: ``/proc/<pid>/task`` links: ``.``, the entry in ``/proc/<pid>``, and one per thread.
 LINKS_BESIDE_THREADS: Final = 2
 #: Reads of a list the kernel makes afresh from offset 0; a read shorter than this is the whole list.
 _READ_SIZE: Final = 65536
+
+
+#: :func:`open_thread_children`'s answer when the kernel has no ``children`` files (built without
+#: ``CONFIG_PROC_CHILDREN``): callers scan ``/proc`` instead.
+NO_CHILDREN_FILES: Final = -2
+
+
+def open_thread_children(pid: int, tid: str) -> int | None:
+    """A descriptor (close on exec) on ``/proc/<pid>/task/<tid>/children``, the children of one thread;
+    ``None`` when the thread (or the process) ended meanwhile; :data:`NO_CHILDREN_FILES` when the thread
+    is there but the kernel has no such file."""
+    try:
+        return os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return NO_CHILDREN_FILES if os.path.exists(f"/proc/{pid}/task/{tid}") else None
+    except ProcessLookupError:
+        return None
 
 
 def read_list(fd: int) -> bytes:
@@ -137,15 +154,11 @@ class OwnChildren:
         no_files = False  # the kernel has no children files (built without CONFIG_PROC_CHILDREN)
         try:
             for tid in tids:
-                try:
-                    fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    if os.path.exists(f"/proc/{pid}/task/{tid}"):
-                        no_files = True
-                        break
-                    keep = False
-                    continue  # the thread ended meanwhile
-                except ProcessLookupError:
+                fd = open_thread_children(pid, tid)
+                if fd == NO_CHILDREN_FILES:
+                    no_files = True
+                    break
+                if fd is None:  # the thread ended meanwhile
                     keep = False
                     continue
                 fds[tid] = fd

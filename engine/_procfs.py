@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from . import _libc
-from ._own_children import LINKS_BESIDE_THREADS, OwnChildren, read_list
+from ._own_children import (
+    LINKS_BESIDE_THREADS,
+    NO_CHILDREN_FILES,
+    OwnChildren,
+    open_thread_children,
+    read_list,
+)
 
 __all__ = [
     "GUARDIAN_VAR",
@@ -178,13 +184,10 @@ def children_of(pid: int) -> list[int] | None:
         return []
     pids: list[int] = []
     for tid in tids:
-        try:
-            fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
-                continue  # the thread ended meanwhile
+        fd = open_thread_children(pid, tid)
+        if fd == NO_CHILDREN_FILES:
             return None
-        except ProcessLookupError:
+        if fd is None:  # the thread ended meanwhile
             continue
         try:
             pids.extend(map(int, read_list(fd).split()))
