@@ -684,8 +684,12 @@ class SubProcessService:
         if not self._log_lock.locked():  # the cap's work holds it while it writes or reads logs
             # While the tree handles SIGINT: the unlinks (0.1-0.2 ms) overlap its exit instead of following
             # it. No checkpoint lies between here and the stop's start, so no restart comes in between.
-            sp._logs.delete()
-            deleted.add(id(sp))
+            try:
+                sp._logs.delete()
+            except OSError:
+                pass  # tried again once the tree has ended (_remove_many), whose error the caller gets
+            else:
+                deleted.add(id(sp))
         try:
             return await self._stop(sp)
         finally:
