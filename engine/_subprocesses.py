@@ -1075,6 +1075,10 @@ def _command_name(pid: int) -> str:
 
 def _gone(sp: SubProcess, stream: Stream) -> SubProcessNotFoundError:
     path = sp._logs.path(stream)
+    if sp._killing:  # a kill deletes the logs once SIGINT is sent, while the tree handles it
+        return SubProcessNotFoundError(
+            f"subprocess {sp.pid} is being killed: its {stream} log is deleted ({path})"
+        )
     return SubProcessNotFoundError(
         f"the {stream} log of subprocess {sp.pid} is gone, or is no longer the file the engine made ({path})"
     )

@@ -843,8 +843,11 @@ def test_cli_client_commands_import_nothing_heavy(tmp_path: Path) -> None:
     print(f"import and run of a client command: {result['seconds']:.3f} s")
 
 
-def test_cli_log_follow_ends_when_the_process_is_killed(served: Served, project: Path) -> None:
-    pid = _create(served, project, "bash", "-c", "while true; do echo tick; sleep 0.1; done")
+@pytest.mark.parametrize("trap", ["", "trap '' INT; "], ids=["cooperative", "sigint-ignoring"])
+def test_cli_log_follow_ends_when_the_process_is_killed(served: Served, project: Path, trap: str) -> None:
+    """A kill deletes the logs once SIGINT is sent; a follower that finds them gone while the kill is under
+    way (a SIGINT-ignoring process: the whole grace period) waits for its end and says it was killed."""
+    pid = _create(served, project, "bash", "-c", f"{trap}while true; do echo tick; sleep 0.1; done")
     argv = [sys.executable, "-m", "engine", "log", str(pid), "-f", "--state-dir", str(served.state_dir)]
     follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert follower.stdout is not None and follower.stdout.readline() == "tick\n"

@@ -230,6 +230,23 @@ async def test_kill_pid_deletes_the_logs_while_the_tree_handles_sigint(tmp_path:
         assert engine.service.ps() == []
 
 
+async def test_a_log_read_during_a_kill_says_the_process_is_being_killed(tmp_path: Path) -> None:
+    """The logs go once the kill's SIGINT is sent: a read while the kill is under way (a SIGINT-ignoring
+    process, through its grace period) says the process is being killed, not that its log was removed."""
+    project = make_project(tmp_path)
+    script = f"trap '' INT; echo ready; sleep {mark('312.17')}"
+    async with engine_at(tmp_path, grace_seconds=1.0) as engine:
+        sp = await engine.service.create(project, "bash", ["-c", script])
+        await wait_for_text(sp.stdout_path, "ready")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.service.kill_pid, sp.pid)
+            await wait_until(lambda: not os.path.exists(sp.stdout_path), interval=0.005)
+            assert sp.exit is None  # still in its grace period
+            with pytest.raises(SubProcessNotFoundError, match=f"subprocess {sp.pid} is being killed"):
+                await engine.service.read_log(sp.pid, "stdout")
+        assert engine.service.ps() == []
+
+
 async def test_the_log_folders_stay_open_a_while_after_the_last_record_goes(tmp_path: Path) -> None:
     """The kill of the last record leaves the project's log folders (and the files made ahead in them)
     open, for the next create, until ``RELEASE_FOLDERS_AFTER_SECONDS`` have passed with no record; then
