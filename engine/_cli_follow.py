@@ -229,10 +229,14 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
     except SubProcessNotFoundError as exc:
         if not last:
             raise
-        listed = [r for r in client.call("subprocess.list") if r["pid"] == args.pid]
+
+        def listed_now() -> list[dict[str, Any]]:
+            return [r for r in client.call("subprocess.list") if r["pid"] == args.pid]
+
+        listed = listed_now()
         while listed and listed[0]["status"] == "exiting":  # a kill deletes the logs once SIGINT is sent
             idle(LOG_FOLLOW_SECONDS)
-            listed = [r for r in client.call("subprocess.list") if r["pid"] == args.pid]
+            listed = listed_now()
         if listed:  # the record is there: its log file was removed or replaced behind the engine's back
             print(
                 f"gadget-engine: {exc}; the process is still listed, {listed[0]['status']} "

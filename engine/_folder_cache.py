@@ -295,12 +295,11 @@ class FolderCache:
         """:meth:`release`, and end the cache's thread: wait for it (after the job it is on: a few file
         creations). The cache can be used again afterwards (a new thread then)."""
         with self._lock:
-            self._drop_jobs()
-            thread, self._thread = self._thread, None
+            thread, self._thread = self._thread, None  # no longer the cache's: it ends at its next look
             self._lock.notify_all()
         if thread is not None:
             thread.join()
-        self.release()
+        self.release()  # the jobs it left queued too
 
     def _drop_jobs(self) -> None:
         """Drop the jobs queued (the cache's lock held): their descriptors closed, their count no longer

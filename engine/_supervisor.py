@@ -35,6 +35,7 @@ from ._procfs import (
     RUN_MARKER_VAR,
     ProcInfo,
     engine_children,
+    engine_helpers,
     read_marker,
     read_proc,
     set_child_subreaper,
@@ -447,7 +448,7 @@ class Supervisor:
         if not self.subreaper:
             return {}
         out: dict[int, int] = {}
-        for pid in engine_children():
+        for pid in engine_children() - engine_helpers():  # the guardian is the engine's own: not read
             info = read_proc(pid)
             if info is None or info.zombie or info.start_time < self._started_ticks:
                 continue

@@ -175,10 +175,7 @@ class TreeWalk:
         roots.update(self.tracked)
         by_pid = {p.pid: p for p in procs}
         if self.subreaper:
-            helpers = engine_helpers()
-            candidates: Iterable[int] = (
-                p for p in engine_children() if p not in self.known_leaders and p not in helpers
-            )
+            candidates: Iterable[int] = self._not_leaders(engine_children())
         else:  # orphans went to init: only the marker can find them
             candidates = (p.pid for p in procs if self._ours(p))
         for pid in candidates:
