@@ -14,6 +14,7 @@ import trio
 
 from engine import Command, Every, OnExit, SpawnError, SpawnSpec, Supervisor, SystemEvent
 from engine.cron._exit_record import read_exit_record
+from engine.cron._log_files import remove_older_arms, remove_watch_entries
 
 from .watch_support import engine_with, wait_events
 
@@ -216,3 +217,23 @@ async def test_what_a_command_puts_in_watch_logs_neither_stops_a_start_nor_outli
     async with engine_with(state) as engine:  # refused before: "... is a FIFO, not a regular file"
         await engine.cron.remove(job.id)
         assert [p.name for p in logs.iterdir() if p.name.startswith(f"{job.id}.")] == []
+
+
+def test_older_arms_of_many_jobs_are_swept_in_one_look_and_the_kept_arms_stay(tmp_path: Path) -> None:
+    folder = tmp_path / "watch-logs"
+    folder.mkdir()
+    names = {
+        "j1.old.stdout.log": False, "j1.old.exit.json": False, "j1.new.stdout.log": True,
+        "j1.new.started": True, "j1.newer.stdout.log": False,  # an arm id that only starts like the kept one
+        "j2.any.stderr.log": False,  # the job's every arm goes (``None``)
+        "j3.old.stdout.log": True,  # not a job of this sweep
+        "j1": True, "j10.old.stdout.log": True,  # not an entry of j1
+    }  # fmt: skip
+    for name in names:
+        (folder / name).write_text("x")
+    (folder / "j2.any.exit.json").mkdir()  # what a command put at a name: removed with what it holds
+    (folder / "j2.any.exit.json" / "inside").write_text("x")
+    remove_older_arms(str(tmp_path), {"j1": "new", "j2": None})
+    assert sorted(os.listdir(folder)) == sorted(name for name, kept in names.items() if kept)
+    remove_watch_entries(str(tmp_path), "j1", but_arm=None)  # one job: the same sweep
+    assert sorted(os.listdir(folder)) == ["j1", "j10.old.stdout.log", "j3.old.stdout.log"]

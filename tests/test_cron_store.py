@@ -390,6 +390,21 @@ async def test_store_watch_state(store: JobStore) -> None:
         await store.set_watch_state("gone", state)
 
 
+async def test_store_watch_states_of_several_jobs_in_one_write(store: JobStore) -> None:
+    for job_id in ("w1", "w2"):
+        await store.insert_job(job(job_id, schedule=OnExit("sleep 1"), next_run_at=None))
+    state = WatchState(
+        arm_id="a1", pid=4242, sid=4242, start_time=123, marker="t:1", exit_file="/x",
+        command="sleep 1", cwd=None, started_at=T0,
+    )  # fmt: skip
+    other = attrs.evolve(state, arm_id="a2", pid=4343)
+    # The watchers' group commit: the jobs that exist are set, the ids naming no job are told.
+    assert await store.set_watch_states({"w1": state, "gone": state, "w2": other}) == {"gone"}
+    assert await store.watch_states() == {"w1": state, "w2": other}
+    assert await store.set_watch_states({"w1": None, "w2": None}) == frozenset()
+    assert await store.watch_states() == {}
+
+
 @pytest.mark.parametrize("acked", [True, False])
 async def test_store_delete_logs_the_undelivered_fire(store: JobStore, acked: bool) -> None:
     await store.insert_job(job("d"))

@@ -34,6 +34,7 @@ import trio
 
 from .._cgroup import watched_leaf
 from .._errors import JobNotFoundError, SpawnError
+from .._group_commit import GroupCommit
 from .._keyed_locks import KeyedLocks
 from .._logs import LogFile
 from .._pidfd import wait_exited
@@ -51,7 +52,7 @@ from ._log_files import (
     log_files,
     open_logs,
     remove_entry,
-    remove_watch_entries,
+    remove_older_arms,
     trim_logs,
 )
 from ._protocol import JobStore
@@ -195,7 +196,21 @@ class CronExitWatchers:
         init=False, factory=dict
     )
     _state_locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
+    #: The watch states stored in group commits (:meth:`_store_state`): the arms of one ``reconcile``
+    #: store theirs in a few transactions, not one each.
+    _state_writes: GroupCommit[tuple[str, WatchState | None], frozenset[str]] = attrs.field(init=False)
+    #: The older arms' files swept in groups (:meth:`_sweep_older_arms`): one listing of the folder for
+    #: the arms started together.
+    _sweeps: GroupCommit[tuple[str, str], None] = attrs.field(init=False)
     _detached: bool = attrs.field(init=False, default=False)
+
+    @_state_writes.default
+    def _state_writes_default(self) -> GroupCommit[tuple[str, WatchState | None], frozenset[str]]:
+        return GroupCommit(self._write_states)
+
+    @_sweeps.default
+    def _sweeps_default(self) -> GroupCommit[tuple[str, str], None]:
+        return GroupCommit(self._write_sweeps)
 
     def __repr__(self) -> str:
         return f"<CronExitWatchers {len(self._table)} armed: {self._table.active_job_ids()}>"
@@ -441,9 +456,7 @@ class CronExitWatchers:
         if self._errors.pop(job.id, None) is not None:
             await self._clear_start_error(job.id)
         # The older arms' files (the supervisor has ended their runs of the scope by now).
-        await trio.to_thread.run_sync(
-            functools.partial(remove_watch_entries, self.state_dir, job.id, but_arm=watch.arm_id)
-        )
+        await self._sweeps.submit((job.id, watch.arm_id))
         await self._save_state(watch, job)
         await self._hook("after_spawn", job.id)
         result = await self._while_running(
@@ -714,7 +727,7 @@ class CronExitWatchers:
         if not watch.saved and watch.state is not None:
             with trio.move_on_after(2.0):
                 try:
-                    await self.store.set_watch_state(watch.job_id, watch.state)
+                    await self._store_state(watch.job_id, watch.state)
                     watch.saved = True
                 except (OSError, JobNotFoundError) as exc:
                     logger.error("on-exit job %s: storing the watch state failed (%s)", watch.job_id, exc)
@@ -771,6 +784,25 @@ class CronExitWatchers:
 
     # -- watch state in the store ------------------------------------------------------------------
 
+    async def _store_state(self, job_id: str, state: WatchState | None) -> None:
+        """``store.set_watch_state(job_id, state)``, in a group commit with the other watchers' writes:
+        returns once this one is committed.
+
+        Cancellation: see :meth:`GroupCommit.submit` (before the transaction begins, nothing is written).
+
+        Raises:
+            JobNotFoundError: no such job.
+            OSError: the store failed (``StoreError``); nothing of the transaction is kept.
+        """
+        if job_id in await self._state_writes.submit((job_id, state)):
+            raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
+
+    async def _write_states(self, states: list[tuple[str, WatchState | None]]) -> frozenset[str]:
+        return await self.store.set_watch_states(dict(states))  # a later write of a job wins, as in turn
+
+    async def _write_sweeps(self, kept: list[tuple[str, str]]) -> None:
+        await trio.to_thread.run_sync(remove_older_arms, self.state_dir, dict(kept))
+
     async def _save_state(self, watch: _Watch, job: CronJob) -> None:
         state = watch.state
         assert state is not None
@@ -778,7 +810,7 @@ class CronExitWatchers:
             if not self._owns(watch):
                 return
             try:
-                await self.store.set_watch_state(job.id, state)
+                await self._store_state(job.id, state)
                 watch.saved = True
             except JobNotFoundError:  # removed meanwhile: reconcile is ending this watcher
                 logger.debug("on-exit job %s: removed before its watch state was saved", job.id)
@@ -790,7 +822,7 @@ class CronExitWatchers:
             slot = self._table.slot(watch.job_id)
             if slot is None or slot.token == watch.token:
                 with contextlib.suppress(OSError, JobNotFoundError):
-                    await self.store.set_watch_state(watch.job_id, None)
+                    await self._store_state(watch.job_id, None)
         for path in (paths.exit_file, paths.started) if keep_logs else attrs.astuple(paths):
             remove_entry(path)
 
@@ -823,7 +855,7 @@ class CronExitWatchers:
                 if alive or state.cgroup is not None:
                     await self._end_group(state)
                 with contextlib.suppress(OSError, JobNotFoundError):
-                    await self.store.set_watch_state(job_id, None)
+                    await self._store_state(job_id, None)
                 continue
             assert job is not None
             if alive or record is not None:
@@ -855,7 +887,7 @@ class CronExitWatchers:
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
-            await self.store.set_watch_state(job_id, None)
+            await self._store_state(job_id, None)
 
 
 def _exited(job: CronJob, *, fire: PendingFire, now: datetime) -> CronJob:

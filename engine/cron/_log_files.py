@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Final, NoReturn
 
 import trio
@@ -39,6 +39,7 @@ __all__ = [
     "open_logs",
     "remove_entry",
     "remove_job_logs",
+    "remove_older_arms",
     "remove_watch_entries",
     "trim_logs",
 ]
@@ -174,15 +175,37 @@ def remove_watch_entries(state_dir: str, job_id: str, *, but_arm: str | None = N
     """Remove every entry of ``job_id``'s watched commands in ``watch-logs/`` (logs, exit records, marks,
     and whatever a command put at their names: :func:`remove_entry`), but those of the arm ``but_arm``.
     Housekeeping (blocking): an entry that cannot be removed is left for the next time."""
+    remove_older_arms(state_dir, {job_id: but_arm})
+
+
+def remove_older_arms(state_dir: str, kept: Mapping[str, str | None]) -> None:
+    """:func:`remove_watch_entries` for each job of ``kept`` (job id -> the arm whose entries stay, or
+    ``None``), with one listing of the folder for all of them (the arms a ``reconcile`` started together:
+    100 listings of a folder of 400 entries cost 0.1-0.4 s of CPU here)."""
     folder = os.path.join(state_dir, WATCH_LOGS)
-    ours, kept = f"{job_id}.", None if but_arm is None else f"{job_id}.{but_arm}."
     try:
         names = os.listdir(folder)
     except OSError:
         return
     for name in names:
-        if name.startswith(ours) and (kept is None or not name.startswith(kept)):
+        if any(_older(name, cut, kept) for cut in _dots(name)):
             remove_entry(os.path.join(folder, name))
+
+
+def _dots(name: str) -> Iterator[int]:
+    start = name.find(".")
+    while start >= 0:
+        yield start
+        start = name.find(".", start + 1)
+
+
+def _older(name: str, cut: int, kept: Mapping[str, str | None]) -> bool:
+    """Whether ``name`` is an entry of the job ``name[:cut]`` of ``kept`` that is not of its kept arm."""
+    job_id = name[:cut]
+    if job_id not in kept:
+        return False
+    arm = kept[job_id]
+    return arm is None or not name.startswith(f"{arm}.", cut + 1)
 
 
 def remove_job_logs(state_dir: str, job_id: str) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -405,14 +405,26 @@ class PostgresJobStore:
 
     async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
         """Set (``None``: clear) the watch state of job ``job_id``. Raises: JobNotFoundError."""
-        text = None if state is None else json.dumps(state.to_dict())
+        if await self.set_watch_states({job_id: state}):
+            raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
 
-        def run(cur: Any) -> None:
-            cur.execute("UPDATE gadget_jobs SET watch_state = %s WHERE id = %s", (text, job_id))
-            if cur.rowcount == 0:
-                raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
+    async def set_watch_states(self, states: Mapping[str, WatchState | None]) -> frozenset[str]:
+        """Set (``None``: clear) the watch state of each job in ``states``, in one transaction; return the
+        ids that name no job (the others are set)."""
+        rows = [
+            (None if state is None else json.dumps(state.to_dict()), job_id)
+            for job_id, state in states.items()
+        ]
 
-        await self._call(run, write=True)
+        def run(cur: Any) -> frozenset[str]:
+            missing = []
+            for text, job_id in rows:
+                cur.execute("UPDATE gadget_jobs SET watch_state = %s WHERE id = %s", (text, job_id))
+                if cur.rowcount == 0:
+                    missing.append(job_id)
+            return frozenset(missing)
+
+        return await self._call(run, write=True)
 
     async def watch_states(self) -> dict[str, WatchState]:
         """The watch states of this engine's own jobs (another engine's commands are not ours to see)."""

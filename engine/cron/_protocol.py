@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Protocol
 
@@ -96,6 +96,11 @@ class JobStore(Protocol):
 
     async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
         """Set (or, with ``None``, clear) the job's watch state."""
+
+    async def set_watch_states(self, states: Mapping[str, WatchState | None]) -> frozenset[str]:
+        """Set (or clear) the watch states of several jobs in one transaction (the watchers' group
+        commit); return the ids that name no job (the others are set)."""
+        ...
 
     async def watch_states(self) -> dict[str, WatchState]:
         """Every job's watch state, by job id."""

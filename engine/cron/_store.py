@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -487,13 +487,26 @@ class SqliteJobStore:
         Raises:
             JobNotFoundError: no such job.
         """
-        text = None if state is None else json.dumps(state.to_dict())
+        if await self.set_watch_states({job_id: state}):
+            raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
 
-        def run(conn: sqlite3.Connection) -> None:
-            if conn.execute("UPDATE jobs SET watch_state = ? WHERE id = ?", (text, job_id)).rowcount == 0:
-                raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
+    async def set_watch_states(self, states: Mapping[str, WatchState | None]) -> frozenset[str]:
+        """Set (``None``: clear) the watch state of each job in ``states``, in one transaction; return the
+        ids that name no job (the others are set)."""
+        rows = [
+            (None if state is None else json.dumps(state.to_dict()), job_id)
+            for job_id, state in states.items()
+        ]
 
-        await self._call(run, write=True)
+        def run(conn: sqlite3.Connection) -> frozenset[str]:
+            missing = [
+                job_id
+                for text, job_id in rows
+                if conn.execute("UPDATE jobs SET watch_state = ? WHERE id = ?", (text, job_id)).rowcount == 0
+            ]
+            return frozenset(missing)
+
+        return await self._call(run, write=True)
 
     async def watch_states(self) -> dict[str, WatchState]:
         """Every job's watch state, by job id (unreadable ones skipped)."""
