@@ -21,8 +21,10 @@ import stat
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import trio
@@ -77,6 +79,65 @@ def test_the_compiled_shim_is_built_wherever_a_c_compiler_is_found() -> None:
         f"owned by another user (`chmod go-w {folder} {_shell.SHIM_BIN}` as their owner)"
     )
     assert _shell.shim_argv("x", ("y",)) == (_shell.SHIM_BIN, "x", "--", "y")
+
+
+def _dynamically_linked(path: str | Path) -> bool:
+    """Whether the ELF executable at ``path`` names a program interpreter (``PT_INTERP``: the dynamic
+    loader); a static one does not."""
+    data = Path(path).read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2, f"{path} is not a 64-bit ELF file"
+    order: Literal["little", "big"] = "little" if data[5] == 1 else "big"
+    phoff = int.from_bytes(data[0x20:0x28], order)
+    phentsize = int.from_bytes(data[0x36:0x38], order)
+    phnum = int.from_bytes(data[0x38:0x3A], order)
+    types = [
+        int.from_bytes(data[phoff + i * phentsize : phoff + i * phentsize + 4], order) for i in range(phnum)
+    ]
+    return 3 in types  # PT_INTERP
+
+
+def _links_statically(compiler: str, folder: Path) -> bool:
+    source = folder / "probe.c"
+    source.write_text("int main(void) { return 0; }\n")
+    done = subprocess.run(
+        [compiler, "-static", "-o", str(folder / "probe"), str(source)], capture_output=True, check=False
+    )
+    return done.returncode == 0
+
+
+def test_the_compiled_shim_is_linked_statically_where_the_c_library_allows_it(tmp_path: Path) -> None:
+    compiler = c_compiler()
+    if compiler is None or _shell.find_compiled_shim() is None:
+        pytest.skip("no C compiler on PATH: the engine runs the Perl or Python shim")
+    # No dynamic loader's work before the command starts (about 0.3 ms of CPU per watched command here).
+    assert _dynamically_linked(_shell.SHIM_BIN) is not _links_statically(compiler, tmp_path)
+
+
+def test_the_shim_is_built_linked_dynamically_where_no_static_c_library_is_installed(tmp_path: Path) -> None:
+    compiler = c_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler on PATH: nothing is compiled")
+    refusing = tmp_path / "cc"
+    refusing.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -static ] && { echo "no static C library (test)" >&2; exit 1; }; done\n'
+        f'exec {compiler} "$@"\n'
+    )
+    refusing.chmod(0o755)
+    root = Path(__file__).resolve().parent.parent
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheel"), str(root)],
+        env={**os.environ, "CC": str(refusing)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shim = archive.read("engine/cron/_shim.bin")
+    (tmp_path / "shim").write_bytes(shim)
+    assert _dynamically_linked(tmp_path / "shim")
 
 
 @pytest.mark.parametrize("mode", [0o775, 0o757, 0o644])
