@@ -155,8 +155,12 @@ async def reconcile_rows(ctx: Context) -> list[Row]:
                 await watchers.reconcile(jobs)
                 await until_marked(markers)
                 elapsed = time.perf_counter() - t0
-                while any(watchers.watched_pid(i) is None for i in ids):  # noqa: ASYNC110
-                    await trio.sleep(0.001)  # every watch state stored before they are ended
+                # Untimed: every watch state stored (the engine's work after the starts), so that the
+                # bare spawns that may come next do not run beside it; then they can be ended. No event
+                # tells it: the store is looked at every millisecond.
+                stored = engine.cron.store.watch_states
+                while set(ids) - set(await stored()):  # noqa: ASYNC110
+                    await trio.sleep(0.001)
                 return elapsed
 
             if rep < 0:  # the untimed warm-up of both: the shell, the shim and the engine's paths in memory
