@@ -199,7 +199,7 @@ class CronExitWatchers:
     #: The watch states stored in group commits (:meth:`_store_state`): the arms of one ``reconcile``
     #: store theirs in a few transactions, not one each.
     _state_writes: GroupCommit[tuple[str, WatchState | None], frozenset[str]] = attrs.field(init=False)
-    #: The older arms' files swept in groups (:meth:`_sweep_older_arms`): one listing of the folder for
+    #: The older arms' files swept in groups (:meth:`_write_sweeps`): one listing of the folder for
     #: the arms started together.
     _sweeps: GroupCommit[tuple[str, str], None] = attrs.field(init=False)
     _detached: bool = attrs.field(init=False, default=False)
