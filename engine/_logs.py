@@ -38,6 +38,7 @@ from typing import IO, TYPE_CHECKING, Literal, NamedTuple
 import attrs
 
 from . import _libc
+from ._errors import InvalidArgumentError
 from ._logdir import LogFolder, LogGoneError
 from ._logread import LineIndex, read_forward, read_tail
 
@@ -79,11 +80,11 @@ def check_stream(stream: object) -> Stream:
     """Return ``stream`` when it names a log stream.
 
     Raises:
-        ValueError: it is neither ``"stdout"`` nor ``"stderr"``.
+        InvalidArgumentError: it is neither ``"stdout"`` nor ``"stderr"`` (a ``ValueError``).
     """
     if stream == "stdout" or stream == "stderr":
         return stream
-    raise ValueError(f'stream must be "stdout" or "stderr", got {stream!r}')
+    raise InvalidArgumentError(f'stream must be "stdout" or "stderr", got {stream!r}')
 
 
 def final_log_paths(directory: str, pid: int, generation: int | None = None) -> tuple[str, str]:

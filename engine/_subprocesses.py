@@ -486,18 +486,18 @@ class SubProcessService:
                 own kept record gets it even while another project's live child holds the pid.
 
         Raises:
+            InvalidArgumentError: ``pid`` is not a whole number (a string, a float, ``None``, a bool), as
+                the tool and the RPC say for the same value.
             SubProcessNotFoundError: no managed subprocess (of that project) has this pid, or it was
                 killed.
         """
-        matches = (
-            []
-            if isinstance(pid, bool)
-            else [
-                sp
-                for sp in self._records
-                if sp.answers_to(pid) and (project_id is None or sp.project.id == project_id)
-            ]
-        )
+        if isinstance(pid, bool) or not isinstance(pid, int):
+            raise InvalidArgumentError(f"pid must be a whole number, got {show(pid)}")
+        matches = [
+            sp
+            for sp in self._records
+            if sp.answers_to(pid) and (project_id is None or sp.project.id == project_id)
+        ]
         if not matches:
             whose = "" if project_id is None else f" of project {project_id!r}"
             raise SubProcessNotFoundError(
@@ -820,7 +820,8 @@ class SubProcessService:
         Cancellation: the read runs in a worker thread and is waited for (it is bounded by the log cap).
 
         Raises:
-            ValueError: ``stream`` is not ``"stdout"`` or ``"stderr"``.
+            InvalidArgumentError: ``stream`` is not ``"stdout"`` or ``"stderr"``, or ``pid`` is not a
+                whole number (both ``ValueError``).
             SubProcessNotFoundError: no managed subprocess has this pid, or its log file is gone.
         """
         name = check_stream(stream)

@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from engine import (
+    InvalidArgumentError,
     LimitExceededError,
     Project,
     RunState,
@@ -292,6 +293,26 @@ async def test_kill_pid_unknown_raises_not_found(tmp_path: Path) -> None:
             await engine.service.kill_pid(999999)
         with pytest.raises(SubProcessNotFoundError):
             await engine.service.halt_pid(999999)
+
+
+@pytest.mark.parametrize("pid", ["12", None, 1.5, True])
+async def test_a_pid_that_is_no_whole_number_is_an_invalid_argument_and_changes_nothing(
+    tmp_path: Path, pid: object
+) -> None:
+    """As the tool and the RPC say for the same value (they said so; the library said "not found")."""
+    project = make_project(tmp_path)
+    async with engine_at(tmp_path) as engine:
+        service = engine.service
+        sp = await service.create(project, "sleep", ["30"])
+        for call in (service.kill_pid, service.halt_pid):
+            with pytest.raises(InvalidArgumentError, match="pid must be a whole number"):
+                await call(pid)  # type: ignore[arg-type]  # the wrong type is the point
+        with pytest.raises(InvalidArgumentError, match="pid must be a whole number"):
+            await service.get_log(pid, "stdout")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match='stream must be "stdout" or "stderr"'):
+            await service.read_log(sp.pid, "nope")
+        assert sp.running and all(os.path.exists(p) for p in log_paths(sp))
+        await service.kill_pid(sp.pid)
 
 
 async def test_kill_all_kills_every_project_and_verifies(tmp_path: Path) -> None:
