@@ -207,11 +207,21 @@ def log(client: EngineClient, args: argparse.Namespace) -> int:
     socket_path = client.socket_path
     last: dict[str, dict[str, Any]] = {}
     try:
+        gone: list[SubProcessNotFoundError] = []
         for stream in streams:
-            last[stream] = _history(client, args, stream, out)
+            try:
+                last[stream] = _history(client, args, stream, out)
+            except SubProcessNotFoundError as exc:
+                if args.follow or len(streams) == 1:
+                    raise
+                gone.append(exc)  # one log removed behind the engine's back: the other is still printed
             out.flush(stream)  # stdout's history ends before stderr's starts
+        if len(gone) == len(streams):
+            raise gone[0]  # no such process (or both logs gone): as for one stream
+        for error in gone:
+            print(f"gadget-engine: {error}", file=sys.stderr)
         if not args.follow:
-            return EXIT_OK
+            return EXIT_FAILED if gone else EXIT_OK
         common = {"pid": args.pid, "max_bytes": _PAGE_BYTES}
         while not all(not p["running"] and p["next_offset"] >= p["total_bytes"] for p in last.values()):
             idle(LOG_FOLLOW_SECONDS)

@@ -606,6 +606,24 @@ def test_cli_log_both_streams_tail_and_follow(served: Served, project: Path) -> 
     served.cli("kill", str(pid))
 
 
+def test_cli_log_both_streams_prints_the_log_left_when_the_other_was_removed(
+    served: Served, project: Path
+) -> None:
+    """Noted by a fresh tester: ``--stream both`` stopped at a gone stdout log, stderr unprinted."""
+    code = (
+        "import sys,time\nprint('out', flush=True); print('err', file=sys.stderr, flush=True); time.sleep(30)"
+    )
+    pid = _create(served, project, sys.executable, "-c", code)
+    stdout_log = project / ".gadget" / "subprocess-logs" / f"subproc-{pid}.stdout.log"
+    assert wait_until(lambda: stdout_log.exists() and stdout_log.stat().st_size > 0)
+    stdout_log.unlink()  # behind the engine's back
+    both = served.cli("log", str(pid), "--stream", "both")
+    assert both.returncode == 1, both
+    assert both.stdout.splitlines() == ["stderr | err"]
+    assert "stdout" in both.stderr and "Traceback" not in both.stderr
+    served.cli("kill", str(pid))
+
+
 def test_cli_log_tail_zero_prints_nothing_and_follows_what_comes_next(served: Served, project: Path) -> None:
     go = project / "go"
     code = (
