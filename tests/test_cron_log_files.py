@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import stat
+import uuid
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,31 @@ def test_older_arms_of_many_jobs_are_swept_in_one_look_and_the_kept_arms_stay(tm
     assert sorted(os.listdir(folder)) == sorted(name for name, kept in names.items() if kept)
     remove_watch_entries(str(tmp_path), "j1", but_arm=None)  # one job: the same sweep
     assert sorted(os.listdir(folder)) == ["j1", "j10.old.stdout.log", "j3.old.stdout.log"]
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+async def test_what_is_planted_at_the_next_arms_start_mark_is_removed_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: str
+) -> None:
+    """Found by a fresh tester: a link at ``<job>.<arm>.started`` had its target truncated by the shell's
+    ``>``, a FIFO there blocked the command for good (the mark is made where a file of the user's runs
+    first: ``BASH_ENV`` here)."""
+    state, outside = tmp_path / "s", tmp_path / "outside.txt"
+    outside.write_text("keep me\n")
+    profile = tmp_path / "bash_env"
+    profile.write_text("")
+    monkeypatch.setenv("BASH_ENV", str(profile))
+    arm = uuid.UUID("00000000-0000-4000-8000-00000000abcd")
+    monkeypatch.setattr("uuid.uuid4", lambda: arm)  # the next arm's id (and the job's), known here
+    async with engine_with(state) as engine:
+        job = await engine.cron.add(OnExit(command="true"), SystemEvent("marked"), enabled=False)
+        mark = state / "watch-logs" / f"{job.id}.{arm.hex[:12]}.started"
+        mark.parent.mkdir(exist_ok=True)
+        if planted == "link":
+            mark.symlink_to(outside)
+        else:
+            os.mkfifo(mark)
+        await engine.cron.enable(job.id)
+        (event,) = await wait_events(engine, 1)
+        assert (event.exit_code, event.reason) == (0, "exit")
+    assert outside.read_text() == "keep me\n"

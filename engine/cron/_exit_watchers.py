@@ -408,6 +408,8 @@ class CronExitWatchers:
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
                 # Older arms' files are removed once the command is started, off the path to its start.
                 logs = open_logs(paths.stdout, paths.stderr)
+                if STARTED_VAR in env:  # the shell makes the mark: whatever is at its name goes first (a
+                    remove_entry(paths.started)  # link would be followed by ``>``, a FIFO would block it)
                 try:
                     watch.logs = log_files((paths.stdout, paths.stderr), logs)
                     run = await self.supervisor.spawn(attrs.evolve(spec, stdout=logs[0], stderr=logs[1]))
