@@ -124,10 +124,10 @@ async def reconcile_rows(ctx: Context) -> list[Row]:
         for rep in range(-1, repeats):
             if rep == 0:
                 # Each arm makes its files in watch-logs/ (two logs, the shim's record): as the spawn rows
-                # do in their log folder, wait until a file there costs little. On this machine's ext4
-                # (no journal) a file made within a minute of many deletions in its block group costs
-                # 0.1-2 ms, and the scale workload before this one deletes 2000 logs; the folder's own
-                # look decides, not the scratch root's (fast at the same moment: another group).
+                # do in their log folder, wait until an O_TMPFILE there costs little, and record it. On
+                # this machine's ext4 (no journal) the arms' O_CREAT logs still cost 1-2.7 ms a pair for
+                # 10-20 s after the scale workload while this probe read 20-60 us (analysis.md, twentieth
+                # round): the figure is context for the row, not proof of a quiet allocator.
                 allocation_start, waited = await trio.to_thread.run_sync(
                     wait_files_quiet, watch_logs, ctx.quiet_wait_seconds
                 )
