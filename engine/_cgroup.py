@@ -399,10 +399,22 @@ class EngineCgroup:
         return cls(cgroup2=cgroup2, path=path, home_procs=home_procs)
 
     def leaf(self, name: str) -> Leaf:
-        """Create the leaf ``name`` (a leftover of that name is reused) and return it."""
+        """Create the leaf ``name`` (a leftover of that name is reused) and return it.
+
+        A parent removed meanwhile is made again first: the guardian of a crashed engine of the same
+        state directory removes the parent it finds empty, which this engine may have opened an instant
+        before (found by a crash test: an engine restarted at once failed its first spawn).
+        """
         path = os.path.join(self.path, name)
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(path, 0o755)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.path, 0o755)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o755)
         return Leaf(path=path, rel=self._child_rel(name))
 
     def _child_rel(self, name: str) -> str:

@@ -62,6 +62,16 @@ def test_parent_is_named_after_the_state_dir_and_recorded(tmp_path: Path) -> Non
 
 
 @needs_cgroup
+def test_a_leaf_is_made_after_its_parent_was_removed_from_under_the_engine(parent: EngineCgroup) -> None:
+    """The guardian of a crashed engine of the same state directory removes the parent it finds empty,
+    maybe just after a new engine opened it: the next leaf makes the parent again."""
+    os.rmdir(parent.path)
+    leaf = parent.leaf("r1-test")
+    assert os.path.isdir(leaf.path) and os.path.dirname(leaf.path) == parent.path
+    assert leaf.remove()
+
+
+@needs_cgroup
 def test_a_planted_parent_record_is_not_trusted(tmp_path: Path) -> None:
     assert _FOUND is not None
     (tmp_path / PARENT_RECORD).write_text(_FOUND.own + "\n")  # somebody else's cgroup
