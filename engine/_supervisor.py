@@ -539,10 +539,13 @@ class Supervisor:
         """
         if self._closing:
             raise RuntimeError("the supervisor is closed; open a new one to spawn")
-        if not spec.replace_existing_scope and self._locks.idle(spec.scope_key):
-            # Nobody holds or waits for the key: the sync start is as atomic as holding its lock. The
-            # checkpoint comes after the spawn, so that the work waiting on the loop (the last run's
-            # housekeeping, the next log files) runs while the child starts, not before it.
+        replaces = spec.replace_existing_scope and bool(self.runs(spec.scope_key))
+        if self._locks.idle(spec.scope_key) and not replaces:
+            # Nobody holds or waits for the key, and no run of it is left to replace: the sync start is as
+            # atomic as holding its lock. The checkpoint comes after the spawn, so that the work waiting on
+            # the loop (the last run's housekeeping, the next log files) runs while the child starts, not
+            # before it; and a caller that made something for the child just before (an on-exit arm's
+            # logs) knows that no other task ran between that and the spawn.
             await trio.lowlevel.checkpoint_if_cancelled()
             run = self._start(spec)
             await trio.lowlevel.cancel_shielded_checkpoint()
