@@ -25,6 +25,7 @@ from engine.cron import At, CronJob, Every, FiredEvent, OnExit, SystemEvent
 from engine.cron._log_files import WATCH_LOGS
 from engine.cron._plan import is_due, next_wake
 from engine.cron._store import SQLITE_CLAIM_BATCH
+from engine.cron._watch_state import WatchState
 
 from ._common import Context, Row, file_allocation_us, paired, pct, spread, wait_files_quiet
 
@@ -168,9 +169,14 @@ async def reconcile_rows(ctx: Context) -> list[Row]:
                 elapsed = time.perf_counter() - t0
                 # Untimed: every watch state stored (the engine's work after the starts), so that the
                 # bare spawns that may come next do not run beside it; then they can be ended. No event
-                # tells it: the store is looked at every millisecond.
+                # tells it: the store is looked at every millisecond (an arm stored before its spawn,
+                # ``ArmIntent``, is not the state yet).
                 stored = engine.cron.store.watch_states
-                while set(ids) - set(await stored()):  # noqa: ASYNC110
+
+                async def unstored() -> set[str]:
+                    return set(ids) - {k for k, v in (await stored()).items() if isinstance(v, WatchState)}
+
+                while await unstored():  # noqa: ASYNC110
                     await trio.sleep(0.001)
                 return elapsed
 

@@ -23,7 +23,19 @@ from .children import SESSION, mark, pgrep
 from .watch_support import engine_with, wait_events, wait_until
 
 ROOT = Path(__file__).parent.parent
-POINTS = ["after_spawn", "after_exit", "before_persist", "after_persist", "before_fire"]
+#: ``before_spawn``: the arm is stored, nothing spawned (the next engine runs the command, once);
+#: ``spawned``: the command runs and its watch state is not stored yet (found by the exit file in its
+#: shim's argv, or by its record). Found by a fresh helper: SIGKILLed while arming 100 jobs, the engine left
+#: every started command to be run a second time by the next engine.
+POINTS = [
+    "before_spawn",
+    "spawned",
+    "after_spawn",
+    "after_exit",
+    "before_persist",
+    "after_persist",
+    "before_fire",
+]
 
 
 def crash_engine(state: Path, point: str, command: str) -> None:
@@ -85,15 +97,16 @@ async def test_exit_crash_adopts_live_command_with_same_pid(tmp_path: Path) -> N
     assert not shim_pids(state)
 
 
-async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("point", ["after_spawn", "spawned"])
+async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path, point: str) -> None:
     state = tmp_path / "s"
-    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", f"sleep {mark('30.5')}")
+    await trio.to_thread.run_sync(crash_engine, state, point, f"sleep {mark('30.5')}")
     (shim,) = shim_pids(state)
+    leaves = _leaves_of(shim)  # in cgroup containment: the command's leaf, left by the crash
     os.killpg(shim, signal.SIGKILL)  # the shim dies with its command: neither alive nor recorded
     with trio.fail_after(5):
         while pgrep(rf"^sleep 30\.5{SESSION}") or shim_pids(state):
             await trio.sleep(0.02)
-    leaves = _watch_leaves(state)  # in cgroup containment: the command's leaf, left by the crash
     async with engine_with(state) as engine:
 
         async def disabled() -> bool:
@@ -177,11 +190,52 @@ async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_st
     assert not shim_pids(state)
 
 
-def _watch_leaves(state: Path) -> list[str]:
-    """The cgroup leaves the store's watch states name (none in process-group containment)."""
+@pytest.mark.parametrize("left", ["nothing", "empty logs", "a reserved record", "output"])
+async def test_exit_crash_before_the_spawn_runs_the_command_only_if_nothing_shows_it_ran(
+    tmp_path: Path, left: str
+) -> None:
+    """Killed with the arm stored (``before_spawn``), where no shim runs and no record is there: the next
+    engine runs the command, once, unless something shows that it may have run: the temp file a shim
+    reserves for its record before running the command, or output in the arm's logs (made empty before
+    the spawn). Then the watch is reported lost and the command is not run again (fail-closed)."""
+    state, runs = tmp_path / "s", tmp_path / "runs"
+    await trio.to_thread.run_sync(crash_engine, state, "before_spawn", f"echo run >> {runs}; exit 3")
     with contextlib.closing(sqlite3.connect(f"file:{state / 'cron.sqlite3'}?mode=ro", uri=True)) as conn:
-        rows = conn.execute("SELECT watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
-    return [leaf for (text,) in rows if (leaf := json.loads(text).get("cgroup"))]
+        ((job_id, text),) = conn.execute("SELECT id, watch_state FROM jobs").fetchall()
+    arm = json.loads(text)
+    assert arm["spawning"] is True and "pid" not in arm
+    base = state / "watch-logs" / f"{job_id}.{arm['arm_id']}"
+    base.parent.mkdir(mode=0o700, exist_ok=True)
+    if left != "nothing":  # as if killed between the logs' making and the spawn, or after the spawn
+        for stream in ("stdout", "stderr"):
+            Path(f"{base}.{stream}.log").write_text("partial\n" if left == "output" else "")
+    if left == "a reserved record":
+        Path(arm["exit_file"] + ".tmp.4194301").write_text(" " * 4096)
+    async with engine_with(state) as engine:
+        if left in ("nothing", "empty logs"):
+            (event,) = await wait_events(engine, 1)
+            assert event.exit_code == 3
+            assert runs.read_text() == "run\n"
+            return
+
+        async def disabled() -> bool:
+            return not (await engine.cron.get(job_id)).enabled
+
+        await wait_until(disabled)
+        error = (await engine.cron.get(job_id)).last_error
+        assert error is not None and "watch lost across restart" in error
+        assert "while it started the command" in error
+        await trio.sleep(0.3)
+        assert await engine.cron.events() == []
+    assert not runs.exists()
+    assert not Path(arm["exit_file"] + ".tmp.4194301").exists()
+
+
+def _leaves_of(pid: int) -> list[str]:
+    """The watched command's cgroup leaf of the process ``pid`` (none in process-group containment)."""
+    rel = Path(f"/proc/{pid}/cgroup").read_text().partition("0::")[2].strip()
+    found = [str(mount) + rel for mount in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))]
+    return [path for path in found if Path(path).name.startswith("w-") and os.path.isdir(path)]
 
 
 async def test_exit_crash_in_on_fire_delivers_same_fire_id_again(tmp_path: Path) -> None:

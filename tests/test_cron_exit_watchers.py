@@ -449,6 +449,24 @@ async def test_exit_watcher_cr02_rearm_race_fires_exactly_once(tmp_path: Path) -
     assert not pgrep(rf"echo gen-[12]-[0-9]+-{SESSION}")
 
 
+async def test_a_changed_command_starts_once_the_old_one_has_ended(tmp_path: Path) -> None:
+    """A re-arm stores its arm and spawns only after the job's older command has ended (the older
+    watcher is done): the old arm's state stays in the store for the next engine until then."""
+    order = tmp_path / "order"
+    ending = f"trap 'sleep 1; echo old-ended >> {order}; exit 0' INT"
+    old = f"{ending}; echo old >> {order}; sleep {mark('337.1')} & wait"
+    async with engine_with(tmp_path / "s", grace_seconds=5.0) as engine:
+        job = await engine.cron.add(OnExit(command=old), SystemEvent("J"))
+        await wait_until(lambda: order.exists())
+        (before,) = (await engine.cron.store.watch_states()).values()
+        await engine.cron.update(job.id, schedule=OnExit(command=f"echo new >> {order}"))
+        await trio.sleep(0.5)  # the old command is in its trap
+        assert await engine.cron.store.watch_states() == {job.id: before}
+        (event,) = await wait_events(engine, 1)
+    assert event.exit_code == 0
+    assert order.read_text() == "old\nold-ended\nnew\n"
+
+
 async def test_exit_watcher_unchanged_reconcile_keeps_watcher(tmp_path: Path) -> None:
     async with engine_with(tmp_path / "s") as engine:
         job = await engine.cron.add(OnExit(command=f"sleep {mark('335.1')}"), SystemEvent("x"))
@@ -767,6 +785,32 @@ async def test_exit_watcher_cr03_store_failure_fails_closed(
         events = await engine.cron.events()
     assert [e.job_id for e in events] == [other.id, job.id]
     assert events[1].stdout_tail == "done\n"
+    assert (d / "runs.txt").read_text() == "run\n"
+
+
+async def test_exit_watcher_runs_no_command_before_its_arm_is_stored(tmp_path: Path) -> None:
+    """Fail-closed before the spawn too: the arm is stored first (after a crash the next engine learns
+    from it that the command may have run); while the store refuses it, the command does not run, the
+    job's error says why, and the start is retried."""
+    d = tmp_path / "D"
+    d.mkdir()
+    store = FlakyStore(str(tmp_path / "s" / "cron.sqlite3"))
+    store.failing_states = True
+    async with engine_with(tmp_path / "s", store=store, watch_retry_seconds=(0.3,)) as engine:
+        job = await engine.cron.add(
+            OnExit(command="echo run >> runs.txt; echo done", cwd=str(d)), SystemEvent("J")
+        )
+        await wait_until(lambda: engine.watchers.last_error(job.id) is not None)
+        error = engine.watchers.last_error(job.id)
+        assert error is not None and "storing the arm before the start failed" in error
+        assert "No space left on device" in error
+        await trio.sleep(1.0)  # three more attempts
+        assert not (d / "runs.txt").exists()
+        assert (await engine.cron.get(job.id)).enabled
+        store.failing_states = False
+        (event,) = await wait_events(engine, 1)
+        assert engine.watchers.last_error(job.id) is None
+    assert event.stdout_tail == "done\n"
     assert (d / "runs.txt").read_text() == "run\n"
 
 

@@ -15,7 +15,7 @@ import pytest
 from engine import FiredEvent, OnExit
 from engine._sweep import GroupRecord
 from engine.cron._events import PENDING_FIRE_FIELDS, PendingFire, exit_fire, text_fire
-from engine.cron._watch_state import WatchState
+from engine.cron._watch_state import ArmIntent, WatchState, stored_watch_from_dict
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
@@ -125,3 +125,21 @@ def test_watch_state_refuses_invalid_fields(field: str, value: object) -> None:
     del data[field]
     with pytest.raises(ValueError, match=field):
         WatchState.from_dict(data)
+
+
+def test_an_arm_before_its_spawn_round_trips_and_becomes_the_state_of_its_shim() -> None:
+    arm = ArmIntent(
+        arm_id="0123abcd", exit_file="/s/x.exit.json", command="make test", cwd="/srv", started_at=T0,
+        marks_start=True,
+    )  # fmt: skip
+    data = json.loads(json.dumps(arm.to_dict()))
+    assert stored_watch_from_dict(data) == arm and ArmIntent.from_dict(data) == arm
+    assert stored_watch_from_dict(_state().to_dict()) == _state()  # a state is told from an arm
+    assert arm.targets(OnExit("make test", cwd="/srv")) and not arm.targets(OnExit("make test"))
+    assert arm.spawned(pid=4242, start_time=98765, marker="tok:7", cgroup=None) == _state(marks_start=True)
+    with pytest.raises(ValueError, match="exit_file"):
+        stored_watch_from_dict({k: v for k, v in data.items() if k != "exit_file"})
+    with pytest.raises(ValueError, match="started_at"):
+        stored_watch_from_dict({**data, "started_at": "2026-06-01T12:00"})
+    with pytest.raises(ValueError):
+        stored_watch_from_dict([1])  # type: ignore[arg-type]

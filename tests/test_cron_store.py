@@ -30,7 +30,7 @@ from engine.cron._events import exit_fire, text_fire
 from engine.cron._job import JobStatus
 from engine.cron._pg_store import PostgresJobStore
 from engine.cron._store import SQLITE_CLAIM_BATCH
-from engine.cron._watch_state import WatchState
+from engine.cron._watch_state import ArmIntent, WatchState
 
 T0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
 
@@ -397,7 +397,7 @@ async def test_store_watch_states_of_several_jobs_in_one_write(store: JobStore) 
         arm_id="a1", pid=4242, sid=4242, start_time=123, marker="t:1", exit_file="/x",
         command="sleep 1", cwd=None, started_at=T0,
     )  # fmt: skip
-    other = attrs.evolve(state, arm_id="a2", pid=4343)
+    other = ArmIntent(arm_id="a2", exit_file="/y", command="sleep 1", cwd="/srv", started_at=T0)  # pre-spawn
     # The watchers' group commit: the jobs that exist are set, the ids naming no job are told.
     assert await store.set_watch_states({"w1": state, "gone": state, "w2": other}) == {"gone"}
     assert await store.watch_states() == {"w1": state, "w2": other}

@@ -19,6 +19,7 @@ from engine import CronJob, Engine, EngineConfig, FiredEvent, SqliteJobStore, op
 from engine._procfs import read_proc
 from engine.cron._events import PendingFire
 from engine.cron._protocol import JobChange
+from engine.cron._watch_state import StoredWatch
 
 from .children import wait_until
 
@@ -37,15 +38,24 @@ TEST_SHELL = ("bash", "-c", "--")
 
 
 class FlakyStore(SqliteJobStore):
-    """A real SQLite store whose exit commits fail with ENOSPC for the job ids in ``failing``."""
+    """A real SQLite store whose exit commits fail with ENOSPC for the job ids in ``failing``, and whose
+    watch-state writes fail so while ``failing_states``."""
 
     failing: set[str]
     commit_attempts: int
+    failing_states: bool
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.failing = set()
         self.commit_attempts = 0
+        self.failing_states = False
+
+    async def set_watch_states(self, states: Mapping[str, StoredWatch | None]) -> frozenset[str]:
+        if self.failing_states:
+            await trio.lowlevel.checkpoint()
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+        return await super().set_watch_states(states)
 
     async def commit_fire(self, job_id: str, change: JobChange, pending_fire: PendingFire) -> CronJob:
         self.commit_attempts += 1
@@ -105,6 +115,8 @@ def end_left_commands(root: Path) -> list[int]:
             rows = conn.execute("SELECT watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
         for (text,) in rows:
             state = json.loads(text)
+            if "pid" not in state:  # an arm stored before its spawn: nothing ran from it
+                continue
             info = read_proc(state["pid"])
             if info is None or info.ppid != os.getpid() or info.start_time != state["start_time"]:
                 continue

@@ -20,7 +20,7 @@ import attrs
 from .._errors import UntrustedPathError
 from .._trust import open_own_file
 
-__all__ = ["ExitRecordRead", "read_exit_record", "remove_reserved"]
+__all__ = ["ExitRecordRead", "read_exit_record", "remove_reserved", "remove_reserved_by_any"]
 
 #: The most of a record file that is read, in bytes (the shim writes about 100, in 4096 reserved).
 _MAX_RECORD_BYTES: Final = 65536
@@ -72,3 +72,19 @@ def remove_reserved(path: str, shim_pid: int) -> None:
     leaves behind. Missing is fine; call it once that shim has ended."""
     with contextlib.suppress(OSError):
         os.unlink(f"{path}.tmp.{shim_pid}")
+
+
+def remove_reserved_by_any(path: str) -> bool:
+    """Remove the temp files any shim reserved for ``path``'s record (``<path>.tmp.<pid>``), where the
+    shim's pid is not known (its engine was killed before it stored the watch state); return whether
+    there was one: then a shim started for that record. Call it once no shim of that record runs."""
+    folder, name = os.path.split(path)
+    prefix = f"{name}.tmp."
+    try:
+        names = [n for n in os.listdir(folder or ".") if n.startswith(prefix) and n[len(prefix) :].isdigit()]
+    except OSError:
+        return False
+    for found in names:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, found))
+    return bool(names)

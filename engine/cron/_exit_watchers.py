@@ -8,13 +8,16 @@ exits, the job is disabled and its pending fire written in one transaction (**pe
 fired (**fire**). A failed persist keeps the result and retries the persist, never the command; a task
 that lost its slot never persists and never fires.
 
-Across restarts: the store keeps a :class:`WatchState` per watched job (pid, start time, exit file). An
-engine that stops, by a crash or gracefully (:meth:`CronExitWatchers.detach_all`), leaves the command
-running, unsignalled (``outlive_engine_crash``), with its watch state kept; the next engine adopts it if
-it is alive, reads the shim's exit file if it ended meanwhile, and reports "watch lost across restart"
-(job disabled, nothing fired) if neither. A command with side effects never runs twice. To end the
-commands on purpose there is :meth:`CronExitWatchers.cancel_all`: each job is disabled and fires once,
-with reason ``cancelled``.
+Across restarts: the store keeps the arm (:class:`ArmIntent`) before the spawn, then a :class:`WatchState`
+per watched job (pid, start time, exit file). An engine that stops, by a crash or gracefully
+(:meth:`CronExitWatchers.detach_all`), leaves the command running, unsignalled (``outlive_engine_crash``),
+with its watch state kept; the next engine adopts it if it is alive, reads the shim's exit file if it
+ended meanwhile, and reports "watch lost across restart" (job disabled, nothing fired) if neither. An
+engine killed between the spawn and the state's write leaves the arm only: the next one finds the shim
+by the exit file its argv names (``_shim_search``), or its record, else reports the watch lost where a
+spawn was under way (the arm's logs exist), and only where none was runs the command. A command with
+side effects never runs twice. To end the commands on purpose there is
+:meth:`CronExitWatchers.cancel_all`: each job is disabled and fires once, with reason ``cancelled``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor, Terminati
 from .._sweep import end_processes, find_record_processes
 from ._arming import ArmTable, watchable
 from ._events import PendingFire, describe_outcome, exit_fire
-from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved
+from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved, remove_reserved_by_any
 from ._job import CronJob, JobStatus, SystemEvent
 from ._log_files import (
     WATCH_LOGS,
@@ -59,7 +62,8 @@ from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
 from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv, what_runs_first
-from ._watch_state import WatchState
+from ._shim_search import find_spawned
+from ._watch_state import ArmIntent, StoredWatch, WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
 
@@ -67,10 +71,19 @@ logger = logging.getLogger("engine.cron")
 
 #: ``async def hook(job_id: str) -> None`` called at a named point (tests hold or crash a watcher there).
 WatchHook = Callable[[str], Awaitable[None]]
-#: The named points: after the command was spawned; after it exited (the slot can still be re-armed);
-#: inside the commit, before the persist transaction (a re-arm now waits for the commit to decide);
-#: after the persist committed; and right before the fire is delivered.
-HOOK_POINTS = ("after_spawn", "after_exit", "before_persist", "after_persist", "before_fire")
+#: The named points: the arm is stored and the command about to be spawned; the command was spawned and its
+#: watch state not stored yet; after it was stored; after the command exited (the slot can still be
+#: re-armed); inside the commit, before the persist transaction (a re-arm now waits for the commit to
+#: decide); after the persist committed; and right before the fire is delivered.
+HOOK_POINTS = (
+    "before_spawn",
+    "spawned",
+    "after_spawn",
+    "after_exit",
+    "before_persist",
+    "after_persist",
+    "before_fire",
+)
 
 #: How a failed start of a watched command begins its ``last_error``.
 _START_FAILED = "cannot start the watched command"
@@ -80,6 +93,7 @@ _NOT_STARTED_YET = "the watched command has not started yet"
 _T = TypeVar("_T")
 
 FirePending = Callable[[str, PendingFire], Awaitable[object]]
+
 #: What the shim recorded of a command's end (``exit_code`` or ``signal``, ``ended_at``, ...).
 ExitRecord = Mapping[str, object]
 
@@ -112,11 +126,16 @@ class _Watch:
     #: what the store must hold for the next engine to adopt the command, once it runs
     state: WatchState | None = None
     saved: bool = False
+    #: the arm is in the store (:class:`ArmIntent`): stored once, before the first spawn attempt
+    arm_stored: bool = False
     completed: bool = False
     #: ``cancel_all`` asked to end the command on purpose (the job then fires, reason ``cancelled``)
     ending: bool = False
     end_requested: trio.Event = attrs.field(factory=trio.Event)
     done: trio.Event = attrs.field(factory=trio.Event)
+    #: the job's watch started before this one, if it may still be ending its command: this one spawns
+    #: only after it is done (and after the one it waited for, and so on)
+    after: _Watch | None = None
 
 
 def _reap_if_ours(pid: int, start_time: int) -> None:
@@ -138,6 +157,14 @@ def _started_at(paths: _Paths, spawned: float) -> float:
         return max(spawned, os.stat(paths.started, follow_symlinks=False).st_mtime)
     except OSError:
         return spawned
+
+
+def _size(path: str) -> int:
+    """The size of the file at ``path`` in bytes (a link is not followed); 0 when there is none."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except OSError:
+        return 0
 
 
 def _is_start_note(error: str | None) -> bool:
@@ -189,6 +216,8 @@ class CronExitWatchers:
     log_cap_bytes: int = 50 * 2**20
     _table: ArmTable = attrs.field(init=False, factory=ArmTable)
     _watches: dict[tuple[str, int], _Watch] = attrs.field(init=False, factory=dict)
+    #: each job's newest watch, until it is done
+    _latest: dict[str, _Watch] = attrs.field(init=False, factory=dict)
     _errors: dict[str, str] = attrs.field(init=False, factory=dict)
     #: A job's ``(last_status, last_error)`` from before its watched command's first failed start: put
     #: back once a start succeeds.
@@ -198,14 +227,14 @@ class CronExitWatchers:
     _state_locks: KeyedLocks = attrs.field(init=False, factory=KeyedLocks)
     #: The watch states stored in group commits (:meth:`_store_state`): the arms of one ``reconcile``
     #: store theirs in a few transactions, not one each.
-    _state_writes: GroupCommit[tuple[str, WatchState | None], frozenset[str]] = attrs.field(init=False)
+    _state_writes: GroupCommit[tuple[str, StoredWatch | None], frozenset[str]] = attrs.field(init=False)
     #: The older arms' files swept in groups (:meth:`_write_sweeps`): one listing of the folder for
     #: the arms started together.
     _sweeps: GroupCommit[tuple[str, str], None] = attrs.field(init=False)
     _detached: bool = attrs.field(init=False, default=False)
 
     @_state_writes.default
-    def _state_writes_default(self) -> GroupCommit[tuple[str, WatchState | None], frozenset[str]]:
+    def _state_writes_default(self) -> GroupCommit[tuple[str, StoredWatch | None], frozenset[str]]:
         return GroupCommit(self._write_states)
 
     @_sweeps.default
@@ -317,17 +346,19 @@ class CronExitWatchers:
         job: CronJob,
         token: int,
         *,
-        adopted: WatchState | None = None,
+        adopted: StoredWatch | None = None,
         recorded: ExitRecord | None = None,
     ) -> None:
         """Start a watcher: a fresh command, or (``adopted``) one a crashed engine left, running or
-        already ended with its exit ``recorded``."""
+        already ended with its exit ``recorded`` (only then may ``adopted`` be an :class:`ArmIntent`: an
+        arm whose shim ended before any engine stored its state)."""
         if self._detached:  # the engine is stopping: the next one arms it
             self._table.release(job.id, token)
             return
         arm_id = adopted.arm_id if adopted is not None else uuid.uuid4().hex[:12]
-        watch = _Watch(job.id, token, arm_id)
+        watch = _Watch(job.id, token, arm_id, after=self._latest.get(job.id))
         self._watches[(job.id, token)] = watch
+        self._latest[job.id] = watch
         self.nursery.start_soon(
             self._watch, job, watch, adopted, recorded, name=f"watch on-exit job {job.id}"
         )
@@ -346,7 +377,7 @@ class CronExitWatchers:
         return self._table.owns(watch.job_id, watch.token)
 
     async def _watch(
-        self, job: CronJob, watch: _Watch, adopted: WatchState | None, recorded: ExitRecord | None
+        self, job: CronJob, watch: _Watch, adopted: StoredWatch | None, recorded: ExitRecord | None
     ) -> None:
         paths = _Paths.of(self.state_dir, job.id, watch.arm_id)
         leave = False
@@ -356,6 +387,7 @@ class CronExitWatchers:
                 if recorded:
                     record = recorded
                 elif adopted is not None:
+                    assert isinstance(adopted, WatchState)  # an arm without a state comes recorded
                     watch.state, watch.saved = adopted, True
                     record = await self._wait_adopted(watch, adopted)
                 else:
@@ -382,6 +414,8 @@ class CronExitWatchers:
                     if not watch.completed:
                         await self._forget(watch, paths)
             self._watches.pop((watch.job_id, watch.token), None)
+            if self._latest.get(watch.job_id) is watch:
+                del self._latest[watch.job_id]
             self._table.release(watch.job_id, watch.token)
             watch.done.set()
 
@@ -402,10 +436,22 @@ class CronExitWatchers:
             outlive_engine_crash=True,
         )
 
+        unowned = False
+
         async def spawn() -> ManagedRun:
+            nonlocal unowned
             try:
                 if not shell_installed(self.shell[0]):
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
+                if not watch.arm_stored:  # before anything can run: see ``_store_arm``
+                    while watch.after is not None:  # the older command of the job ended, its state kept
+                        await watch.after.done.wait()
+                        watch.after = watch.after.after
+                    if not await self._store_arm(watch, job, paths, marks_start=STARTED_VAR in env):
+                        unowned = True
+                        spawning.cancel()
+                        await trio.sleep_forever()  # cancelled at once, by ``spawning``
+                    await self._hook("before_spawn", job.id)
                 # Older arms' files are removed once the command is started, off the path to its start.
                 logs = open_logs(paths.stdout, paths.stderr)
                 if STARTED_VAR in env:  # the shell makes the mark: whatever is at its name goes first (a
@@ -413,6 +459,10 @@ class CronExitWatchers:
                 try:
                     watch.logs = log_files((paths.stdout, paths.stderr), logs)
                     run = await self.supervisor.spawn(attrs.evolve(spec, stdout=logs[0], stderr=logs[1]))
+                except BaseException:  # nothing started: its (empty) logs go
+                    for path in (paths.stdout, paths.stderr):
+                        remove_entry(path)
+                    raise
                 finally:
                     for fd in logs:
                         os.close(fd)
@@ -450,11 +500,14 @@ class CronExitWatchers:
                 ),
                 stop_spawning,
             )
+        if unowned:  # its job went away, or it lost the slot, before the spawn: nothing ran
+            return None
         run = watch.run
         if run is None:  # ended on purpose (cancel_all) before the command could start
             return {"reason": "cancelled"}
         if not self._owns(watch):  # lost the slot while spawning: end what we started, do nothing else
             return None
+        await self._hook("spawned", job.id)
         if self._errors.pop(job.id, None) is not None:
             await self._clear_start_error(job.id)
         # The older arms' files (the supervisor has ended their runs of the scope by now).
@@ -786,7 +839,7 @@ class CronExitWatchers:
 
     # -- watch state in the store ------------------------------------------------------------------
 
-    async def _store_state(self, job_id: str, state: WatchState | None) -> None:
+    async def _store_state(self, job_id: str, state: StoredWatch | None) -> None:
         """``store.set_watch_state(job_id, state)``, in a group commit with the other watchers' writes:
         returns once this one is committed.
 
@@ -799,7 +852,7 @@ class CronExitWatchers:
         if job_id in await self._state_writes.submit((job_id, state)):
             raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
 
-    async def _write_states(self, states: list[tuple[str, WatchState | None]]) -> frozenset[str]:
+    async def _write_states(self, states: list[tuple[str, StoredWatch | None]]) -> frozenset[str]:
         return await self.store.set_watch_states(dict(states))  # a later write of a job wins, as in turn
 
     async def _write_sweeps(self, kept: list[tuple[str, str]]) -> None:
@@ -819,6 +872,38 @@ class CronExitWatchers:
             except OSError as exc:  # only adoption after a crash needs it
                 logger.error("on-exit job %s: saving the watch state failed (%s)", job.id, exc)
 
+    async def _store_arm(self, watch: _Watch, job: CronJob, paths: _Paths, *, marks_start: bool) -> bool:
+        """Store the arm (:class:`ArmIntent`) before its command is spawned, so that an engine killed
+        before the command's :class:`WatchState` is stored leaves enough for the next one never to run
+        the command again (``_adopt_arm``).
+
+        Returns:
+            ``False`` when there is nothing to spawn: the watcher lost its slot or the job is gone.
+
+        Raises:
+            SpawnError: the store failed: the start is retried (fail-closed: nothing runs unrecorded).
+        """
+        assert isinstance(job.schedule, OnExit)
+        arm = ArmIntent(
+            arm_id=watch.arm_id,
+            exit_file=paths.exit_file,
+            command=job.schedule.command,
+            cwd=job.schedule.cwd,
+            started_at=self.now(),
+            marks_start=marks_start,
+        )
+        async with self._state_locks.hold(job.id):
+            if not self._owns(watch):
+                return False
+            try:
+                await self._store_state(job.id, arm)
+            except JobNotFoundError:  # removed meanwhile: reconcile is ending this watcher
+                return False
+            except OSError as exc:
+                raise SpawnError(f"storing the arm before the start failed ({exc})") from exc
+        watch.arm_stored = True
+        return True
+
     async def _forget(self, watch: _Watch, paths: _Paths, *, keep_logs: bool = False) -> None:
         async with self._state_locks.hold(watch.job_id):
             slot = self._table.slot(watch.job_id)
@@ -836,8 +921,19 @@ class CronExitWatchers:
 
         Cancellation: what was adopted so far stays adopted.
         """
-        states = await self.store.watch_states()
+        stored = await self.store.watch_states()
         jobs = {job.id: job for job in await self.store.list_jobs()}
+        # Arms whose engine was killed before it stored their command's state: their shims, by exit file.
+        arms = [state for state in stored.values() if isinstance(state, ArmIntent)]
+        spawned = await trio.to_thread.run_sync(find_spawned, arms) if arms else {}
+        states: dict[str, WatchState] = {}
+        for job_id, found in stored.items():
+            if isinstance(found, WatchState):
+                states[job_id] = found
+            elif found.arm_id in spawned:
+                states[job_id] = spawned[found.arm_id]
+            else:
+                await self._adopt_arm(job_id, jobs.get(job_id), found)
         for job_id, state in states.items():
             job = jobs.get(job_id)
             alive = state.alive()
@@ -877,6 +973,41 @@ class CronExitWatchers:
         for leaf in self.supervisor.containment.watched_leaves():
             if leaf.path not in claimed:
                 await self._end_leaf(leaf.path)
+
+    async def _adopt_arm(self, job_id: str, job: CronJob | None, arm: ArmIntent) -> None:
+        """Take over an arm stored before its spawn whose shim does not run (:meth:`adopt`).
+
+        Its exit recorded: the command ran and ended while no engine watched; the job fires that exit.
+        Else, where its shim started (the temp file every shim reserves for the record before it runs the
+        command is there) or something wrote to the arm's logs (made empty before the spawn), the command
+        may have run: the watch is reported lost, never run again. Else nothing ran (the engine was killed
+        before the spawn, or in it): the arm is dropped and the next :meth:`reconcile` arms the job afresh.
+        """
+        paths = _Paths.of(self.state_dir, job_id, arm.arm_id)
+        read = await trio.to_thread.run_sync(read_exit_record, arm.exit_file)
+
+        def began() -> bool:
+            reserved = remove_reserved_by_any(arm.exit_file)
+            return reserved or any(_size(path) > 0 for path in (paths.stdout, paths.stderr))
+
+        current = (
+            job is not None
+            and watchable(job)
+            and isinstance(job.schedule, OnExit)
+            and arm.targets(job.schedule)
+        )
+        if current and read.record is not None:
+            assert job is not None
+            self._start(job, self._table.arm(job), adopted=arm, recorded=read.record)
+        elif current and await trio.to_thread.run_sync(began):
+            why = "the engine stopped while it started the command, which is not running and left " + (
+                read.problem if read.problem else "no record of its exit"
+            )
+            await self._report_lost(job_id, why)
+        else:  # never ran, or the job changed or went away meanwhile: the arm goes
+            await trio.to_thread.run_sync(remove_reserved_by_any, arm.exit_file)
+            with contextlib.suppress(OSError, JobNotFoundError):
+                await self._store_state(job_id, None)
 
     async def _report_lost(self, job_id: str, why: str) -> None:
         message = f"watch lost across restart: {why}; the job is disabled and did not fire"

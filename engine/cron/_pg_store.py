@@ -44,7 +44,7 @@ from ._job import CronJob
 from ._pg_conn import EVENTS_CHANNEL, JOBS_CHANNEL, Listener, connect, redact_error, redact_url
 from ._pg_migrations import EVENTS_LOCK, migrate_pg
 from ._rows import EVENT_COLUMNS, event_or_none, job_or_none, pending_or_none, watch_state_or_none
-from ._watch_state import WatchState
+from ._watch_state import StoredWatch
 
 __all__ = ["PostgresJobStore"]
 
@@ -403,12 +403,12 @@ class PostgresJobStore:
 
         return await self._call(run, write=False)
 
-    async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
+    async def set_watch_state(self, job_id: str, state: StoredWatch | None) -> None:
         """Set (``None``: clear) the watch state of job ``job_id``. Raises: JobNotFoundError."""
         if await self.set_watch_states({job_id: state}):
             raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
 
-    async def set_watch_states(self, states: Mapping[str, WatchState | None]) -> frozenset[str]:
+    async def set_watch_states(self, states: Mapping[str, StoredWatch | None]) -> frozenset[str]:
         """Set (``None``: clear) the watch state of each job in ``states``, in one transaction; return the
         ids that name no job (the others are set)."""
         rows = [
@@ -426,10 +426,10 @@ class PostgresJobStore:
 
         return await self._call(run, write=True)
 
-    async def watch_states(self) -> dict[str, WatchState]:
+    async def watch_states(self) -> dict[str, StoredWatch]:
         """The watch states of this engine's own jobs (another engine's commands are not ours to see)."""
 
-        def run(cur: Any) -> dict[str, WatchState]:
+        def run(cur: Any) -> dict[str, StoredWatch]:
             cur.execute(
                 "SELECT id, watch_state FROM gadget_jobs WHERE watch_state IS NOT NULL AND owner = %s",
                 (self.engine_id,),

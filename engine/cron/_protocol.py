@@ -12,7 +12,7 @@ from ._claims import CLAIM_BATCH, DueClaims
 from ._events import FiredEvent, PendingFire
 from ._fleet import FleetMember
 from ._job import CronJob
-from ._watch_state import WatchState
+from ._watch_state import StoredWatch
 
 __all__ = ["JobChange", "JobStore"]
 
@@ -94,16 +94,16 @@ class JobStore(Protocol):
         """Every job with a committed, undelivered fire, and that fire."""
         ...
 
-    async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
-        """Set (or, with ``None``, clear) the job's watch state."""
+    async def set_watch_state(self, job_id: str, state: StoredWatch | None) -> None:
+        """Set (or, with ``None``, clear) the job's watch state (or its arm before the spawn)."""
 
-    async def set_watch_states(self, states: Mapping[str, WatchState | None]) -> frozenset[str]:
+    async def set_watch_states(self, states: Mapping[str, StoredWatch | None]) -> frozenset[str]:
         """Set (or clear) the watch states of several jobs in one transaction (the watchers' group
         commit); return the ids that name no job (the others are set)."""
         ...
 
-    async def watch_states(self) -> dict[str, WatchState]:
-        """Every job's watch state, by job id."""
+    async def watch_states(self) -> dict[str, StoredWatch]:
+        """Every job's watch state (or arm before its spawn, :class:`ArmIntent`), by job id."""
         ...
 
     async def events(self, since: int = 0) -> list[FiredEvent]:

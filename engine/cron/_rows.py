@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from .._input import escape_text
 from ._events import PENDING_FIRE_FIELDS, FiredEvent, PendingFire
 from ._job import CronJob
-from ._watch_state import WatchState
+from ._watch_state import StoredWatch, stored_watch_from_dict
 
 __all__ = [
     "EVENT_COLUMNS",
@@ -107,13 +107,13 @@ def pending_of(text: object) -> PendingFire | None:
     return None if text is None else _record(text, "pending fire", PendingFire.from_dict)
 
 
-def watch_state_of(text: object) -> WatchState | None:
-    """The watch state in a ``watch_state`` column (``None``: none).
+def watch_state_of(text: object) -> StoredWatch | None:
+    """The watch state (or the arm before its spawn) in a ``watch_state`` column (``None``: none).
 
     Raises:
-        ValueError: the column holds something that is not a watch state.
+        ValueError: the column holds something that is neither.
     """
-    return None if text is None else _record(text, "watch state", WatchState.from_dict)
+    return None if text is None else _record(text, "watch state", stored_watch_from_dict)
 
 
 def event_of(row: tuple[Any, ...]) -> FiredEvent:
@@ -159,7 +159,7 @@ def pending_or_none(text: object, job_id: str) -> PendingFire | None:
     return _lenient(lambda: pending_of(text), "cron store: the pending fire of job %s is unreadable", job_id)
 
 
-def watch_state_or_none(text: object, job_id: str) -> WatchState | None:
+def watch_state_or_none(text: object, job_id: str) -> StoredWatch | None:
     """:func:`watch_state_of`, or ``None`` (logged) for an unreadable column."""
     return _lenient(
         lambda: watch_state_of(text), "cron store: the watch state of job %s is unreadable", job_id

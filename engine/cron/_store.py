@@ -49,7 +49,7 @@ from ._rows import (
     watch_state_or_none,
 )
 from ._store_check import connect_checked
-from ._watch_state import WatchState
+from ._watch_state import StoredWatch
 
 # JobStore re-exported
 __all__ = [
@@ -481,7 +481,7 @@ class SqliteJobStore:
 
         return await self._call(run, write=False)
 
-    async def set_watch_state(self, job_id: str, state: WatchState | None) -> None:
+    async def set_watch_state(self, job_id: str, state: StoredWatch | None) -> None:
         """Set (``None``: clear) the watch state of job ``job_id``.
 
         Raises:
@@ -490,7 +490,7 @@ class SqliteJobStore:
         if await self.set_watch_states({job_id: state}):
             raise JobNotFoundError(f"job_id {job_id!r} names no cron job")
 
-    async def set_watch_states(self, states: Mapping[str, WatchState | None]) -> frozenset[str]:
+    async def set_watch_states(self, states: Mapping[str, StoredWatch | None]) -> frozenset[str]:
         """Set (``None``: clear) the watch state of each job in ``states``, in one transaction; return the
         ids that name no job (the others are set)."""
         rows = [
@@ -508,10 +508,10 @@ class SqliteJobStore:
 
         return await self._call(run, write=True)
 
-    async def watch_states(self) -> dict[str, WatchState]:
+    async def watch_states(self) -> dict[str, StoredWatch]:
         """Every job's watch state, by job id (unreadable ones skipped)."""
 
-        def run(conn: sqlite3.Connection) -> dict[str, WatchState]:
+        def run(conn: sqlite3.Connection) -> dict[str, StoredWatch]:
             rows = conn.execute("SELECT id, watch_state FROM jobs WHERE watch_state IS NOT NULL").fetchall()
             states = {job_id: watch_state_or_none(text, job_id) for job_id, text in rows}
             return {k: v for k, v in states.items() if v is not None}

@@ -1,9 +1,13 @@
 """The watch state: what an exit watcher keeps in the store to find its command again after a crash.
 
-Written on the job's row (``watch_state``) once the watched command runs, cleared when the watcher is done.
-The next engine reads it back to adopt a command that outlived a crash: the shim's pid, session and start
-time (so a reused pid is never mistaken for it), the run marker of its tree, and the exit file the shim
-writes when the command ends.
+Written on the job's row (``watch_state``) in two steps, cleared when the watcher is done:
+
+- before the spawn, an :class:`ArmIntent`: the arm and its exit file, with no process yet. An engine
+  killed between the spawn and the next step leaves this much, and the next engine finds the shim by its
+  exit file in ``/proc`` (the shim's argv names it), reads its exit record, or, when neither is there and
+  the arm's logs were made, reports the watch lost: it never runs the command a second time.
+- once the command runs, a :class:`WatchState`: the shim's pid, session and start time (so a reused pid is
+  never mistaken for it), the run marker of its tree, its cgroup leaf, and the exit file.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ._schedule import OnExit
 if TYPE_CHECKING:
     from .._supervisor import ManagedRun
 
-__all__ = ["WatchState"]
+__all__ = ["ArmIntent", "StoredWatch", "WatchState", "stored_watch_from_dict"]
 
 
 def _whole(_inst: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -30,6 +34,89 @@ def _whole(_inst: object, attribute: attrs.Attribute[int], value: object) -> Non
 
 
 _str = attrs.validators.instance_of(str)
+_started_at = attrs.validators.instance_of(datetime)
+
+
+def _aware(data: Mapping[str, Any]) -> datetime:
+    started_at = datetime.fromisoformat(data["started_at"])
+    if started_at.tzinfo is None:
+        raise ValueError(f"started_at must be an aware time, got {data['started_at']!r}")
+    return started_at
+
+
+@attrs.frozen
+class ArmIntent:
+    """An arm whose command is being spawned: stored before the spawn, replaced by the command's
+    :class:`WatchState` once it runs (see the module).
+
+    Attributes:
+        arm_id: the arm (names its log and exit files).
+        exit_file: where the shim will record how the command ended; the shim's argv names it, so the
+            next engine finds a shim spawned by an engine killed before it stored the :class:`WatchState`.
+        command: the job's command.
+        cwd: the job's working directory (``None``: the engine's).
+        started_at: aware UTC time the arm was stored (just before the spawn).
+        marks_start: as in :class:`WatchState`.
+    """
+
+    arm_id: str = attrs.field(validator=_str)
+    exit_file: str = attrs.field(validator=_str)
+    command: str = attrs.field(validator=_str)
+    cwd: str | None = attrs.field(validator=attrs.validators.optional(_str))
+    started_at: datetime = attrs.field(validator=_started_at)
+    marks_start: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def targets(self, schedule: OnExit) -> bool:
+        """Whether this arm is of ``schedule``'s command in its working directory."""
+        return (self.command, self.cwd) == (schedule.command, schedule.cwd)
+
+    def spawned(self, *, pid: int, start_time: int, marker: str, cgroup: str | None) -> WatchState:
+        """The :class:`WatchState` of this arm's shim, found running as ``pid`` (the leader of its
+        session) with that start time, run marker and cgroup leaf."""
+        return WatchState(
+            arm_id=self.arm_id,
+            pid=pid,
+            sid=pid,
+            start_time=start_time,
+            marker=marker,
+            exit_file=self.exit_file,
+            command=self.command,
+            cwd=self.cwd,
+            started_at=self.started_at,
+            cgroup=cgroup,
+            marks_start=self.marks_start,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form the store keeps (``"spawning": true`` tells it from a :class:`WatchState`)."""
+        return {
+            "spawning": True,
+            "arm_id": self.arm_id,
+            "exit_file": self.exit_file,
+            "command": self.command,
+            "cwd": self.cwd,
+            "started_at": self.started_at.isoformat(),
+            "marks_start": self.marks_start,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ArmIntent:
+        """An arm from :meth:`to_dict`'s form (other keys are ignored).
+
+        Raises:
+            ValueError: a field is missing or invalid.
+        """
+        try:
+            return cls(
+                arm_id=data["arm_id"],
+                exit_file=data["exit_file"],
+                command=data["command"],
+                cwd=data["cwd"],
+                started_at=_aware(data),
+                marks_start=data.get("marks_start", False),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a valid arm: {exc}") from exc
 
 
 @attrs.frozen
@@ -62,7 +149,7 @@ class WatchState:
     exit_file: str = attrs.field(validator=_str)
     command: str = attrs.field(validator=_str)
     cwd: str | None = attrs.field(validator=attrs.validators.optional(_str))
-    started_at: datetime = attrs.field(validator=attrs.validators.instance_of(datetime))
+    started_at: datetime = attrs.field(validator=_started_at)
     cgroup: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
     marks_start: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
@@ -121,9 +208,6 @@ class WatchState:
             ValueError: a field is missing or invalid.
         """
         try:
-            started_at = datetime.fromisoformat(data["started_at"])
-            if started_at.tzinfo is None:
-                raise ValueError(f"started_at must be an aware time, got {data['started_at']!r}")
             return cls(
                 arm_id=data["arm_id"],
                 pid=data["pid"],
@@ -133,9 +217,26 @@ class WatchState:
                 exit_file=data["exit_file"],
                 command=data["command"],
                 cwd=data["cwd"],
-                started_at=started_at,
+                started_at=_aware(data),
                 cgroup=data.get("cgroup"),
                 marks_start=data.get("marks_start", False),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a valid watch state: {exc}") from exc
+
+
+#: What a job's ``watch_state`` column holds: the arm before its spawn, or the running command's state.
+StoredWatch = WatchState | ArmIntent
+
+
+def stored_watch_from_dict(data: Mapping[str, Any]) -> StoredWatch:
+    """The :class:`ArmIntent` or :class:`WatchState` of a ``watch_state`` column's JSON form.
+
+    Raises:
+        ValueError: it is neither.
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"not a valid watch state: {data!r}")
+    if data.get("spawning") is True:
+        return ArmIntent.from_dict(data)
+    return WatchState.from_dict(data)

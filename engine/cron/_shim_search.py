@@ -1,0 +1,81 @@
+"""Finding the shims of arms whose watch state was never stored: by the exit file their argv names.
+
+An engine killed between a watched command's spawn and the write of its :class:`WatchState` leaves only
+the arm (:class:`ArmIntent`) in the store. Its shim runs on (``outlive_engine_crash``), as the leader of
+its own session, with the arm's exit file in its argv (``_shell.shim_argv``: ``... EXIT_FILE -- ARGV``).
+The next engine finds it there, once, at start-up, and adopts it as if the state had been stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Collection
+
+from .._cgroup import WATCH_PREFIX, find_cgroup2
+from .._procfs import read_marker, read_proc
+from ._watch_state import ArmIntent, WatchState
+
+__all__ = ["find_spawned"]
+
+
+def _argv(pid: int) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data.split(b"\0")
+
+
+def _named_exit_file(argv: list[bytes], wanted: Collection[bytes]) -> bytes | None:
+    """The exit file ``argv`` runs a shim for, when it is one of ``wanted`` (followed by ``--``)."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg in wanted and argv[i + 1] == b"--":
+            return arg
+    return None
+
+
+def _cgroup_of(pid: int) -> str | None:
+    """The absolute path of ``pid``'s cgroup v2, or ``None`` when there is no v2 hierarchy to name it."""
+    found, _ = find_cgroup2()
+    if found is None:
+        return None
+    text = ""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cgroup", encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    rel = next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+    return None if rel is None else os.path.normpath(os.path.join(found.mount, rel.lstrip("/")))
+
+
+def find_spawned(arms: Collection[ArmIntent]) -> dict[str, WatchState]:
+    """The shims of ``arms`` that run now, as the watch states their engine would have stored, by arm id.
+
+    One pass over ``/proc`` (synchronous: call it in a worker thread). A process counts as an arm's shim
+    when its argv names the arm's exit file followed by ``--``, it leads its own session (the supervisor
+    starts every run so), it has not exited, and its environment holds a run marker. Its cgroup is kept
+    only where it is a watched command's leaf (``w-...``); the caller trusts it as it trusts a stored one
+    (``watched_leaf``).
+    """
+    by_file = {os.fsencode(arm.exit_file): arm for arm in arms}
+    found: dict[str, WatchState] = {}
+    if not by_file:
+        return found
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        argv = _argv(pid)
+        exit_file = _named_exit_file(argv, by_file) if argv else None
+        if exit_file is None:
+            continue
+        info = read_proc(pid)
+        marker = read_marker(pid)
+        if info is None or info.zombie or info.sid != pid or marker is None:
+            continue
+        cgroup = _cgroup_of(pid)
+        if cgroup is not None and not os.path.basename(cgroup).startswith(WATCH_PREFIX):
+            cgroup = None
+        arm = by_file[exit_file]
+        found[arm.arm_id] = arm.spawned(pid=pid, start_time=info.start_time, marker=marker, cgroup=cgroup)
+    return found
