@@ -14,9 +14,9 @@ per watched job (pid, start time, exit file). An engine that stops, by a crash o
 with its watch state kept; the next engine adopts it if it is alive, reads the shim's exit file if it
 ended meanwhile, and reports "watch lost across restart" (job disabled, nothing fired) if neither. An
 engine killed between the spawn and the state's write leaves the arm only: the next one finds the shim
-by the exit file its argv names (``_shim_search``), or its record, else reports the watch lost where a
-spawn was under way (the arm's logs exist), and only where none was runs the command. A command with
-side effects never runs twice. To end the commands on purpose there is
+by the exit file its argv names (``_shim_search``), or its record, else reports the watch lost where the
+shim had started (the record it reserves, output in the logs), and only where nothing started runs the
+command. A command with side effects never runs twice. To end the commands on purpose there is
 :meth:`CronExitWatchers.cancel_all`: each job is disabled and fires once, with reason ``cancelled``.
 """
 
@@ -93,7 +93,6 @@ _NOT_STARTED_YET = "the watched command has not started yet"
 _T = TypeVar("_T")
 
 FirePending = Callable[[str, PendingFire], Awaitable[object]]
-
 #: What the shim recorded of a command's end (``exit_code`` or ``signal``, ``ended_at``, ...).
 ExitRecord = Mapping[str, object]
 
