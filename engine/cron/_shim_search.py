@@ -36,6 +36,15 @@ def _named_exit_file(argv: list[bytes], wanted: Collection[bytes]) -> bytes | No
     return None
 
 
+def _ours(pid: int) -> bool:
+    """Whether ``pid`` runs as this engine's user: no other user's process is taken for a shim (it would
+    be watched, and signalled when its job changes)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def _cgroup_of(pid: int) -> str | None:
     """The absolute path of ``pid``'s cgroup v2, or ``None`` when there is no v2 hierarchy to name it."""
     found, _ = find_cgroup2()
@@ -53,7 +62,8 @@ def find_spawned(arms: Collection[ArmIntent]) -> dict[str, WatchState]:
 
     One pass over ``/proc`` (synchronous: call it in a worker thread). A process counts as an arm's shim
     when its argv names the arm's exit file followed by ``--``, it leads its own session (the supervisor
-    starts every run so), it has not exited, and its environment holds a run marker. Its cgroup is kept
+    starts every run so), it has not exited, it runs as this process's user, and its environment holds a
+    run marker. Its cgroup is kept
     only where it is a watched command's leaf (``w-...``); the caller trusts it as it trusts a stored one
     (``watched_leaf``).
     """
@@ -70,8 +80,10 @@ def find_spawned(arms: Collection[ArmIntent]) -> dict[str, WatchState]:
         if exit_file is None:
             continue
         info = read_proc(pid)
+        if info is None or info.zombie or info.sid != pid or not _ours(pid):
+            continue
         marker = read_marker(pid)
-        if info is None or info.zombie or info.sid != pid or marker is None:
+        if marker is None:
             continue
         cgroup = _cgroup_of(pid)
         if cgroup is not None and not os.path.basename(cgroup).startswith(WATCH_PREFIX):
