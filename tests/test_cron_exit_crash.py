@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from engine import FiredEvent
-from engine.cron._exit_watchers import CronExitWatchers
+from engine.cron._exit_watchers import HOOK_POINTS, CronExitWatchers
 
 from .children import SESSION, mark, pgrep
 from .watch_support import engine_with, wait_events, wait_until
@@ -27,15 +27,7 @@ ROOT = Path(__file__).parent.parent
 #: ``spawned``: the command runs and its watch state is not stored yet (found by the exit file in its
 #: shim's argv, or by its record). Found by a fresh helper: SIGKILLed while arming 100 jobs, the engine left
 #: every started command to be run a second time by the next engine.
-POINTS = [
-    "before_spawn",
-    "spawned",
-    "after_spawn",
-    "after_exit",
-    "before_persist",
-    "after_persist",
-    "before_fire",
-]
+POINTS = list(HOOK_POINTS)
 
 
 def crash_engine(state: Path, point: str, command: str) -> None:

@@ -125,8 +125,8 @@ class _Watch:
     #: what the store must hold for the next engine to adopt the command, once it runs
     state: WatchState | None = None
     saved: bool = False
-    #: the arm is in the store (:class:`ArmIntent`): stored once, before the first spawn attempt
-    arm_stored: bool = False
+    #: the arm, once it is in the store: stored once, before the first spawn attempt
+    arm: ArmIntent | None = None
     completed: bool = False
     #: ``cancel_all`` asked to end the command on purpose (the job then fires, reason ``cancelled``)
     ending: bool = False
@@ -442,7 +442,7 @@ class CronExitWatchers:
             try:
                 if not shell_installed(self.shell[0]):
                     raise SpawnError(f"the exit-watch shell {self.shell[0]!r} is not installed")
-                if not watch.arm_stored:  # before anything can run: see ``_store_arm``
+                if watch.arm is None:  # before anything can run: see ``_store_arm``
                     while watch.after is not None:  # the older command of the job ended, its state kept
                         await watch.after.done.wait()
                         watch.after = watch.after.after
@@ -466,12 +466,13 @@ class CronExitWatchers:
                     for fd in logs:
                         os.close(fd)
                 watch.run = run  # known at once to the clean-up
-                watch.state = WatchState.of_run(
-                    run,
-                    schedule,
-                    arm_id=watch.arm_id,
-                    exit_file=paths.exit_file,
-                    marks_start=STARTED_VAR in env,
+                assert watch.arm is not None  # stored before the first attempt
+                watch.state = watch.arm.spawned(
+                    pid=run.pid,
+                    start_time=run.start_time,
+                    marker=run.marker,
+                    cgroup=run.cgroup,
+                    started_at=run.started_at,
                 )
                 return run
             except SpawnError as exc:
@@ -900,7 +901,7 @@ class CronExitWatchers:
                 return False
             except OSError as exc:
                 raise SpawnError(f"storing the arm before the start failed ({exc})") from exc
-        watch.arm_stored = True
+        watch.arm = arm
         return True
 
     async def _forget(self, watch: _Watch, paths: _Paths, *, keep_logs: bool = False) -> None:

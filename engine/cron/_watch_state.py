@@ -14,16 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import attrs
 
 from .._procfs import is_alive
 from .._sweep import GroupRecord
 from ._schedule import OnExit
-
-if TYPE_CHECKING:
-    from .._supervisor import ManagedRun
 
 __all__ = ["ArmIntent", "StoredWatch", "WatchState", "stored_watch_from_dict"]
 
@@ -37,11 +34,36 @@ _str = attrs.validators.instance_of(str)
 _started_at = attrs.validators.instance_of(datetime)
 
 
-def _aware(data: Mapping[str, Any]) -> datetime:
-    started_at = datetime.fromisoformat(data["started_at"])
-    if started_at.tzinfo is None:
-        raise ValueError(f"started_at must be an aware time, got {data['started_at']!r}")
-    return started_at
+_Form = TypeVar("_Form", "ArmIntent", "WatchState")
+
+
+def _json_form(inst: ArmIntent | WatchState) -> dict[str, Any]:
+    """``inst``'s fields as JSON values (``started_at`` in ISO form)."""
+    return attrs.asdict(
+        inst, value_serializer=lambda _i, _f, v: v.isoformat() if isinstance(v, datetime) else v
+    )
+
+
+def _from_json_form(cls: type[_Form], data: Mapping[str, Any], what: str) -> _Form:
+    """``cls`` from :func:`_json_form`'s form: each field from its key (one with a default may be
+    missing), ``started_at`` an aware ISO time.
+
+    Raises:
+        ValueError: a field is missing or invalid (``what`` names the record).
+    """
+    try:
+        values: dict[str, Any] = {}
+        for field in attrs.fields(cls):
+            if field.name in data:
+                values[field.name] = data[field.name]
+            elif field.default is attrs.NOTHING:
+                raise KeyError(field.name)
+        started_at = datetime.fromisoformat(values["started_at"])
+        if started_at.tzinfo is None:
+            raise ValueError(f"started_at must be an aware time, got {values['started_at']!r}")
+        return cls(**{**values, "started_at": started_at})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a valid {what}: {exc}") from exc
 
 
 @attrs.frozen
@@ -70,9 +92,18 @@ class ArmIntent:
         """Whether this arm is of ``schedule``'s command in its working directory."""
         return (self.command, self.cwd) == (schedule.command, schedule.cwd)
 
-    def spawned(self, *, pid: int, start_time: int, marker: str, cgroup: str | None) -> WatchState:
-        """The :class:`WatchState` of this arm's shim, found running as ``pid`` (the leader of its
-        session) with that start time, run marker and cgroup leaf."""
+    def spawned(
+        self,
+        *,
+        pid: int,
+        start_time: int,
+        marker: str,
+        cgroup: str | None,
+        started_at: datetime | None = None,
+    ) -> WatchState:
+        """The :class:`WatchState` of this arm's shim, running as ``pid`` (the leader of its session) with
+        that start time, run marker and cgroup leaf, spawned at ``started_at`` (``None``: the arm's time,
+        where the spawn's own is not known)."""
         return WatchState(
             arm_id=self.arm_id,
             pid=pid,
@@ -82,22 +113,14 @@ class ArmIntent:
             exit_file=self.exit_file,
             command=self.command,
             cwd=self.cwd,
-            started_at=self.started_at,
+            started_at=self.started_at if started_at is None else started_at,
             cgroup=cgroup,
             marks_start=self.marks_start,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the store keeps (``"spawning": true`` tells it from a :class:`WatchState`)."""
-        return {
-            "spawning": True,
-            "arm_id": self.arm_id,
-            "exit_file": self.exit_file,
-            "command": self.command,
-            "cwd": self.cwd,
-            "started_at": self.started_at.isoformat(),
-            "marks_start": self.marks_start,
-        }
+        return {"spawning": True, **_json_form(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ArmIntent:
@@ -106,17 +129,7 @@ class ArmIntent:
         Raises:
             ValueError: a field is missing or invalid.
         """
-        try:
-            return cls(
-                arm_id=data["arm_id"],
-                exit_file=data["exit_file"],
-                command=data["command"],
-                cwd=data["cwd"],
-                started_at=_aware(data),
-                marks_start=data.get("marks_start", False),
-            )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"not a valid arm: {exc}") from exc
+        return _from_json_form(cls, data, "arm")
 
 
 @attrs.frozen
@@ -153,25 +166,6 @@ class WatchState:
     cgroup: str | None = attrs.field(default=None, validator=attrs.validators.optional(_str))
     marks_start: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
-    @classmethod
-    def of_run(
-        cls, run: ManagedRun, schedule: OnExit, *, arm_id: str, exit_file: str, marks_start: bool = False
-    ) -> WatchState:
-        """The state of ``run``, started for ``schedule`` by arm ``arm_id``."""
-        return cls(
-            arm_id=arm_id,
-            pid=run.pid,
-            sid=run.pid,
-            start_time=run.start_time,
-            marker=run.marker,
-            exit_file=exit_file,
-            command=schedule.command,
-            cwd=schedule.cwd,
-            started_at=run.started_at,
-            cgroup=run.cgroup,
-            marks_start=marks_start,
-        )
-
     def targets(self, schedule: OnExit) -> bool:
         """Whether this state watches ``schedule``'s command in its working directory."""
         return (self.command, self.cwd) == (schedule.command, schedule.cwd)
@@ -186,43 +180,17 @@ class WatchState:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form the store keeps."""
-        return {
-            "arm_id": self.arm_id,
-            "pid": self.pid,
-            "sid": self.sid,
-            "start_time": self.start_time,
-            "marker": self.marker,
-            "exit_file": self.exit_file,
-            "command": self.command,
-            "cwd": self.cwd,
-            "started_at": self.started_at.isoformat(),
-            "cgroup": self.cgroup,
-            "marks_start": self.marks_start,
-        }
+        return _json_form(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> WatchState:
-        """A watch state from :meth:`to_dict`'s form (other keys are ignored).
+        """A watch state from :meth:`to_dict`'s form (other keys are ignored; a field with a default may
+        be missing: a state stored before the field existed).
 
         Raises:
             ValueError: a field is missing or invalid.
         """
-        try:
-            return cls(
-                arm_id=data["arm_id"],
-                pid=data["pid"],
-                sid=data["sid"],
-                start_time=data["start_time"],
-                marker=data["marker"],
-                exit_file=data["exit_file"],
-                command=data["command"],
-                cwd=data["cwd"],
-                started_at=_aware(data),
-                cgroup=data.get("cgroup"),
-                marks_start=data.get("marks_start", False),
-            )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"not a valid watch state: {exc}") from exc
+        return _from_json_form(cls, data, "watch state")
 
 
 #: What a job's ``watch_state`` column holds: the arm before its spawn, or the running command's state.
