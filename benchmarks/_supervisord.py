@@ -3,6 +3,8 @@ through its XML-RPC interface, shut down at the end. Uses the installed ``superv
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -16,6 +18,19 @@ from typing import Any
 GROUP_SIZE = 10
 
 IGNORING_SH = "trap '' INT; exec sleep 600"
+
+
+#: ``prctl(PR_SET_PDEATHSIG, ...)``: a signal the kernel sends the child when its parent thread ends.
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with_the_runner(prctl: Any, runner: int) -> None:
+    """In supervisord's child before its exec: SIGTERM it (a clean stop of its programs) when the
+    benchmark's process ends, by any death (a runner stopped with SIGTERM or SIGKILL runs no clean-up:
+    supervisord and its sleepers were left running). ``prctl`` is libc's, looked up in the parent."""
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != runner:  # the runner ended before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SupervisordError(RuntimeError):
@@ -94,6 +109,8 @@ class Supervisord:
             stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(self.directory, "supervisord.stderr"), "wb"),  # noqa: SIM115
             start_new_session=True,
+            # Run before any thread of the runner's is started (sd.start() comes first in run.py).
+            preexec_fn=functools.partial(_end_with_the_runner, ctypes.CDLL(None).prctl, os.getpid()),
         )
         deadline = time.monotonic() + 15
         last: Exception | None = None

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,3 +117,25 @@ def test_a_run_started_with_sigint_ignored_gives_the_baselines_cooperative_child
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "['SIGINT', 'SIGQUIT']\n-2\n"  # ended by the SIGINT, not by a SIGKILL later
+
+
+def test_the_benchmarks_supervisord_ends_with_a_runner_killed_by_sigkill(tmp_path: Path) -> None:
+    """A runner stopped by a signal runs no clean-up: its supervisord (and the sleepers it runs) went on
+    running. The kernel now ends it with the runner (``PR_SET_PDEATHSIG``)."""
+    pytest.importorskip("supervisor", reason="the bench extra (supervisor) is not installed")
+    script = (
+        "import sys, time; from benchmarks._supervisord import Supervisord; "
+        f"sd = Supervisord({str(tmp_path)!r}, 1000); sd.start(); "
+        "print(sd._proc.pid, flush=True); time.sleep(60)"
+    )
+    argv = [sys.executable, "-c", script]
+    with subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True) as runner:
+        assert runner.stdout is not None
+        supervisord = int(runner.stdout.readline())
+        os.kill(runner.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while os.path.exists(f"/proc/{supervisord}") and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(supervisord, os.WNOHANG)
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{supervisord}")
