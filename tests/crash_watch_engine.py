@@ -2,7 +2,7 @@
 named watcher point (or, with point ``on_fire``, inside the embedded host's fire handler after noting
 the fire id in ``<state_dir>/received``).
 
-Usage: python -m tests.crash_watch_engine STATE_DIR POINT COMMAND
+Usage: python -m tests.crash_watch_engine STATE_DIR POINT COMMAND [CONTAINMENT]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def crash(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-async def main(state_dir: str, point: str, command: str) -> None:
+async def main(state_dir: str, point: str, command: str, containment: str) -> None:
     async def hook(job_id: str) -> None:
         crash(point)
 
@@ -34,7 +34,7 @@ async def main(state_dir: str, point: str, command: str) -> None:
 
     from pathlib import Path
 
-    cfg = config(Path(state_dir), guardian=True, watch_hooks={point: hook})
+    cfg = config(Path(state_dir), guardian=True, watch_hooks={point: hook}, containment=containment)
     async with open_engine(cfg, on_fire=on_fire if point == "on_fire" else None) as engine:
         if not await engine.cron.list():
             await engine.cron.add(OnExit(command=command), SystemEvent("crash-test"))
@@ -44,4 +44,4 @@ async def main(state_dir: str, point: str, command: str) -> None:
 
 if __name__ == "__main__":
     state_dir, point, command = sys.argv[1:4]
-    trio.run(main, state_dir, point, command)
+    trio.run(main, state_dir, point, command, sys.argv[4] if len(sys.argv) > 4 else "auto")

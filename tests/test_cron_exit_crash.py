@@ -30,10 +30,10 @@ ROOT = Path(__file__).parent.parent
 POINTS = list(HOOK_POINTS)
 
 
-def crash_engine(state: Path, point: str, command: str) -> None:
+def crash_engine(state: Path, point: str, command: str, containment: str = "auto") -> None:
     """Run the crash engine until it kills itself at ``point``."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.crash_watch_engine", str(state), point, command],
+        [sys.executable, "-m", "tests.crash_watch_engine", str(state), point, command, containment],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -112,6 +112,34 @@ async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path, point
         assert not pgrep(rf"sleep 30\.5{SESSION}")
     # Found by a fresh helper: the lost watch's leaf (and so the engine's cgroup) outlived the engine.
     assert not [leaf for leaf in leaves if os.path.exists(leaf)]
+
+
+async def test_exit_crash_shim_killed_alone_is_a_lost_watch_whose_command_is_ended(
+    tmp_path: Path, containment: str
+) -> None:
+    """Its shim SIGKILLed while no engine runs, the command runs on with nothing to record its end: the
+    watch is lost (the job disabled, nothing fired), and the next engine ends the command, in
+    process-group containment too (found by a fresh tester: the command ran on, watched by nobody)."""
+    state = tmp_path / "s"
+    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", f"sleep {mark('30.7')}", containment)
+    (shim,) = shim_pids(state)
+    os.kill(shim, signal.SIGKILL)  # the shim alone: its command runs on
+    with trio.fail_after(5):
+        while shim_pids(state):
+            await trio.sleep(0.02)
+    assert pgrep(rf"^sleep 30\.7{SESSION}")
+    async with engine_with(state, containment=containment) as engine:
+
+        async def disabled() -> bool:
+            return not any(job.enabled for job in await engine.cron.list())
+
+        await wait_until(disabled)
+        (job,) = await engine.cron.list()
+        assert (
+            job.last_error is not None and "watch lost across restart: the command's shim" in job.last_error
+        )
+        await wait_until(lambda: not pgrep(rf"^sleep 30\.7{SESSION}"))
+        assert await engine.cron.events() == []
 
 
 async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_starts(

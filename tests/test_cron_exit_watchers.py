@@ -359,6 +359,8 @@ def test_which_bash_reads_a_users_file_first(
     assert runs_user_files_first(shell) is reads
     monkeypatch.setenv("BASH_ENV", "/nonexistent")
     assert runs_user_files_first(shell)
+    monkeypatch.setenv("BASH_ENV", "")  # set and empty (found by a fresh tester): bash reads no file
+    assert runs_user_files_first(shell) is reads
 
 
 async def test_exit_watcher_longest_command_runs_and_one_byte_more_is_refused(tmp_path: Path) -> None:

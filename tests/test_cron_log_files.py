@@ -141,7 +141,10 @@ async def test_a_garbage_exit_record_left_while_no_engine_ran_is_named_in_the_lo
     async with engine_with(state) as engine:
         stored = await engine.cron.get(job.id)
     assert not stored.enabled and stored.last_error is not None
-    assert "watch lost across restart: the command is not running and the exit record " in stored.last_error
+    assert (
+        "watch lost across restart: the command's shim is not running and the exit record "
+        in stored.last_error
+    )
     assert "is not a JSON object as the shim writes" in stored.last_error
 
 

@@ -959,15 +959,16 @@ class CronExitWatchers:
             if alive or record is not None:
                 token = self._table.arm(job)
                 self._start(job, token, adopted=state, recorded=None if alive else record)
-                if not alive and state.cgroup is not None:
-                    await self._end_leaf(state.cgroup)  # its leftovers, now: the command is over
+                if not alive:  # its leftovers, now: the command is over (its group, its leaf)
+                    await self._end_group(state)
             else:
-                why = "the command is not running" + (
+                why = "the command's shim is not running" + (
                     f" and {read.problem}" if read.problem else " and left no record of its exit"
                 )
                 await self._report_lost(job_id, why)
-                if state.cgroup is not None:
-                    await self._end_leaf(state.cgroup)  # what its tree left, and the leaf itself
+                # What its tree left, its shim killed alone (in process-group containment too, where no
+                # leaf holds it: found by a fresh tester), and the leaf itself.
+                await self._end_group(state)
         # Leaves of watched commands no job watches any more (the state was dropped meanwhile).
         claimed = {state.cgroup for state in states.values() if state.cgroup is not None}
         for leaf in self.supervisor.containment.watched_leaves():

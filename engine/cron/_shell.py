@@ -97,7 +97,7 @@ def runs_user_files_first(shell: tuple[str, ...]) -> bool:
     ``o`` or ``O`` in one taking the next argument as its value; a long option this does not know counts
     as one that reads files.
     """
-    if "BASH_ENV" in os.environ:
+    if os.environ.get("BASH_ENV"):  # set and empty: bash reads no file
         return True
     args = iter(shell[1:])
     for arg in args:
@@ -120,7 +120,7 @@ def what_runs_first() -> tuple[str, str]:
     how to run none, as ``(what, remedy)``. ``BASH_ENV`` (in the engine's environment, which the command
     inherits) is named first: every non-interactive bash reads it, ``('bash', '-c', '--')`` too."""
     bash_env = os.environ.get("BASH_ENV")
-    if bash_env is not None:
+    if bash_env:
         return (
             f"the file BASH_ENV names, {bash_env!r}",
             "unset BASH_ENV in the engine's environment to run none",
