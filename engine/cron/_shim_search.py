@@ -63,9 +63,8 @@ def find_spawned(arms: Collection[ArmIntent]) -> dict[str, WatchState]:
     One pass over ``/proc`` (synchronous: call it in a worker thread). A process counts as an arm's shim
     when its argv names the arm's exit file followed by ``--``, it leads its own session (the supervisor
     starts every run so), it has not exited, it runs as this process's user, and its environment holds a
-    run marker. Its cgroup is kept
-    only where it is a watched command's leaf (``w-...``); the caller trusts it as it trusts a stored one
-    (``watched_leaf``).
+    run marker. Its cgroup is kept only where it is a watched command's leaf (``w-...``); the caller
+    trusts it as it trusts a stored one (``watched_leaf``).
     """
     by_file = {os.fsencode(arm.exit_file): arm for arm in arms}
     found: dict[str, WatchState] = {}

@@ -4,8 +4,9 @@ Written on the job's row (``watch_state``) in two steps, cleared when the watche
 
 - before the spawn, an :class:`ArmIntent`: the arm and its exit file, with no process yet. An engine
   killed between the spawn and the next step leaves this much, and the next engine finds the shim by its
-  exit file in ``/proc`` (the shim's argv names it), reads its exit record, or, when neither is there and
-  the arm's logs were made, reports the watch lost: it never runs the command a second time.
+  exit file in ``/proc`` (the shim's argv names it), reads its exit record, or, when neither is there but
+  the shim had started (the record it reserves, output in the logs), reports the watch lost: it never
+  runs the command a second time.
 - once the command runs, a :class:`WatchState`: the shim's pid, session and start time (so a reused pid is
   never mistaken for it), the run marker of its tree, its cgroup leaf, and the exit file.
 """
