@@ -166,6 +166,17 @@ def _size(path: str) -> int:
         return 0
 
 
+def _still_watched(job: CronJob | None, state: StoredWatch) -> bool:
+    """Whether ``job`` still watches what ``state`` (an arm or a watch state of the last engine) ran: it
+    exists, is enabled, and has the same on-exit command and cwd."""
+    return (
+        job is not None
+        and watchable(job)
+        and isinstance(job.schedule, OnExit)
+        and state.targets(job.schedule)
+    )
+
+
 def _is_start_note(error: str | None) -> bool:
     """Whether ``error`` is a watcher's note on the start of its command (failed, or not yet)."""
     return error is not None and error.startswith((_START_FAILED, _NOT_STARTED_YET))
@@ -943,13 +954,7 @@ class CronExitWatchers:
             record = read.record
             if not alive and record is None:  # its shim was killed: the temp file it reserved is all left
                 remove_reserved(state.exit_file, state.pid)
-            current = (
-                job is not None
-                and watchable(job)
-                and isinstance(job.schedule, OnExit)
-                and state.targets(job.schedule)
-            )
-            if not current:  # the job changed or went away meanwhile: end the old command, forget it
+            if not _still_watched(job, state):  # changed or gone meanwhile: end the old command, forget it
                 if alive or state.cgroup is not None:
                     await self._end_group(state)
                 with contextlib.suppress(OSError, JobNotFoundError):
@@ -986,27 +991,22 @@ class CronExitWatchers:
         """
         paths = _Paths.of(self.state_dir, job_id, arm.arm_id)
         read = await trio.to_thread.run_sync(read_exit_record, arm.exit_file)
-
-        def began() -> bool:
-            reserved = remove_reserved_by_any(arm.exit_file)
-            return reserved or any(_size(path) > 0 for path in (paths.stdout, paths.stderr))
-
-        current = (
-            job is not None
-            and watchable(job)
-            and isinstance(job.schedule, OnExit)
-            and arm.targets(job.schedule)
-        )
+        current = _still_watched(job, arm)
         if current and read.record is not None:
             assert job is not None
             self._start(job, self._table.arm(job), adopted=arm, recorded=read.record)
-        elif current and await trio.to_thread.run_sync(began):
+            return
+
+        def began() -> bool:  # the shim's reserved record goes either way
+            reserved = remove_reserved_by_any(arm.exit_file)
+            return reserved or any(_size(path) > 0 for path in (paths.stdout, paths.stderr))
+
+        if await trio.to_thread.run_sync(began) and current:
             why = "the engine stopped while it started the command, which is not running and left " + (
                 read.problem if read.problem else "no record of its exit"
             )
             await self._report_lost(job_id, why)
         else:  # never ran, or the job changed or went away meanwhile: the arm goes
-            await trio.to_thread.run_sync(remove_reserved_by_any, arm.exit_file)
             with contextlib.suppress(OSError, JobNotFoundError):
                 await self._store_state(job_id, None)
 
