@@ -207,7 +207,8 @@ def find_record_processes(records: Iterable[GroupRecord]) -> dict[int, int]:
         leader = by_pid.get(rec.pgid)
         if leader is not None and leader.start_time != rec.start_time:
             continue  # pid reused: the group no longer exists
-        markers[rec.marker] = rec.start_time
+        if rec.marker:  # empty: no marker known (``sessions_left``)
+            markers[rec.marker] = rec.start_time
         for p in procs:
             if p.pgid == rec.pgid and p.sid == rec.sid and p.start_time >= rec.start_time:
                 found[p.pid] = p.start_time

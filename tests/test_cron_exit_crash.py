@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -114,20 +115,28 @@ async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path, point
     assert not [leaf for leaf in leaves if os.path.exists(leaf)]
 
 
+@pytest.mark.parametrize("point", ["after_spawn", "spawned"])
 async def test_exit_crash_shim_killed_alone_is_a_lost_watch_whose_command_is_ended(
-    tmp_path: Path, containment: str
+    tmp_path: Path, containment: str, point: str
 ) -> None:
     """Its shim SIGKILLed while no engine runs, the command runs on with nothing to record its end: the
     watch is lost (the job disabled, nothing fired), and the next engine ends the command, in
-    process-group containment too (found by a fresh tester: the command ran on, watched by nobody)."""
+    process-group containment too (found by a fresh tester: the command ran on, watched by nobody).
+    ``spawned``: the engine was killed before it stored the command's state (the arm alone is stored):
+    the command is found by the session of the shim whose pid its reserved record names (a double fault
+    left open last round: in process-group containment the command ran on)."""
     state = tmp_path / "s"
-    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", f"sleep {mark('30.7')}", containment)
+    # One sleep per case: a case that fails leaves its command running, and must not fail the next.
+    base = f"30.7{POINTS.index(point)}{int(containment == 'cgroup')}"
+    await trio.to_thread.run_sync(crash_engine, state, point, f"sleep {mark(base)}", containment)
+    sleeping = rf"^sleep {re.escape(base)}{SESSION}"
     (shim,) = shim_pids(state)
+    await wait_until(lambda: bool(pgrep(sleeping)))  # the shim has run the command
     os.kill(shim, signal.SIGKILL)  # the shim alone: its command runs on
     with trio.fail_after(5):
         while shim_pids(state):
             await trio.sleep(0.02)
-    assert pgrep(rf"^sleep 30\.7{SESSION}")
+    assert pgrep(sleeping)
     async with engine_with(state, containment=containment) as engine:
 
         async def disabled() -> bool:
@@ -135,10 +144,10 @@ async def test_exit_crash_shim_killed_alone_is_a_lost_watch_whose_command_is_end
 
         await wait_until(disabled)
         (job,) = await engine.cron.list()
-        assert (
-            job.last_error is not None and "watch lost across restart: the command's shim" in job.last_error
-        )
-        await wait_until(lambda: not pgrep(rf"^sleep 30\.7{SESSION}"))
+        gone = "the command's shim" if point == "after_spawn" else "the engine stopped while it started"
+        assert job.last_error is not None and f"watch lost across restart: {gone}" in job.last_error
+        assert "shim is not running" in job.last_error
+        await wait_until(lambda: not pgrep(sleeping))
         assert await engine.cron.events() == []
 
 

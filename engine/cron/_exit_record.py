@@ -74,17 +74,18 @@ def remove_reserved(path: str, shim_pid: int) -> None:
         os.unlink(f"{path}.tmp.{shim_pid}")
 
 
-def remove_reserved_by_any(path: str) -> bool:
+def remove_reserved_by_any(path: str) -> list[int]:
     """Remove the temp files any shim reserved for ``path``'s record (``<path>.tmp.<pid>``), where the
-    shim's pid is not known (its engine was killed before it stored the watch state); return whether
-    there was one: then a shim started for that record. Call it once no shim of that record runs."""
+    shim's pid is not known (its engine was killed before it stored the watch state); return the pids
+    their names give (empty where there was none): each is a shim that started for that record, and
+    the leader of the session its command ran in. Call it once no shim of that record runs."""
     folder, name = os.path.split(path)
     prefix = f"{name}.tmp."
     try:
         names = [n for n in os.listdir(folder or ".") if n.startswith(prefix) and n[len(prefix) :].isdigit()]
     except OSError:
-        return False
+        return []
     for found in names:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(folder, found))
-    return bool(names)
+    return sorted(int(n[len(prefix) :]) for n in names)

@@ -35,7 +35,7 @@ from typing import TypeVar, final
 import attrs
 import trio
 
-from .._cgroup import watched_leaf
+from .._cgroup import Leaf, watched_leaf
 from .._errors import JobNotFoundError, SpawnError
 from .._group_commit import GroupCommit
 from .._keyed_locks import KeyedLocks
@@ -44,7 +44,7 @@ from .._pidfd import wait_exited
 from .._procfs import read_proc
 from .._retry import RetryPolicy
 from .._supervisor import ManagedRun, RunState, SpawnSpec, Supervisor, TerminationReason
-from .._sweep import end_processes, find_record_processes
+from .._sweep import GroupRecord, end_processes, find_record_processes
 from ._arming import ArmTable, watchable
 from ._events import PendingFire, describe_outcome, exit_fire
 from ._exit_record import ExitRecordRead, read_exit_record, remove_reserved, remove_reserved_by_any
@@ -62,7 +62,7 @@ from ._protocol import JobStore
 from ._schedule import OnExit
 from ._service import utc_now
 from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv, what_runs_first
-from ._shim_search import find_spawned
+from ._shim_search import find_spawned, sessions_left
 from ._watch_state import ArmIntent, StoredWatch, WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
@@ -820,18 +820,23 @@ class CronExitWatchers:
     async def _end_group(self, state: WatchState) -> None:
         """End a command this engine did not spawn (adopted) by escalation, in a worker thread: its
         recorded group and marked processes, and in cgroup containment its whole leaf (then removed)."""
-        grace, kill_wait = self.supervisor.grace_seconds, self.supervisor.kill_wait_seconds
-        record = state.group_record()
         leaf = watched_leaf(state.cgroup) if state.cgroup is not None else None
+        await self._end_records([state.group_record()], leaf=leaf)
+
+    async def _end_records(self, records: list[GroupRecord], *, leaf: Leaf | None) -> None:
+        """End the processes ``records`` name (``find_record_processes``) and what is in ``leaf`` by
+        escalation, in a worker thread; reap a leader that was this very process's child."""
+        grace, kill_wait = self.supervisor.grace_seconds, self.supervisor.kill_wait_seconds
 
         def end() -> None:
             end_processes(
-                find_record_processes([record]),
+                find_record_processes(records),
                 grace_seconds=grace,
                 kill_wait_seconds=kill_wait,
                 leaves=[leaf] if leaf is not None else [],
             )
-            _reap_if_ours(record.pgid, record.start_time)  # left by an engine in this very process
+            for record in records:
+                _reap_if_ours(record.pgid, record.start_time)  # left by an engine in this very process
 
         await trio.to_thread.run_sync(end)
 
@@ -986,8 +991,11 @@ class CronExitWatchers:
         Its exit recorded: the command ran and ended while no engine watched; the job fires that exit.
         Else, where its shim started (the temp file every shim reserves for the record before it runs the
         command is there) or something wrote to the arm's logs (made empty before the spawn), the command
-        may have run: the watch is reported lost, never run again. Else nothing ran (the engine was killed
-        before the spawn, or in it): the arm is dropped and the next :meth:`reconcile` arms the job afresh.
+        may have run: the watch is reported lost, never run again, and what the command left running in
+        the session of its killed shim (whose pid the reserved record names) is ended by escalation, as
+        for a stored state's (in process-group containment too; in cgroup containment its leaf goes with
+        the unclaimed ones). Else nothing ran (the engine was killed before the spawn, or in it): the arm
+        is dropped and the next :meth:`reconcile` arms the job afresh.
         """
         paths = _Paths.of(self.state_dir, job_id, arm.arm_id)
         read = await trio.to_thread.run_sync(read_exit_record, arm.exit_file)
@@ -997,18 +1005,22 @@ class CronExitWatchers:
             self._start(job, self._table.arm(job), adopted=arm, recorded=read.record)
             return
 
-        def began() -> bool:  # the shim's reserved record goes either way
-            reserved = remove_reserved_by_any(arm.exit_file)
-            return reserved or any(_size(path) > 0 for path in (paths.stdout, paths.stderr))
+        def began() -> tuple[bool, list[GroupRecord]]:  # the shim's reserved record goes either way
+            shims = remove_reserved_by_any(arm.exit_file)
+            ran = bool(shims) or any(_size(path) > 0 for path in (paths.stdout, paths.stderr))
+            return ran, sessions_left(arm, shims) if shims else []
 
-        if await trio.to_thread.run_sync(began) and current:
-            why = "the engine stopped while it started the command, which is not running and left " + (
+        ran, left = await trio.to_thread.run_sync(began)
+        if ran and current:
+            why = "the engine stopped while it started the command, whose shim is not running and left " + (
                 read.problem if read.problem else "no record of its exit"
             )
             await self._report_lost(job_id, why)
         else:  # never ran, or the job changed or went away meanwhile: the arm goes
             with contextlib.suppress(OSError, JobNotFoundError):
                 await self._store_state(job_id, None)
+        if left:  # its shim killed alone, found by a fresh tester: the command ran on, watched by nobody
+            await self._end_records(left, leaf=None)
 
     async def _report_lost(self, job_id: str, why: str) -> None:
         message = f"watch lost across restart: {why}; the job is disabled and did not fire"

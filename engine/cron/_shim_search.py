@@ -4,6 +4,10 @@ An engine killed between a watched command's spawn and the write of its :class:`
 the arm (:class:`ArmIntent`) in the store. Its shim runs on (``outlive_engine_crash``), as the leader of
 its own session, with the arm's exit file in its argv (``_shell.shim_argv``: ``... EXIT_FILE -- ARGV``).
 The next engine finds it there, once, at start-up, and adopts it as if the state had been stored.
+
+A shim that was killed alone meanwhile is not there to find; its command may run on, in the session
+the shim led. The record the shim reserved names its pid (``remove_reserved_by_any``), and
+:func:`sessions_left` turns that into the group record the escalation ends, as a stored state's would.
 """
 
 from __future__ import annotations
@@ -11,12 +15,19 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Collection
+from datetime import UTC, datetime
+from typing import Final
 
 from .._cgroup import WATCH_PREFIX, find_cgroup2
-from .._procfs import read_marker, read_proc
+from .._procfs import read_marker, read_proc, scan_processes
+from .._sweep import GroupRecord
 from ._watch_state import ArmIntent, WatchState
 
-__all__ = ["find_spawned"]
+__all__ = ["find_spawned", "sessions_left"]
+
+#: How much earlier than its arm's time a process of a killed shim's session may have started (seconds):
+#: the arm's time is the wall clock's, ``/proc`` counts ticks since boot, and each has its own rounding.
+_START_SLACK_SECONDS: Final = 2.0
 
 
 def _argv(pid: int) -> list[bytes] | None:
@@ -90,3 +101,47 @@ def find_spawned(arms: Collection[ArmIntent]) -> dict[str, WatchState]:
         arm = by_file[exit_file]
         found[arm.arm_id] = arm.spawned(pid=pid, start_time=info.start_time, marker=marker, cgroup=cgroup)
     return found
+
+
+def sessions_left(arm: ArmIntent, shim_pids: Collection[int]) -> list[GroupRecord]:
+    """What the killed shims ``shim_pids`` of ``arm`` left running: for each shim's session that still
+    has a process, the record the escalation ends it by (``find_record_processes``, ``end_processes``).
+
+    One pass over ``/proc`` (synchronous: call it in a worker thread). A shim led its own session, so its
+    command's processes have the shim's pid as their session id. Only processes started since the arm
+    was stored (less :data:`_START_SLACK_SECONDS`) count, and none where the pid runs again (a live
+    leader is another process now, not the dead shim). The record carries the run marker one of the
+    processes holds in its environment, when one does: then the command's processes that left its
+    session are found by it too, as for a stored state.
+
+    Args:
+        arm: the arm whose shims were killed (its ``started_at`` bounds the start times).
+        shim_pids: the pids the shims' reserved records named.
+    """
+    with open("/proc/uptime", encoding="ascii") as f:
+        uptime = float(f.read().split()[0])
+    ago = (datetime.now(UTC) - arm.started_at).total_seconds() + _START_SLACK_SECONDS
+    bound = max(0, int((uptime - ago) * os.sysconf("SC_CLK_TCK")))
+    wanted = set(shim_pids)
+    sessions: dict[int, list[int]] = {}
+    for info in scan_processes():
+        if info.sid in wanted and not info.zombie:
+            if info.pid == info.sid:  # the pid leads a session again: another process's now
+                wanted.discard(info.sid)
+                sessions.pop(info.sid, None)
+            elif info.start_time >= bound:
+                sessions.setdefault(info.sid, []).append(info.pid)
+    records = []
+    for sid, pids in sessions.items():
+        if sid not in wanted:
+            continue
+        markers = (read_marker(pid) for pid in pids)
+        marker = next((m for m in markers if m is not None and _watched_marker(m)), "")
+        records.append(GroupRecord(pgid=sid, sid=sid, start_time=bound, marker=marker))
+    return records
+
+
+def _watched_marker(marker: str) -> bool:
+    """Whether ``marker`` has the form of a watched command's run marker (``<token>w:<run id>``)."""
+    token, sep, run_id = marker.partition("w:")
+    return bool(sep) and token.isalnum() and run_id.isdigit()
