@@ -63,6 +63,7 @@ from ._schedule import OnExit
 from ._service import utc_now
 from ._shell import STARTED_VAR, shell_installed, shim_argv, watch_argv, what_runs_first
 from ._shim_search import find_spawned, sessions_left
+from ._spare_files import SpareFiles
 from ._watch_state import ArmIntent, StoredWatch, WatchState
 
 __all__ = ["HOOK_POINTS", "CronExitWatchers", "WatchHook"]
@@ -242,6 +243,12 @@ class CronExitWatchers:
     #: the arms started together.
     _sweeps: GroupCommit[tuple[str, str], None] = attrs.field(init=False)
     _detached: bool = attrs.field(init=False, default=False)
+    #: Spent exit records kept for the next logs (``_spare_files``).
+    _spares: SpareFiles = attrs.field(init=False)
+
+    @_spares.default
+    def _spares_default(self) -> SpareFiles:
+        return SpareFiles(os.path.join(self.state_dir, WATCH_LOGS))
 
     @_state_writes.default
     def _state_writes_default(self) -> GroupCommit[tuple[str, StoredWatch | None], frozenset[str]]:
@@ -463,7 +470,7 @@ class CronExitWatchers:
                         await trio.sleep_forever()  # cancelled at once, by ``spawning``
                     await self._hook("before_spawn", job.id)
                 # Older arms' files are removed once the command is started, off the path to its start.
-                logs = open_logs(paths.stdout, paths.stderr)
+                logs = open_logs(paths.stdout, paths.stderr, spares=self._spares)
                 if STARTED_VAR in env:  # the shell makes the mark: whatever is at its name goes first (a
                     remove_entry(paths.started)  # link would be followed by ``>``, a FIFO would block it)
                 try:
@@ -927,7 +934,9 @@ class CronExitWatchers:
                 with contextlib.suppress(OSError, JobNotFoundError):
                     await self._store_state(watch.job_id, None)
         for path in (paths.exit_file, paths.started) if keep_logs else attrs.astuple(paths):
-            remove_entry(path)
+            # The spent exit record's inode is kept for the next logs (``_spare_files``), not freed.
+            if path != paths.exit_file or not self._spares.retire(path):
+                remove_entry(path)
 
     # -- start-up ----------------------------------------------------------------------------------
 

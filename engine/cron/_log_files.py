@@ -29,6 +29,7 @@ import trio
 from .._errors import SpawnError, UntrustedPathError
 from .._logs import LogFile
 from .._trust import open_own_file, open_own_folder
+from ._spare_files import SpareFiles
 
 __all__ = [
     "COMMAND_LOGS",
@@ -57,9 +58,10 @@ _FLAGS = os.O_WRONLY | os.O_APPEND
 _WHY = "bad log file"
 
 
-def open_logs(*paths: str) -> list[int]:
+def open_logs(*paths: str, spares: SpareFiles | None = None) -> list[int]:
     """New, empty log files at ``paths``, opened for appending (mode 0600); their folders are made (mode
-    0700) when missing.
+    0700) when missing. With ``spares`` (of the paths' folder), a spare file is taken for each path while
+    there is one (:meth:`SpareFiles.take`), before a new file is made: no inode is allocated for it.
 
     Returns:
         One descriptor per path, in order; the caller closes them once the child has started.
@@ -76,6 +78,12 @@ def open_logs(*paths: str) -> list[int]:
                 folder = os.path.dirname(path)
                 if folder not in folders:
                     folders[folder] = _folder(folder)
+                spare = (
+                    None if spares is None else spares.take(os.path.basename(path), folders[folder], _FLAGS)
+                )
+                if spare is not None:
+                    fds.append(spare)
+                    continue
                 fds.append(open_own_file(path, _FLAGS, what="the log", folder_fd=folders[folder], fresh=True))
             except UntrustedPathError as exc:
                 _close(fds)
