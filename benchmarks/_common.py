@@ -186,10 +186,14 @@ QUIET_FILE_US = 50.0
 def file_allocation_us(directory: str, files: int = 8) -> float:
     """The median time to allocate one unnamed file (``O_TMPFILE``) in ``directory``, in microseconds.
 
-    On an ext4 without a journal (this machine's), allocating an inode skips every inode of its block
-    group freed in the last 30-60 s (the kernel's ``recently_deleted`` check), so a file made within a
-    minute of many deletions near it costs 0.1-0.5 us per deleted file: a few microseconds on a quiet
-    filesystem, up to a millisecond after a test suite's clean-up. The files are closed (freed) at once.
+    On an ext4 without a journal (this machine's), allocating an inode skips every free inode of its
+    block group that was freed less than 60 s ago, or less than 360 s ago while the inode table block
+    holding it is not written back yet (``recently_deleted`` in the kernel's ``fs/ext4/ialloc.c``:
+    ``RECENTCY_MIN`` 60, ``RECENTCY_DIRTY`` 300; each new inode dirties its block again). A file made
+    after many deletions near it costs 0.1-0.5 us per deleted file: a few microseconds on a quiet
+    filesystem, up to a millisecond after a test suite's clean-up. A few files in one new folder are a
+    lottery: a new folder may sit in another inode group than the next one. The files are closed (freed)
+    at once.
     """
     times: list[float] = []
     for _ in range(files):

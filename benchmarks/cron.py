@@ -252,9 +252,10 @@ async def reconcile_rows(ctx: Context) -> list[Row]:
             f"bare trio: {arms} x open_process of the shell",
             paired(arm_files, arm_base),
             note=(
-                "in watch-logs/, right after the arms of the same repeat, made as the engine and its shim "
-                "make them (the logs by `open_logs`), then moved out of the folder (never deleted: on an "
-                "ext4 without a journal a freed inode slows each allocation near it for 60-360 s)"
+                "in watch-logs/, right after the arms of the same repeat, made new as the shim and "
+                "`open_logs` make them (the engine takes a spent exit record's inode first where it has "
+                "one), then moved out of the folder (never deleted: on an ext4 without a journal a freed "
+                "inode slows each allocation near it for 60-360 s)"
             ),
         ),
         Row(workload, f"bare trio: {arms} x open_process of the shell", "ms", arm_base),
@@ -263,7 +264,8 @@ async def reconcile_rows(ctx: Context) -> list[Row]:
 
 def _files_alone(watch_logs: str, kept: str, rep: int, arms: int) -> float:
     """The file allocations ``arms`` arms make before their commands start, alone, in seconds: per arm its
-    two logs, made by :func:`~engine.cron._log_files.open_logs` as the engine makes them, and the
+    two logs, made new by :func:`~engine.cron._log_files.open_logs` (without the spare files the engine
+    takes first where it has them: what new files cost), and the
     record its shim reserves (``<exit file>.tmp.<pid>``, as ``_shim.c`` opens it), in ``watch_logs``
     (the folder the arms use: a new folder may sit in another inode group). Untimed afterwards, the
     files are moved to ``kept`` (a rename frees no inode, and watch-logs/ keeps the size the arms see)."""

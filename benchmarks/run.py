@@ -123,8 +123,8 @@ async def _main(
     for name in names:
         # A quiet disk and filesystem first, as a quiet CPU: the last workload's data written back (the
         # log workload leaves gigabytes to write: every fsync waits behind them), and its clean-up
-        # (thousands of files deleted), which slows every file allocated near it for 30-60 s
-        # (``file_allocation_us``).
+        # (thousands of files deleted), which slows every file allocated near it for 60 s and up to
+        # 6 minutes (``file_allocation_us``).
         await trio.to_thread.run_sync(os.sync)
         probe = ctx.scratch(f"fs-probe-{name}")
         allocation, waited = await trio.to_thread.run_sync(wait_files_quiet, probe, ctx.quiet_wait_seconds)

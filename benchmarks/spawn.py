@@ -11,7 +11,7 @@ Nothing is deleted during the rounds: the service's records (and their logs) and
 kept until the rounds are over (the engines' process limits are raised so that 820 kept records are not
 refused: a service holding as many records as a limit counts its live ones at each create). On this
 machine's ext4, which has no journal, every file deleted slows each file allocated near it for the next
-30-60 s (:func:`~benchmarks._common.file_allocation_us`): a ``kill_all`` every 50 rounds, as earlier
+60-360 s (:func:`~benchmarks._common.file_allocation_us`): a ``kill_all`` every 50 rounds, as earlier
 versions did, made the service's later creates pay 0.1-1 ms per log file for the benchmark's own
 clean-up. For the same reason the workload first waits for a quiet filesystem in the project's log
 folder, and records the cost of a file allocation there at its start and end.
