@@ -39,6 +39,7 @@ from ._common import (
     file_allocation_us,
     loadavg,
     machine,
+    spread_folders,
     wait_files_quiet,
     wait_quiet,
 )
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             f"waiting {waited:.0f} s for a quieter machine: ratios are less steady than usual"
         )
     tmp = tempfile.mkdtemp(prefix="gadget-bench-", dir=args.tmp)
+    notes.append(spread_folders(tmp))
     started = datetime.datetime.now(datetime.UTC)
     load_start = loadavg()
     t0 = time.perf_counter()
