@@ -107,7 +107,10 @@ def test_what_a_command_plants_among_the_spares_is_never_followed_nor_written(
     os.link(outside, spare_folder / "s1")
     os.mkfifo(spare_folder / "s2")
     (spare_folder / "s3").mkdir()
+    (spare_folder / "s3" / "inside").write_text("x")  # found by a fresh tester: a folder with content stayed
     (spare_folder / "s4").write_text("old output\n")
+    if os.geteuid() == 0:  # a device: looked at, never opened
+        os.mknod(spare_folder / "s5", 0o600 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
     spares = SpareFiles(str(folder))
     taken: list[int] = []
     while (fd := _take(spares, folder, f"j.{len(taken)}.stdout.log")) is not None:
@@ -158,3 +161,19 @@ async def test_a_fired_jobs_exit_record_becomes_the_next_commands_log(tmp_path: 
         await wait_until(lambda: stdout.read_text() == "second\n")
         assert list(spare_folder.iterdir()) == []
         await engine.cron.remove(job.id)
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o4755, 0o000])
+def test_a_spare_becomes_a_log_of_mode_0600_whatever_its_mode_was(folder: Path, mode: int) -> None:
+    """Found by a fresh tester: the Perl shim makes the record under the umask (0664 with umask 002), and a
+    log made from it kept that mode, which the fire's read then refused ("writable by group"); a planted
+    spare kept a setuid bit."""
+    record = folder / "j.a.exit.json"
+    record.write_text("{}")
+    os.chmod(record, mode)
+    spares = SpareFiles(str(folder))
+    assert spares.retire(str(record))
+    fd = _take(spares, folder, "j.b.stdout.log")
+    assert fd is not None
+    os.close(fd)
+    assert stat.S_IMODE((folder / "j.b.stdout.log").stat().st_mode) == 0o600

@@ -13,14 +13,17 @@ put there without following it) before it makes a new file. An exit record is sp
 its shim wrote it to a temporary file, closed it and renamed it into place, so no process of the engine's
 holds it. At most :attr:`SpareFiles.limit` are kept; past that a record is unlinked as before. A spare is
 checked when it is taken, as any file of the state directory is (a command runs as the engine's user and
-may put anything in ``.spare/``): a regular file of the engine's user, opened without following a link or
-waiting on a FIFO, with no other name (a hard link to another file is never truncated nor written).
+may put anything in ``.spare/``): a regular file of the engine's user (looked at before it is opened: a
+device is never opened), opened without following a link or waiting on a FIFO, with no other name (a hard
+link to another file is never truncated nor written), and given the mode a new log has (0600: the shim's
+record was made under the engine's umask).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import threading
 from typing import Final, final
@@ -34,6 +37,8 @@ __all__ = ["SPARE_FOLDER", "SpareFiles"]
 #: The folder of the spare files, in ``watch-logs/``.
 SPARE_FOLDER: Final = ".spare"
 _OPEN: Final = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: A log's mode, as a new one is made (``open_logs``), whatever mode the spent record had.
+_MODE: Final = 0o600
 #: What :meth:`SpareFiles._take_one` gives for a spare that is not one (never a descriptor).
 _UNUSABLE: Final = -1
 
@@ -123,19 +128,26 @@ class SpareFiles:
         """Open the spare ``spare`` and rename it to ``name``: its descriptor; :data:`_UNUSABLE` when it is
         not a spare to use (it is removed; the next is tried), ``None`` when a step failed (it stays a
         spare; none is tried: a folder at ``name`` fails each alike)."""
-        try:
-            fd = os.open(spare, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=spare_fd)
+        try:  # looked at before it is opened: a device a command put there is never opened
+            seen = os.stat(spare, dir_fd=spare_fd, follow_symlinks=False)
+            fd = -1
+            if _lone_file_of_ours(seen):
+                fd = os.open(spare, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=spare_fd)
         except OSError:
+            fd = -1
+        if fd < 0:
             _remove(spare, spare_fd)
             return _UNUSABLE
         try:
             info = os.fstat(fd)
-            if not _lone_file_of_ours(info):
+            if not _lone_file_of_ours(info) or (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
                 os.close(fd)
                 _remove(spare, spare_fd)
                 return _UNUSABLE
             if info.st_size:
                 os.ftruncate(fd, 0)
+            if stat.S_IMODE(info.st_mode) != _MODE:  # a log is 0600, whatever made the record (a umask)
+                os.fchmod(fd, _MODE)
             os.rename(spare, name, src_dir_fd=spare_fd, dst_dir_fd=folder_fd)
             os.set_blocking(fd, True)
         except OSError:
@@ -182,11 +194,11 @@ def _identity_at(folder_fd: int, name: str) -> tuple[int, int] | None:
 
 
 def _remove(name: str, folder_fd: int) -> None:
-    """Remove an unusable spare (a folder a command made there too, without following a link)."""
+    """Remove an unusable spare (a folder a command made there too, with what is in it, following no
+    link: ``shutil.rmtree`` in the folder's descriptor)."""
     try:
         os.unlink(name, dir_fd=folder_fd)
     except IsADirectoryError:
-        with contextlib.suppress(OSError):
-            os.rmdir(name, dir_fd=folder_fd)
+        shutil.rmtree(name, dir_fd=folder_fd, ignore_errors=True)
     except OSError:
         pass
