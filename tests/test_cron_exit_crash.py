@@ -151,6 +151,27 @@ async def test_exit_crash_shim_killed_alone_is_a_lost_watch_whose_command_is_end
         assert await engine.cron.events() == []
 
 
+async def test_exit_crash_what_an_adopted_command_left_is_ended_once_it_exits(
+    tmp_path: Path, containment: str
+) -> None:
+    """Found by a fresh tester: in process-group containment a ``sleep &`` of a command adopted after a
+    crash ran on once the command had exited and fired (without a restart, or in cgroup containment, it
+    was ended). Its group and marked processes are now ended after the fire, as its leaf was."""
+    state = tmp_path / "s"
+    base = f"30.9{int(containment == 'cgroup')}"
+    left = rf"^sleep {re.escape(base)}{SESSION}"
+    command = f"sleep {mark(base)} & setsid sleep {mark(base)} & sleep 3; echo done"
+    await trio.to_thread.run_sync(crash_engine, state, "after_spawn", command, containment)
+    (shim,) = shim_pids(state)
+    async with engine_with(state, containment=containment) as engine:
+        (job_id,) = engine.watchers.active_job_ids()
+        assert engine.watchers.watched_pid(job_id) == shim  # adopted running: not ended while no engine ran
+        await wait_until(lambda: len(pgrep(left)) == 2)
+        (event,) = await wait_events(engine, 1)
+        assert (event.exit_code, event.stdout_tail) == (0, "done\n")
+        await wait_until(lambda: not pgrep(left))
+
+
 async def test_exit_crash_adopted_command_held_back_is_noted_at_once_until_it_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -121,8 +121,9 @@ class _Watch:
     #: the command's logs, kept within the cap while it runs (made with it, or found at adoption)
     logs: list[LogFile] = attrs.field(factory=list)
     adopted: WatchState | None = None
-    #: an adopted command's leaf, to be emptied and removed once the command is over (cgroup mode)
-    leftover_leaf: str | None = None
+    #: an adopted command whose shim has exited: what its tree left (its process group, its marked
+    #: processes, its leaf in cgroup mode) is ended once the command is over
+    leftover: WatchState | None = None
     #: what the store must hold for the next engine to adopt the command, once it runs
     state: WatchState | None = None
     saved: bool = False
@@ -665,7 +666,9 @@ class CronExitWatchers:
             held_seconds=(self.now() - state.started_at).total_seconds(),
         )
         watch.adopted = None
-        watch.leftover_leaf = state.cgroup  # what its tree left there is ended after the fire
+        # What its tree left is ended after the fire: its leaf, and (found by a fresh tester: in
+        # process-group containment a `sleep &` of an adopted command ran on) its group and marked processes.
+        watch.leftover = state
         _reap_if_ours(state.pid, state.start_time)
         read = await trio.to_thread.run_sync(read_exit_record, state.exit_file)
         record = read.record
@@ -820,9 +823,9 @@ class CronExitWatchers:
             await self.supervisor.cancel(watch.run)
         if watch.adopted is not None:
             await self._end_group(watch.adopted)
-        elif watch.leftover_leaf is not None:
-            leaf, watch.leftover_leaf = watch.leftover_leaf, None
-            await self._end_leaf(leaf)
+        elif watch.leftover is not None:
+            state, watch.leftover = watch.leftover, None
+            await self._end_group(state)
 
     async def _end_group(self, state: WatchState) -> None:
         """End a command this engine did not spawn (adopted) by escalation, in a worker thread: its
