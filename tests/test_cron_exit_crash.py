@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from engine import FiredEvent
+from engine.cron import JobStatus
 from engine.cron._exit_watchers import HOOK_POINTS, CronExitWatchers
 
 from .children import SESSION, mark, pgrep
@@ -109,6 +110,8 @@ async def test_exit_crash_lost_watch_is_reported_not_rerun(tmp_path: Path, point
         (job,) = await engine.cron.list()
         assert not job.enabled
         assert job.last_error is not None and "watch lost across restart" in job.last_error
+        # Found by a fresh tester: listed with no status, a lost watch looked like a job that never ran.
+        assert job.last_status is JobStatus.INTERRUPTED
         assert await engine.cron.events() == []
         assert not pgrep(rf"sleep 30\.5{SESSION}")
     # Found by a fresh helper: the lost watch's leaf (and so the engine's cgroup) outlived the engine.

@@ -1040,8 +1040,15 @@ class CronExitWatchers:
         self._errors[job_id] = message
         now = self.now()
 
-        def change(job: CronJob) -> CronJob:
-            return attrs.evolve(job, enabled=False, last_error=message, updated_at=now, next_run_at=None)
+        def change(job: CronJob) -> CronJob:  # "interrupted": listed as such, not as a job that never ran
+            return attrs.evolve(
+                job,
+                enabled=False,
+                last_status=JobStatus.INTERRUPTED,
+                last_error=message,
+                updated_at=now,
+                next_run_at=None,
+            )
 
         with contextlib.suppress(OSError, JobNotFoundError):
             await self.store.update_job(job_id, change)
