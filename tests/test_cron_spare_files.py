@@ -75,8 +75,12 @@ def test_what_is_not_a_lone_regular_file_of_ours_is_not_retired(folder: Path, tm
     os.symlink(outside, folder / "link.exit.json")
     os.mkfifo(folder / "fifo.exit.json")
     (folder / "dir.exit.json").mkdir()
+    names = ["hardlink", "link", "fifo", "dir", "missing"]
+    if os.geteuid() == 0:  # a device at the record's name: looked at, not opened
+        os.mknod(folder / "dev.exit.json", 0o600 | stat.S_IFCHR, os.stat("/dev/null").st_rdev)
+        names.append("dev")
     spares = SpareFiles(str(folder))
-    for name in ("hardlink", "link", "fifo", "dir", "missing"):
+    for name in names:
         assert not spares.retire(str(folder / f"{name}.exit.json")), name
     assert outside.read_text() == "keep me\n"
     assert not (folder / SPARE_FOLDER).exists()  # nothing kept: no folder made

@@ -77,7 +77,9 @@ class SpareFiles:
                 return False
             name = f"s{self._made}"
             self._made += 1
-        try:
+        try:  # looked at before it is opened, as a spare is: a device at the record's name is not opened
+            if not _lone_file_of_ours(os.stat(path, follow_symlinks=False)):
+                return False
             fd = os.open(path, _OPEN)
         except OSError:
             return False
@@ -121,7 +123,7 @@ class SpareFiles:
                 fd = self._take_one(spare, spare_fd, name, folder_fd, flags)
             finally:
                 os.close(spare_fd)
-            if fd is not _UNUSABLE:
+            if fd != _UNUSABLE:
                 return fd
 
     def _take_one(self, spare: str, spare_fd: int, name: str, folder_fd: int, flags: int) -> int | None:
