@@ -38,6 +38,7 @@ __all__ = [
     "engine_helpers",
     "is_alive",
     "is_child_subreaper",
+    "now_ticks",
     "open_children_of",
     "read_kernel_file",
     "read_marker",
@@ -144,6 +145,13 @@ def read_proc(pid: int) -> ProcInfo | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     return _parse_stat(pid, data)
+
+
+def now_ticks() -> int:
+    """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` start times count in."""
+    with open("/proc/uptime", encoding="ascii") as f:
+        uptime = float(f.read().split()[0])
+    return int(uptime * os.sysconf("SC_CLK_TCK"))
 
 
 def scan_processes() -> Iterator[ProcInfo]:

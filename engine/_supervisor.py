@@ -36,6 +36,7 @@ from ._procfs import (
     ProcInfo,
     engine_children,
     engine_helpers,
+    now_ticks,
     read_marker,
     read_proc,
     set_child_subreaper,
@@ -368,13 +369,6 @@ _RUN_MARKER_KEY = RUN_MARKER_VAR.encode()
 _log = logging.getLogger("engine.supervisor")
 
 
-def _now_ticks() -> int:
-    """Now, in the clock ticks since boot that ``/proc/<pid>/stat`` start times count in."""
-    with open("/proc/uptime", encoding="ascii") as f:
-        uptime = float(f.read().split()[0])
-    return int(uptime * os.sysconf("SC_CLK_TCK"))
-
-
 @final
 @attrs.define(eq=False)
 class Supervisor:
@@ -393,7 +387,7 @@ class Supervisor:
     _containment: Containment = attrs.field(alias="containment")
     #: End orphans no run claims (``kill_all``, the supervisor's exit): the engine owns its process.
     end_unclaimed_orphans: bool = attrs.field(default=False, kw_only=True)
-    _started_ticks: int = attrs.field(init=False, factory=_now_ticks)
+    _started_ticks: int = attrs.field(init=False, factory=now_ticks)
     _reaping: trio.CancelScope = attrs.field(init=False, factory=trio.CancelScope)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _runs: dict[int, ManagedRun] = attrs.field(init=False, factory=dict)

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Final
 
 from .._cgroup import WATCH_PREFIX, find_cgroup2
-from .._procfs import read_marker, read_proc, scan_processes
+from .._procfs import now_ticks, read_marker, read_proc, scan_processes
 from .._sweep import GroupRecord
 from ._watch_state import ArmIntent, WatchState
 
@@ -118,10 +118,8 @@ def sessions_left(arm: ArmIntent, shim_pids: Collection[int]) -> list[GroupRecor
         arm: the arm whose shims were killed (its ``started_at`` bounds the start times).
         shim_pids: the pids the shims' reserved records named.
     """
-    with open("/proc/uptime", encoding="ascii") as f:
-        uptime = float(f.read().split()[0])
     ago = (datetime.now(UTC) - arm.started_at).total_seconds() + _START_SLACK_SECONDS
-    bound = max(0, int((uptime - ago) * os.sysconf("SC_CLK_TCK")))
+    bound = max(0, now_ticks() - int(ago * os.sysconf("SC_CLK_TCK")))
     wanted = set(shim_pids)
     sessions: dict[int, list[int]] = {}
     for info in scan_processes():
