@@ -36,7 +36,6 @@ __all__ = ["SPARE_FOLDER", "SpareFiles"]
 
 #: The folder of the spare files, in ``watch-logs/``.
 SPARE_FOLDER: Final = ".spare"
-_OPEN: Final = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 #: A log's mode, as a new one is made (``open_logs``), whatever mode the spent record had.
 _MODE: Final = 0o600
 #: What :meth:`SpareFiles._take_one` gives for a spare that is not one (never a descriptor).
@@ -77,16 +76,11 @@ class SpareFiles:
                 return False
             name = f"s{self._made}"
             self._made += 1
-        try:  # looked at before it is opened, as a spare is: a device at the record's name is not opened
-            if not _lone_file_of_ours(os.stat(path, follow_symlinks=False)):
-                return False
-            fd = os.open(path, _OPEN)
-        except OSError:
+        opened = _open_lone_file(path, os.O_WRONLY, None)
+        if opened is None:
             return False
+        fd, info = opened
         try:
-            info = os.fstat(fd)
-            if not _lone_file_of_ours(info):
-                return False
             spare_fd = self._spare_folder(make=True)
             try:
                 os.ftruncate(fd, 0)
@@ -130,22 +124,12 @@ class SpareFiles:
         """Open the spare ``spare`` and rename it to ``name``: its descriptor; :data:`_UNUSABLE` when it is
         not a spare to use (it is removed; the next is tried), ``None`` when a step failed (it stays a
         spare; none is tried: a folder at ``name`` fails each alike)."""
-        try:  # looked at before it is opened: a device a command put there is never opened
-            seen = os.stat(spare, dir_fd=spare_fd, follow_symlinks=False)
-            fd = -1
-            if _lone_file_of_ours(seen):
-                fd = os.open(spare, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=spare_fd)
-        except OSError:
-            fd = -1
-        if fd < 0:
+        opened = _open_lone_file(spare, flags, spare_fd)
+        if opened is None:
             _remove(spare, spare_fd)
             return _UNUSABLE
+        fd, info = opened
         try:
-            info = os.fstat(fd)
-            if not _lone_file_of_ours(info) or (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
-                os.close(fd)
-                _remove(spare, spare_fd)
-                return _UNUSABLE
             if info.st_size:
                 os.ftruncate(fd, 0)
             if stat.S_IMODE(info.st_mode) != _MODE:  # a log is 0600, whatever made the record (a umask)
@@ -180,6 +164,28 @@ class SpareFiles:
                 raise
             os.mkdir(path, 0o700)
             return open_own_folder(path, "the spare files")
+
+
+def _open_lone_file(name: str, flags: int, dir_fd: int | None) -> tuple[int, os.stat_result] | None:
+    """``name`` (in ``dir_fd``) opened with ``flags``, and its ``fstat``, when it is a regular file of
+    ours with one name: looked at (``lstat``) before it is opened, so that a device is never opened;
+    opened without following a link or waiting on a FIFO (``O_NONBLOCK``: the caller clears it); the
+    same inode after the open. ``None`` otherwise (nothing is left open)."""
+    try:
+        seen = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not _lone_file_of_ours(seen):
+            return None
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if _lone_file_of_ours(info) and (info.st_dev, info.st_ino) == (seen.st_dev, seen.st_ino):
+            return fd, info
+    except OSError:
+        pass
+    os.close(fd)
+    return None
 
 
 def _lone_file_of_ours(info: os.stat_result) -> bool:
